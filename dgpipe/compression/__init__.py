@@ -1,0 +1,9 @@
+"""Codecs: tensor -> :class:`Payload` -> tensor. Imports nothing else from dgpipe.
+
+See :mod:`dgpipe.compression.base` for the protocol and the wire header.
+"""
+
+from .base import Codec, Payload, available_codecs, get_codec, parse_header, register_codec
+from . import cast  # noqa: F401  (registers none, fp16, bf16)
+
+__all__ = ["Codec", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]
