@@ -40,6 +40,9 @@ __all__ = [
     "code_from_dtype",
     "make_payload",
     "parse_header",
+    "check_tensors",
+    "check_params",
+    "check_tensor_specs",
     "register_codec",
     "get_codec",
     "available_codecs",
@@ -218,6 +221,37 @@ def check_tensors(header: Header, tensors: Sequence[torch.Tensor]) -> None:
             raise ValueError(
                 f"corrupt payload: field 'tensors[{i}]' expected {dt}[{n}], got {t.dtype}[{t.numel()}]"
             )
+
+
+def check_params(header: Header, *fields: tuple[str, int, int]) -> tuple[int, ...]:
+    """Check a codec's header params: exactly one per ``(name, lo, hi)`` in ``fields``, each in range.
+
+    Returns:
+        The params, in order.
+
+    Raises:
+        ValueError: naming the field (``params[i] (name)``) that is missing or out of range.
+    """
+    if len(header.params) != len(fields):
+        names = ", ".join(f[0] for f in fields)
+        raise ValueError(f"corrupt header: field 'n_params' = {len(header.params)}, expected {len(fields)} ({names})")
+    for i, (v, (name, lo, hi)) in enumerate(zip(header.params, fields)):
+        if not lo <= v <= hi:
+            raise ValueError(f"corrupt header: field 'params[{i}]' ({name}) = {v} outside [{lo}, {hi}]")
+    return header.params
+
+
+def check_tensor_specs(header: Header, *specs: tuple[str, torch.dtype, int]) -> None:
+    """Check that the header lists exactly the payload tensors ``(name, dtype, numel)`` a codec expects.
+
+    Raises:
+        ValueError: naming the first tensor field (``tensors[i] (name)``) that differs.
+    """
+    if len(header.tensor_specs) != len(specs):
+        raise ValueError(f"corrupt header: field 'n_tensors' = {len(header.tensor_specs)}, expected {len(specs)}")
+    for i, ((dt, n), (name, edt, en)) in enumerate(zip(header.tensor_specs, specs)):
+        if dt != edt or n != en:
+            raise ValueError(f"corrupt header: field 'tensors[{i}]' ({name}) is {dt}[{n}], expected {edt}[{en}]")
 
 
 class Codec:

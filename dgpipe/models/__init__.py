@@ -1,0 +1,19 @@
+"""Models as ordered lists of layers that a partition can cut.
+
+:mod:`.mobilenet` (MobileNetV2 for CIFAR), :mod:`.encoder` (BERT/RoBERTa sequence
+classifiers), :mod:`.split` (tuple-passing :class:`Stage`, client/server cut).
+"""
+
+from .encoder import build_encoder, encoder_layers, small_encoder_config
+from .mobilenet import build_mobilenet, mobilenet_layers
+from .split import Stage, client_server_split
+
+__all__ = [
+    "Stage",
+    "build_encoder",
+    "build_mobilenet",
+    "client_server_split",
+    "encoder_layers",
+    "mobilenet_layers",
+    "small_encoder_config",
+]

@@ -1,0 +1,212 @@
+"""The data-parallel (DDP) baseline: a model under ``DistributedDataParallel`` whose
+gradient exchange is optionally compressed, metered and checkpointable.
+
+Usage (in every rank, after ``torch.distributed.init_process_group``)::
+
+    from dgpipe.baseline import build_ddp, validate_grad_compression
+    validate_grad_compression("topk", {"ratio": 0.01, "error_feedback": True})  # parent, before spawning
+    dp = build_ddp(model, torch.device("cpu"), "topk", {"ratio": 0.01, "error_feedback": True}, seed=0)
+    loss_fn(dp.module(x), y).backward()        # gradients averaged through the hook
+    optimizer.step()
+    dp.step_records()                          # meter records of this step
+    dp.meter.records(); dp.meter.reset()       # per epoch
+    ckpt["hook"] = dp.hook_state_dict()        # ... and dp.load_hook_state_dict(ckpt["hook"])
+
+``grad_compression`` names (options in parentheses):
+
+- ``None`` / ``"none"``: plain all-reduce, metered (no options).
+- ``"fp16"``, ``"bf16"``: PyTorch's cast hooks (no options; ``bf16`` needs a backend
+  that reduces bfloat16).
+- ``"powersgd"``: PyTorch's PowerSGD hook (:data:`~dgpipe.baseline.hooks.POWERSGD_OPTIONS`:
+  ``matrix_approximation_rank``, ``start_powerSGD_iter``, ``use_error_feedback``,
+  ``warm_start``, ``min_compression_rate``, ``orthogonalization_epsilon``).
+- any other registered codec (``dgpipe.compression.available_codecs()``: ``topk``,
+  ``randomk``, ``onebit``, ``qsgd``, ``terngrad``, ``dgc``, ``atomo``, ``quant``,
+  ``sortquant``, ``lowrank`` ...): the generic
+  :class:`~dgpipe.baseline.hooks.CodecHook`; options are the codec's keyword options
+  (no ``seed``: ``build_ddp`` derives the seeds) plus ``error_feedback`` (bool) and
+  ``exchange`` (``"auto"``, ``"allreduce"``, ``"allgather"``). For ``dgc``,
+  ``world_size`` defaults to the group's size (local clipping threshold) and
+  ``error_feedback`` is refused (DGC accumulates the residual itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from dgpipe.compression.base import available_codecs, get_codec
+
+from .hooks import LINEAR_CODECS, POWERSGD_OPTIONS, AllReduceHook, CodecHook, TorchHook, _MeteredHook
+
+__all__ = ["DataParallel", "build_ddp", "validate_grad_compression", "grad_compression_names"]
+
+_TORCH_CASTS = ("fp16", "bf16")
+_HOOK_OPTIONS = ("error_feedback", "exchange")
+
+
+def grad_compression_names() -> list[str]:
+    """Every accepted ``grad_compression`` name (for a CLI's ``choices``)."""
+    return sorted(set(available_codecs()) | {"powersgd"})
+
+
+def _split_options(name: str | None, options: dict | None) -> tuple[str, dict, dict]:
+    """Validate ``name``/``options``; returns ``(kind, hook_options, codec_options)``."""
+    options = dict(options or {})
+    if name is None or name == "none":
+        kind = "none"
+    elif name in _TORCH_CASTS:
+        kind = "cast"
+    elif name == "powersgd":
+        kind = "powersgd"
+    elif name in available_codecs():
+        kind = "codec"
+    else:
+        raise ValueError(f"unknown grad compression {name!r}; choose one of: {', '.join(grad_compression_names())}")
+    if kind in ("none", "cast"):
+        if options:
+            raise ValueError(f"grad compression {name or 'none'!r} takes no options, got {sorted(options)}")
+        return kind, {}, {}
+    if kind == "powersgd":
+        unknown = sorted(set(options) - set(POWERSGD_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown powersgd options {unknown}; valid: {sorted(POWERSGD_OPTIONS)}")
+        merged = {**POWERSGD_OPTIONS, **options}
+        rank = merged["matrix_approximation_rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"powersgd: matrix_approximation_rank must be an int >= 1, got {rank!r}")
+        start = merged["start_powerSGD_iter"]
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"powersgd: start_powerSGD_iter must be an int >= 0, got {start!r}")
+        for flag in ("use_error_feedback", "warm_start"):
+            if not isinstance(merged[flag], bool):
+                raise ValueError(f"powersgd: {flag} must be True or False, got {merged[flag]!r}")
+        powerSGD_hook.PowerSGDState(None, **merged)  # its own checks (start_powerSGD_iter > 1 with EF/warm start)
+        return kind, options, {}
+    if "seed" in options:
+        raise ValueError("grad compression options must not contain 'seed': pass seed= to build_ddp")
+    hook_options = {k: options.pop(k) for k in _HOOK_OPTIONS if k in options}
+    if not isinstance(hook_options.get("error_feedback", False), bool):
+        raise ValueError(f"error_feedback must be True or False, got {hook_options['error_feedback']!r}")
+    if name == "dgc" and hook_options.get("error_feedback"):
+        raise ValueError("dgc accumulates its own residual: drop error_feedback for dgc")
+    exchange = hook_options.get("exchange", "auto")
+    if exchange not in ("auto", "allreduce", "allgather"):
+        raise ValueError(f"exchange must be 'auto', 'allreduce' or 'allgather', got {exchange!r}")
+    if exchange == "allreduce" and name not in LINEAR_CODECS:
+        raise ValueError(
+            f"codec {name!r} cannot be all-reduced (its decode is not linear in the payload); "
+            "use exchange='allgather' or 'auto'"
+        )
+    get_codec(name, **options)  # raises ValueError on bad codec options
+    return kind, hook_options, options
+
+
+def validate_grad_compression(name: str | None, options: dict | None = None) -> None:
+    """Check a ``grad_compression`` name and its options without any process group.
+
+    Call it in the parent process before spawning ranks.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones), unknown or
+            invalid options (the message says what is valid).
+    """
+    _split_options(name, options)
+
+
+class DataParallel:
+    """A DDP-wrapped model plus its gradient-exchange hook.
+
+    Attributes:
+        module: the ``DistributedDataParallel`` model (call it, backward through it).
+        grad_compression: the name it was built with (``"none"`` for none).
+        meter: :class:`~dgpipe.comm.meter.BandwidthMeter` summing every bucket exchange
+            (name ``"ddp"``, direction ``"allreduce"`` or ``"allgather"``) until the
+            caller resets it (e.g. once per epoch).
+        codec_applies_momentum: True when the codec applies the momentum itself (``dgc``
+            with ``momentum > 0``): build the optimizer without momentum then.
+    """
+
+    def __init__(self, module: DistributedDataParallel, hook: _MeteredHook, grad_compression: str) -> None:
+        self.module = module
+        self.grad_compression = grad_compression
+        self._hook = hook
+        self.meter = hook.meter
+        self.codec_applies_momentum = isinstance(hook, CodecHook) and hook.codec == "dgc" and hook.decoder.momentum > 0
+
+    def step_records(self) -> list[dict]:
+        """Meter records (same keys as ``BandwidthMeter.records()``) of the exchanges
+        since the previous call -- call it once per optimizer step."""
+        records = self._hook.step_meter.records()
+        self._hook.step_meter.reset()
+        return records
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the hook the 0-based epoch (DGC's density warm-up); other hooks ignore it."""
+        self._hook.set_epoch(epoch)
+
+    def hook_state_dict(self) -> dict:
+        """The hook's state for a checkpoint: tensors, ints, floats and dicts only
+        (loadable with ``torch.load(weights_only=True)``). Each rank saves its own."""
+        return self._hook.state_dict()
+
+    def load_hook_state_dict(self, state: dict) -> None:
+        """Restore :meth:`hook_state_dict`'s output of the same rank.
+
+        Raises:
+            ValueError: the state is from another compression or another model.
+        """
+        self._hook.load_state_dict(state)
+
+
+def build_ddp(
+    model: torch.nn.Module,
+    device: torch.device | str,
+    grad_compression: str | None,
+    options: dict | None,
+    seed: int,
+    process_group: dist.ProcessGroup | None = None,
+) -> DataParallel:
+    """Wrap ``model`` in DDP with the gradient exchange ``grad_compression``.
+
+    Args:
+        model: the full model; moved to ``device``.
+        device: this rank's device (``cuda:i`` gives ``device_ids=[i]``).
+        grad_compression: a name of :func:`grad_compression_names`, or ``None``.
+        options: its options (see the module docstring), or ``None``.
+        seed: base seed of the codecs' randomness (equal on all ranks; each rank
+            derives its own where the exchange needs independent draws).
+        process_group: default: the world.
+
+    Returns:
+        A :class:`DataParallel`.
+
+    Raises:
+        ValueError: as :func:`validate_grad_compression`.
+    """
+    kind, hook_options, codec_options = _split_options(grad_compression, options)
+    device = torch.device(device)
+    model = model.to(device)
+    device_ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    # PowerSGD keys its memory by bucket index: keep DDP's initial bucket layout for good
+    # (no rebuild after the first iteration), so that a resumed run sees the same buckets.
+    ddp = DistributedDataParallel(
+        model, device_ids=device_ids, process_group=process_group, find_unused_parameters=kind == "powersgd"
+    )
+    if kind == "none":
+        hook: _MeteredHook = AllReduceHook(process_group)
+    elif kind == "cast":
+        hook = TorchHook(grad_compression, {}, seed, process_group)
+    elif kind == "powersgd":
+        hook = TorchHook("powersgd", hook_options, seed, process_group)
+    else:
+        if grad_compression == "dgc":
+            codec_options.setdefault("world_size", dist.get_world_size(process_group))
+        hook = CodecHook(
+            model.named_parameters(), grad_compression, codec_options, seed=seed, process_group=process_group,
+            **hook_options,
+        )
+    hook.register(ddp)
+    return DataParallel(ddp, hook, grad_compression or "none")

@@ -1,0 +1,208 @@
+"""Sort quantization (codec ``sortquant``): equal-count buckets by rank, a uniform grid in each.
+
+With ``split_bits`` S and ``quant_bits`` Q, the ``n`` values are split into ``B = 2**S``
+buckets of (nearly) equal count by rank -- bucket ``i`` holds the values between the
+``i/B`` and ``(i+1)/B`` quantiles -- and each bucket is quantized uniformly with
+``L = 2**Q`` levels between its min and max. A value is sent as the code
+``bucket * L + level`` in ``S + Q`` bits (bit-packed, :mod:`.bitpack`); a bucket as its
+min and step (float32). Dense regions of the distribution get narrow buckets and so
+fine steps, which is what makes it better than uniform quantization at equal bits for
+bell-shaped or skewed tensors (activations, gradients).
+
+The original formulation sorts the whole tensor and loops over the ``B`` chunks of the
+sorted values. This one never sorts the tensor (above :func:`sample_size` values) and
+has no Python loop over buckets or values:
+
+1. the ``B - 1`` boundaries ``b_1 <= ... <= b_{B-1}`` are order statistics of the
+   tensor -- exactly (a sort) for small tensors, else of a fixed-seed uniform sample of
+   ``max(65536, 64 * B)`` values (the MSE stays that of the exact split; see
+   ``benchmarks/codec_speed.py``);
+2. the bucket of ``x`` is the number of boundaries ``<= x``: a vectorised binary search
+   of ``S`` whole-tensor steps;
+3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
+   the bucket; the global min for bucket 0), its max one ``scatter_reduce``;
+4. levels, codes, bit-packing are whole-tensor ops; decoding is a lookup in the
+   ``B * L``-entry table of grid values.
+
+Ties: values equal to a boundary all go to the upper bucket, so with many equal values
+(e.g. the zeros of a ReLU) the counts are unequal and some buckets stay empty (min =
+max = their boundary, step 0); every value is still within half a step of its
+bucket's grid. Decoding then re-encoding a decoded tensor gives it back (to float
+rounding): the decoded values keep their order, and the boundaries are decoded
+values at level 0.
+
+Reference: the sort-quantization scheme this project is built around (DESIGN.md);
+uniform quantization within buckets as in :mod:`.quantize`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .quantize import finite_range, flat_float32, grid_divisor, grid_levels, grid_step, grid_table
+
+__all__ = ["SortQuantizer", "sample_size", "bucket_boundaries", "bucket_index"]
+
+SAMPLE_MIN = 1 << 16
+"""Smallest sample the boundaries of a large tensor are taken from."""
+SAMPLE_PER_BUCKET = 64
+"""Sampled values per bucket, when more than :data:`SAMPLE_MIN` in all."""
+SAMPLE_SEED = 0x5EED
+"""Seed of the sample positions: the same tensor always gets the same boundaries."""
+
+
+def sample_size(n: int, buckets: int) -> int:
+    """How many values the boundaries of ``n`` values in ``buckets`` buckets come from.
+
+    ``m = max(65536, 64 * buckets)`` sampled positions when ``n > 2 * m``, else all
+    ``n`` values (the exact split).
+    """
+    m = max(SAMPLE_MIN, SAMPLE_PER_BUCKET * buckets)
+    return m if n > 2 * m else n
+
+
+def bucket_grid(
+    flat: torch.Tensor, buckets: int, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Boundaries and per-bucket ranges of ``flat`` split into ``buckets`` equal-count buckets.
+
+    Args:
+        flat: 1-D float32 values, ``n >= 1``, any device.
+        buckets: a power of two >= 2.
+        lo, hi: 0-d float32, the min and max of ``flat``.
+
+    Returns:
+        ``(bounds, mins, maxs)``. ``bounds``: the ``buckets - 1`` non-decreasing lower
+        boundaries of buckets ``1 ..``: ``s[(i * m) // buckets]``, ``s`` the sorted
+        :func:`sample_size` values (each a value of ``flat``). ``mins``: per-bucket
+        min, ``(lo, *bounds)`` (exact: ``bounds[i-1]`` is in bucket ``i`` unless that is
+        empty). ``maxs``: per-bucket max for the grid -- exact for an exact split; for a
+        sampled split the next bucket's min (an upper bound off by one data gap: the
+        sample is dense at each bucket's top); ``None`` when the sample shows a gap
+        below some boundary (a bucket's top sampled value lies more than 1/8 of the
+        bucket's span below it), so the caller must compute exact maxima.
+    """
+    n = flat.numel()
+    m = sample_size(n, buckets)
+    sample = flat
+    if m < n:
+        gen = torch.Generator(device=flat.device)
+        gen.manual_seed(SAMPLE_SEED)
+        sample = flat.index_select(0, torch.randint(n, (m,), generator=gen, device=flat.device))
+    s = torch.sort(sample).values
+    bounds = s[torch.arange(1, buckets, device=flat.device) * m // buckets]
+    mins = torch.cat((lo.view(1), bounds))
+    uppers = torch.cat((bounds, hi.view(1)))
+    # largest (sampled) value below each upper end: the exact max of a non-empty bucket when m == n
+    below = torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)
+    top = torch.cat((s[below], hi.view(1)))
+    nonempty = uppers > mins
+    if m == n:
+        return bounds, mins, torch.where(nonempty, top, mins)
+    if bool((nonempty & ((uppers - top) * 8 > uppers - mins)).any()):
+        return bounds, mins, None
+    return bounds, mins, uppers
+
+
+def bucket_index(flat: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """Bucket of every value: the number of ``boundaries`` that are ``<= x`` (int32, shape of ``flat``).
+
+    A binary search done as ``log2(len(boundaries) + 1)`` whole-tensor steps (one
+    gather, compare and add each), faster on CPU than ``torch.bucketize``.
+
+    Args:
+        flat: 1-D float32 values.
+        boundaries: 1-D non-decreasing float32 of ``2**S - 1`` values, ``S >= 1``.
+    """
+    half = (boundaries.numel() + 1) // 2
+    ge = torch.ge(flat, boundaries[half - 1])
+    b = ge.to(torch.int32)
+    b *= half
+    half //= 2
+    t = torch.empty_like(flat) if half else flat
+    while half:
+        # b is a multiple of 2 * half; boundary b + half - 1 splits [b, b + 2 * half) in two.
+        torch.index_select(boundaries[half - 1 :], 0, b, out=t)
+        b.add_(torch.ge(flat, t, out=ge), alpha=half)
+        half //= 2
+    return b
+
+
+@register_codec("sortquant", 4)
+class SortQuantizer(Codec):
+    """Sort quantization: ``2**split_bits`` equal-count buckets, ``2**quant_bits`` levels in each.
+
+    Args:
+        quant_bits: Q, bits of the level within a bucket, >= 1.
+        split_bits: S, bits of the bucket index, >= 0 (0: plain uniform quantization);
+            ``S + Q <= 16``. The original default ratio is Q:S = 3:1 (12+4, 9+3, 6+2, 3+1).
+        stochastic: unbiased stochastic rounding within the bucket (error < one step)
+            instead of rounding to nearest (error <= half a step).
+
+    Input: a floating tensor (float32/float16/bfloat16/float64), any shape, contiguous
+    or not, any device; computed in float32. Decode returns the original shape, dtype
+    and device. Empty and 0-d tensors work; so do tensors with fewer values than buckets
+    (the unused buckets are empty).
+
+    Wire (exact, tested)::
+
+        nbytes = ceil(n * (S + Q) / 8) + 2**S * 2 * 4 + header bytes
+
+    (codes bit-packed at S + Q bits; per bucket min and step as float32).
+
+    Raises (encode):
+        ValueError: non-floating input, inf/NaN values (policy in :mod:`.quantize`), or
+            a range overflowing float32.
+    """
+
+    def __init__(self, quant_bits: int = 6, split_bits: int = 2, stochastic: bool = False) -> None:
+        for name, v, lo in (("quant_bits", quant_bits, 1), ("split_bits", split_bits, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 16:
+                raise ValueError(f"sortquant: {name} must be an int in [{lo}, 16], got {v!r}")
+        if quant_bits + split_bits > 16:
+            raise ValueError(f"sortquant: quant_bits + split_bits must be <= 16, got {quant_bits} + {split_bits}")
+        self.quant_bits, self.split_bits, self.stochastic = quant_bits, split_bits, bool(stochastic)
+
+    def encode(self, x: torch.Tensor) -> Payload:
+        flat = flat_float32(x, self.name)
+        q, s = self.quant_bits, self.split_bits
+        n, buckets, levels = flat.numel(), 1 << s, 1 << q
+        if n == 0:
+            mins = step = torch.zeros(buckets, device=flat.device)
+            codes = flat.to(torch.int32)
+        else:
+            lo, hi = torch.aminmax(flat)
+            finite_range(lo, hi, self.name)
+            if buckets == 1:
+                mins, maxs = lo.view(1), hi.view(1)
+                w = flat - mins
+                step = grid_step(mins, maxs, levels)
+                codes = grid_levels(w, grid_divisor(step), levels, self.stochastic).to(torch.int32)
+            else:
+                bounds, mins, maxs = bucket_grid(flat, buckets, lo, hi)
+                b = bucket_index(flat, bounds)
+                if maxs is None:
+                    maxs = mins.clone().scatter_reduce_(0, b.long(), flat, "amax", include_self=False)
+                step = grid_step(mins, maxs, levels)
+                w = mins.index_select(0, b)
+                torch.sub(flat, w, out=w)
+                grid_levels(w, grid_divisor(step).index_select(0, b), levels, self.stochastic)
+                w.add_(b, alpha=levels)  # code = bucket * L + level, exact in float32 (< 2**24)
+                codes = b.copy_(w)
+        return make_payload(
+            self.codec_id, x.dtype, x.shape, (q, s), (pack_bits(codes, q + s, check=False), torch.cat((mins, step)))
+        )
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        h = self.parse(payload)
+        q, s = check_params(h, ("quant_bits", 1, 16), ("split_bits", 0, 15))
+        if q + s > 16:
+            raise ValueError(f"corrupt header: fields 'params' (quant_bits + split_bits) = {q} + {s} > 16")
+        n, buckets = h.numel, 1 << s
+        check_tensor_specs(h, ("codes", torch.uint8, packed_nbytes(n, q + s)), ("min/step", torch.float32, 2 * buckets))
+        packed, params = payload.tensors
+        table = grid_table(params[:buckets], params[buckets:], 1 << q)
+        y = table.index_select(0, unpack_bits(packed, q + s, n, dtype=torch.int32))
+        return y.to(h.dtype).view(h.shape)

@@ -1,0 +1,293 @@
+"""One stage boundary as seen from one rank: micro-batches through codecs, transport and meter.
+
+A boundary ``stage{i}->stage{i+1}`` joins two stages held by different ranks. Forward,
+it carries stage i's output for one micro-batch -- one tensor or a tuple of tensors
+-- from the sender rank to the receiver rank; backward, the gradients of the tensors
+that required grad, the other way.
+
+Which tensors are compressed:
+
+- training forward: floating tensors that require grad go through the boundary's
+  activation codec and arrive as leaves that require grad; every other tensor
+  (integer or bool masks, floating tensors without grad) goes losslessly (``none``);
+- backward: every gradient goes through the gradient codec; a ``None`` gradient (the
+  tensor did not influence the loss) is sent as "absent";
+- evaluation (no gradients exist to tell tensors apart): floating tensors go through
+  the activation codec if ``compress`` is set, others losslessly.
+
+One message = a *meta* payload (codec ``none``, an int64 tensor
+``[BOUNDARY_MAGIC, atomic, n_micro, n, flag_0 .. flag_{n-1}]``; ``flag`` = kind
+(0 absent, 1 lossless, 2 coded) + 4 if the tensor requires grad) followed by one
+payload per present tensor (:mod:`dgpipe.comm.transport`). Shapes and dtypes travel
+in the payload headers, so they may change from step to step.
+
+Codec instances are made per (direction, micro-batch slot, tuple position), so a
+stateful codec (error feedback) keeps one state per boundary, direction and slot;
+evaluation uses its own instances and never touches training state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence, Union
+
+import torch
+
+from dgpipe.comm import BandwidthMeter, SendWork, recv_payload, send_payload
+from dgpipe.comm.transport import PREAMBLE_BYTES
+from dgpipe.compression import Codec, Payload, get_codec
+from dgpipe.compression.base import MAX_TENSORS
+
+__all__ = ["CodecSpec", "codec_factory", "codec_factories", "Boundary", "BOUNDARY_MAGIC"]
+
+CodecSpec = Union[str, tuple, Callable[[], Codec], Codec]
+BOUNDARY_MAGIC = 0x64676264  # "dgbd"
+ABSENT, LOSSLESS, CODED, REQUIRES_GRAD = 0, 1, 2, 4
+_VALID_FLAGS = {ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD}
+_LOSSLESS = get_codec("none")
+_META_MAX_BYTES = 8 * (4 + MAX_TENSORS)
+
+
+def codec_factory(spec: CodecSpec) -> Callable[[], Codec]:
+    """Turn a codec spec into a zero-argument factory of fresh codec instances.
+
+    Args:
+        spec: a registered codec name (``"sortquant"``), a ``(name, options)`` tuple
+            (``("sortquant", {"quant_bits": 6, "split_bits": 2})``), a zero-argument
+            callable returning a :class:`Codec`, or a stateless :class:`Codec`
+            instance (shared; stateful codecs need a factory).
+
+    Raises:
+        ValueError: unknown name, bad options, a stateful instance, or anything else.
+    """
+    if isinstance(spec, str):
+        get_codec(spec)
+        return lambda: get_codec(spec)
+    if isinstance(spec, tuple):
+        if len(spec) != 2 or not isinstance(spec[0], str) or not isinstance(spec[1], dict):
+            raise ValueError(f"a codec tuple must be (name, options dict), got {spec!r}")
+        name, options = spec
+        get_codec(name, **options)
+        return lambda: get_codec(name, **options)
+    if isinstance(spec, Codec):
+        if spec.stateful:
+            raise ValueError(
+                f"{spec!r} is stateful and would share its state across boundaries; pass a factory, "
+                f"e.g. lambda: make_codec(), so that each boundary, direction and micro-batch gets its own"
+            )
+        return lambda: spec
+    if callable(spec):
+        made = spec()
+        if not isinstance(made, Codec):
+            raise ValueError(f"codec factory {spec!r} returned {type(made).__name__}, not a Codec")
+        return spec
+    raise ValueError(f"codec spec must be a name, (name, options), a factory or a Codec; got {spec!r}")
+
+
+def codec_factories(spec: CodecSpec | list, n_boundaries: int, what: str) -> list[Callable[[], Codec]]:
+    """One factory per stage boundary: ``spec`` for all, or a list with one spec per boundary.
+
+    Raises:
+        ValueError: a list of the wrong length (``what`` names the argument), or a bad spec.
+    """
+    if isinstance(spec, list):
+        if len(spec) != n_boundaries:
+            raise ValueError(f"{what} lists {len(spec)} codecs but there are {n_boundaries} stage boundaries")
+        return [codec_factory(s) for s in spec]
+    factory = codec_factory(spec)
+    return [factory] * n_boundaries
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _as_tensors(value, where: str) -> tuple[bool, list[torch.Tensor]]:
+    atomic = isinstance(value, torch.Tensor)
+    tensors = [value] if atomic else list(value) if isinstance(value, (tuple, list)) else None
+    if tensors is None or any(not isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"{where} must be a tensor or a tuple of tensors, got {type(value).__name__}")
+    if not 1 <= len(tensors) <= MAX_TENSORS:
+        raise ValueError(f"{where} has {len(tensors)} tensors; a boundary carries 1..{MAX_TENSORS}")
+    return atomic, tensors
+
+
+class Boundary:
+    """The boundary after stage ``index``, between ranks ``src`` (sender of activations) and ``dst``.
+
+    Args:
+        index: stage index i of ``stage{i}->stage{i+1}``.
+        src, dst: global ranks holding stage i and stage i+1.
+        act_factory, grad_factory: codec factories (see :func:`codec_factory`).
+        meter: where bytes and seconds are recorded.
+        device: device of received tensors on this rank.
+        timeout: seconds for each receive and send completion.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        src: int,
+        dst: int,
+        act_factory: Callable[[], Codec],
+        grad_factory: Callable[[], Codec],
+        meter: BandwidthMeter,
+        device: torch.device,
+        timeout: float,
+    ) -> None:
+        self.name = f"stage{index}->stage{index + 1}"
+        self.src, self.dst = src, dst
+        self._tags = {"forward": 2 * index, "eval": 2 * index, "backward": 2 * index + 1}
+        self._factories = {"forward": act_factory, "eval": act_factory, "backward": grad_factory}
+        self._codecs: dict[tuple[str, int, int], Codec] = {}
+        self._meter, self._device, self._timeout = meter, device, timeout
+
+    def _codec(self, direction: str, slot: int, pos: int) -> Codec:
+        key = (direction, slot, pos)
+        if key not in self._codecs:
+            self._codecs[key] = self._factories[direction]()
+        return self._codecs[key]
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def send_forward(
+        self, slot: int, value, n_micro: int, direction: str, compress: bool = True
+    ) -> tuple[list[SendWork], list[torch.Tensor]]:
+        """Send micro-batch ``slot``'s stage output ``value`` (tensor or tuple) to ``dst``.
+
+        Args:
+            n_micro: number of micro-batches in this step (travels in the meta).
+            direction: ``"forward"`` (training) or ``"eval"``.
+            compress: in eval, whether floating tensors go through the activation codec.
+
+        Returns:
+            The send handles and the tensors that require grad (their gradients come
+            back through :meth:`recv_backward`, in this order).
+        """
+        atomic, tensors = _as_tensors(value, f"output of the stage before {self.name}")
+        flags = []
+        for t in tensors:
+            if direction == "forward":
+                rg = t.is_floating_point() and t.requires_grad
+                flags.append((CODED | REQUIRES_GRAD) if rg else LOSSLESS)
+            else:
+                flags.append(CODED if compress and t.is_floating_point() else LOSSLESS)
+        works = self._send(direction, slot, tensors, flags, atomic, n_micro, self.dst)
+        return works, [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
+
+    def recv_forward(self, slot: int, direction: str) -> tuple[object, list[torch.Tensor], int]:
+        """Receive micro-batch ``slot``'s input from ``src``.
+
+        Returns:
+            ``(value, leaves, n_micro)``: the tensor or tuple, the received leaves that
+            require grad (pass their ``.grad`` to :meth:`send_backward`), and the
+            sender's number of micro-batches in this step.
+        """
+        atomic, n_micro, tensors, flags = self._recv(direction, slot, self.src)
+        if any(t is None for t in tensors):
+            raise ValueError(f"{self.name}: forward message from rank {self.src} has absent tensors")
+        leaves = []
+        for i, f in enumerate(flags):
+            if f & REQUIRES_GRAD:
+                tensors[i] = tensors[i].detach().requires_grad_()
+                leaves.append(tensors[i])
+        return (tensors[0] if atomic else tuple(tensors)), leaves, n_micro
+
+    # -- backward --------------------------------------------------------------------------
+
+    def send_backward(self, slot: int, grads: Sequence[torch.Tensor | None]) -> list[SendWork]:
+        """Send the gradients of the leaves :meth:`recv_forward` returned for ``slot`` to ``src``."""
+        flags = [ABSENT if g is None else CODED for g in grads]
+        return self._send("backward", slot, list(grads), flags, False, 0, self.src)
+
+    def recv_backward(self, slot: int, n_expected: int) -> list[torch.Tensor | None]:
+        """Receive the gradients for the ``n_expected`` tensors :meth:`send_forward` returned."""
+        _, _, grads, _ = self._recv("backward", slot, self.dst)
+        if len(grads) != n_expected:
+            raise ValueError(f"{self.name}: rank {self.dst} sent {len(grads)} gradients, expected {n_expected}")
+        return grads
+
+    # -- wire ------------------------------------------------------------------------------
+
+    def _send(self, direction, slot, tensors, flags, atomic, n_micro, peer) -> list[SendWork]:
+        start = _now(self._device)
+        payloads: list[Payload] = []
+        raw = 0
+        with torch.no_grad():
+            for pos, (t, f) in enumerate(zip(tensors, flags)):
+                if f == ABSENT:
+                    continue
+                codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
+                payloads.append(codec.encode(t.detach()))
+                raw += t.numel() * t.element_size()
+        encode_seconds = _now(self._device) - start
+        meta = _LOSSLESS.encode(torch.tensor([BOUNDARY_MAGIC, int(atomic), n_micro, len(flags), *flags]))
+        tag = self._tags[direction]
+        works = [send_payload(p, peer, tag=tag) for p in (meta, *payloads)]
+        self._meter.record_send(
+            self.name,
+            direction,
+            raw_bytes=raw,
+            wire_bytes=sum(p.nbytes for p in payloads),
+            frame_bytes=meta.nbytes + PREAMBLE_BYTES * len(works),
+            encode_seconds=encode_seconds,
+        )
+        return works
+
+    def _recv(self, direction, slot, peer):
+        tag = self._tags[direction]
+        start = time.perf_counter()
+        meta = recv_payload(peer, "cpu", tag=tag, timeout=self._timeout, max_bytes=_META_MAX_BYTES)
+        meta = _LOSSLESS.decode(meta)
+        atomic, n_micro, flags = self._parse_meta(meta, peer)
+        payloads = [
+            recv_payload(peer, self._device, tag=tag, timeout=self._timeout) if f != ABSENT else None for f in flags
+        ]
+        recv_seconds = time.perf_counter() - start
+        start = _now(self._device)
+        tensors = []
+        for pos, (p, f) in enumerate(zip(payloads, flags)):
+            if p is None:
+                tensors.append(None)
+                continue
+            codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
+            tensors.append(codec.decode(p))
+        decode_seconds = _now(self._device) - start
+        self._meter.record_recv(
+            self.name,
+            direction,
+            recv_bytes=sum(p.nbytes for p in payloads if p is not None),
+            recv_seconds=recv_seconds,
+            decode_seconds=decode_seconds,
+        )
+        return atomic, n_micro, tensors, flags
+
+    def _parse_meta(self, meta: torch.Tensor, peer: int) -> tuple[bool, int, list[int]]:
+        fields = meta.tolist() if meta.dtype == torch.int64 and meta.dim() == 1 else []
+        ok = len(fields) >= 4 and fields[0] == BOUNDARY_MAGIC and fields[1] in (0, 1) and fields[2] >= 0
+        ok = ok and fields[3] == len(fields) - 4 <= MAX_TENSORS and all(f in _VALID_FLAGS for f in fields[4:])
+        ok = ok and (fields[1] == 0 or fields[3] == 1)
+        if not ok:
+            raise ValueError(f"{self.name}: corrupt boundary meta from rank {peer}: {fields[:8]} (ranks out of step?)")
+        return bool(fields[1]), fields[2], fields[4:]
+
+    # -- state -----------------------------------------------------------------------------
+
+    def codec_state(self) -> dict[str, object]:
+        """``state_dict()`` of every codec instance that has one, keyed ``direction/slot/position``."""
+        return {
+            f"{d}/{s}/{p}": c.state_dict() for (d, s, p), c in self._codecs.items() if hasattr(c, "state_dict")
+        }
+
+    def load_codec_state(self, state: dict[str, object]) -> None:
+        """Restore :meth:`codec_state` output, creating the codec instances it names."""
+        for key, value in state.items():
+            d, s, p = key.split("/")
+            if d not in self._factories:
+                raise ValueError(f"{self.name}: codec state key {key!r} has unknown direction {d!r}")
+            codec = self._codec(d, int(s), int(p))
+            if not hasattr(codec, "load_state_dict"):
+                raise ValueError(f"{self.name}: codec {codec!r} has no load_state_dict for state {key!r}")
+            codec.load_state_dict(value)

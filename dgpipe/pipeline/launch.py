@@ -1,0 +1,234 @@
+"""Starting the processes of a pipeline: ``torchrun`` (env://) or a local spawner.
+
+Multi-machine or one machine under torchrun::
+
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py
+    # in train.py
+    rank, world_size = init_distributed(backend="auto", timeout=120)
+
+One machine, from Python::
+
+    def main(rank, world_size, lr):
+        ...  # torch.distributed is initialised here
+    spawn(main, world_size=2, args=(0.1,))
+
+``spawn`` binds the rendezvous to 127.0.0.1 on a free port. If a rank raises or dies,
+the others are terminated and :class:`SpawnError` names the failed rank with its
+traceback (sent to the parent as UTF-8 text over a pipe, not pickled). Ctrl-C ends
+every rank. Inside the ranks, every blocking receive has a timeout (the process
+group's and the pipeline's), so ranks launched any way end with an error naming the
+peer when it fails or stalls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import sys
+import traceback
+from multiprocessing import connection
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["SpawnError", "free_port", "resolve_backend", "init_distributed", "spawn"]
+
+_MAX_ERROR_BYTES = 32_000
+
+
+class SpawnError(RuntimeError):
+    """A rank started by :func:`spawn` failed.
+
+    Attributes:
+        rank: the first rank that failed.
+        text: its traceback, or how it died.
+    """
+
+    def __init__(self, rank: int, text: str, others: dict[int, str]) -> None:
+        last = text.strip().splitlines()[-1] if text.strip() else "no message"
+        msg = f"rank {rank} failed: {last}\n\n--- rank {rank} ---\n{text.rstrip()}"
+        for r, t in sorted(others.items()):
+            msg += f"\n--- rank {r} (failed afterwards) ---\n{t.strip().splitlines()[-1] if t.strip() else t}"
+        super().__init__(msg)
+        self.rank, self.text = rank, text
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(backend: str) -> str:
+    """``"auto"`` -> ``"nccl"`` if CUDA is available, else ``"gloo"``; checks the name.
+
+    Use ``"gloo"`` for mixed placements (a CPU client with a GPU server).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    return backend
+
+
+def init_distributed(backend: str = "auto", timeout: float = 300.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (env:// rendezvous).
+
+    Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for the CUDA
+    device with NCCL). Does nothing but return ``(rank, world_size)`` if already
+    initialised.
+
+    Args:
+        backend: ``"auto"``, ``"gloo"`` or ``"nccl"``.
+        timeout: seconds for the rendezvous and for every collective and receive
+            that has no shorter timeout of its own.
+
+    Returns:
+        ``(rank, world_size)``.
+
+    Raises:
+        ValueError: a missing environment variable (launch with torchrun or
+            :func:`spawn`), an unknown backend, or a non-positive timeout.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = resolve_backend(backend)
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(f"environment variables {missing} are not set; launch with torchrun, or use dgpipe's spawn()")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, host: str, port: int,
+           timeout: float, err_conn) -> None:
+    """Body of one spawned rank: rendezvous, run ``fn``, report a failure as text, exit."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=host, MASTER_PORT=str(port),
+    )
+    try:
+        init_distributed(backend, timeout)
+        fn(rank, world_size, *args)
+    except BaseException as err:  # report everything, Ctrl-C included, then exit non-zero
+        text = traceback.format_exc()
+        sys.stderr.write(f"[rank {rank}] {text}")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        err_conn.send_bytes(text.encode("utf-8", "replace")[-_MAX_ERROR_BYTES:])
+        err_conn.close()
+        os._exit(130 if isinstance(err, KeyboardInterrupt) else 1)  # skip teardown that could block on dead peers
+    dist.destroy_process_group()
+    err_conn.close()
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def spawn(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    host: str = "127.0.0.1",
+    start_method: str = "spawn",
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes on this machine.
+
+    Each process gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=``host`` and a free
+    MASTER_PORT, and has torch.distributed initialised (:func:`init_distributed`)
+    before ``fn`` runs.
+
+    Args:
+        fn: a module-level function (it is imported by the child processes).
+        world_size: number of processes (ranks).
+        args: extra arguments passed to ``fn`` (must be picklable for the local
+            process start; they never cross the network).
+        backend: ``"gloo"``, ``"nccl"`` or ``"auto"``.
+        timeout: process-group timeout in seconds (see :func:`init_distributed`).
+        host: address the rendezvous binds to (loopback by default).
+        start_method: multiprocessing start method.
+
+    Raises:
+        ValueError: bad ``world_size``, ``backend`` or ``timeout`` (before anything starts).
+        SpawnError: a rank raised or died; the others were terminated.
+        KeyboardInterrupt: Ctrl-C; every rank was terminated.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    resolve_backend(backend)
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    ctx = mp.get_context(start_method)
+    port = free_port(host)
+    readers, procs = [], []
+    for rank in range(world_size):
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(rank, world_size, fn, tuple(args), backend, host, port, timeout, w),
+                        name=f"dgpipe-rank{rank}")
+        p.start()
+        w.close()
+        readers.append(r)
+        procs.append(p)
+    errors: dict[int, str] = {}
+    first: int | None = None
+    try:
+        live = {p.sentinel: i for i, p in enumerate(procs)}
+        open_readers = {r: i for i, r in enumerate(readers)}
+        while live and first is None:
+            for obj in connection.wait(list(live) + list(open_readers)):
+                if obj in open_readers:
+                    i = open_readers[obj]
+                    try:
+                        errors[i] = obj.recv_bytes().decode("utf-8", "replace")
+                        first = i if first is None else first
+                    except EOFError:
+                        del open_readers[obj]
+                elif obj in live:
+                    i = live.pop(obj)
+                    procs[i].join()
+                    if procs[i].exitcode != 0 and first is None:
+                        if readers[i].poll(1.0):
+                            try:
+                                errors[i] = readers[i].recv_bytes().decode("utf-8", "replace")
+                            except EOFError:
+                                pass
+                        first = i
+    except KeyboardInterrupt:
+        _stop(procs)
+        raise
+    if first is None:
+        return
+    _stop(procs)
+    for i, r in enumerate(readers):  # collect what the others said before they were stopped
+        while i not in errors and r.poll(0):
+            try:
+                errors[i] = r.recv_bytes().decode("utf-8", "replace")
+            except EOFError:
+                break
+    code = procs[first].exitcode
+    if first not in errors:
+        how = f"killed by signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+        errors[first] = f"rank {first} died without a Python exception ({how})"
+    raise SpawnError(first, errors.pop(first), errors)

@@ -1,0 +1,365 @@
+"""``Pipeline``: runs this rank's part of a GPipe micro-batch pipeline with compressed boundaries.
+
+Every rank builds the same ``Pipeline`` from the same full partition; each keeps only
+the stages its placement gives it. ``train_step`` splits the mini-batch into
+``chunks`` micro-batches, runs this rank's forward tasks, then its backward tasks
+(:mod:`dgpipe.pipeline.schedule`), exchanging activations and gradients with the
+neighbouring ranks through :class:`~dgpipe.pipeline.boundary.Boundary` objects;
+gradients accumulate in the local stages' parameters, and the caller steps its
+optimizer on :meth:`Pipeline.parameters`.
+
+Semantics (GPipe, Huang et al. 2019): the loss is the mean over micro-batches of
+``loss_fn(output_m, target_m)``, so with equal micro-batches and a mean-reduced loss
+it equals the loss of the whole mini-batch, and -- uncompressed -- the gradients
+equal those of the unsplit model run micro-batch by micro-batch with gradient
+accumulation. Plain BatchNorm normalises and tracks statistics per micro-batch;
+``deferred_batchnorm=True`` (torchgpipe's ``DeferredBatchNorm``) still normalises per
+micro-batch but updates the running statistics once per mini-batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.microbatch import Batch, gather
+
+from dgpipe.comm import BandwidthMeter, SendWork, TransportError, wire_device
+
+from .boundary import Boundary, CodecSpec, codec_factories
+from .partition import validate_placement
+from .schedule import Segment, Task, gpipe_tasks, segments
+
+__all__ = ["Pipeline"]
+
+
+def _batch_size(value, what: str) -> int:
+    tensors = [value] if isinstance(value, torch.Tensor) else list(value) if isinstance(value, (tuple, list)) else None
+    if not tensors or any(not isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"{what} must be a tensor or a non-empty tuple of tensors, got {type(value).__name__}")
+    sizes = {t.size(0) if t.dim() > 0 else -1 for t in tensors}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ValueError(f"{what}: every tensor needs the same batch size in dim 0, got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _split(value, n: int, device: torch.device) -> list:
+    """``n`` micro-batches of ``value`` (tensor or tuple) along dim 0, on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return list(value.to(device).tensor_split(n))
+    parts = [t.to(device).tensor_split(n) for t in value]
+    return [tuple(p[m] for p in parts) for m in range(n)]
+
+
+def _detach(value):
+    return value.detach() if isinstance(value, torch.Tensor) else tuple(t.detach() for t in value)
+
+
+class Pipeline:
+    """This rank's part of a GPipe pipeline over ``stages`` placed on ranks by ``placement``.
+
+    Args:
+        stages: the full partition, identical on every rank (e.g. from
+            :func:`~dgpipe.pipeline.partition.split_layers`). Stage i receives stage
+            i-1's output as its one argument (a tensor or a tuple of tensors, as in
+            ``nn.Sequential``). Only this rank's stages are kept and moved to ``device``.
+        placement: ``placement[i]`` = global rank holding stage i; every rank of the
+            world must hold a stage.
+        rank: this process's global rank (default: ``torch.distributed.get_rank()``;
+            0 when torch.distributed is not initialised, which allows a one-process
+            pipeline with every stage on rank 0).
+        chunks: micro-batches per mini-batch (M).
+        loss_fn: ``(output, target) -> scalar`` mean loss of one micro-batch; needed
+            on the rank holding the last stage.
+        act_codec: codec for activations crossing a boundary: a name, a
+            ``(name, options)`` tuple, a zero-argument factory, a stateless codec, or
+            a list with one such spec per stage boundary (``len(stages) - 1``).
+        grad_codec: the same for gradients; ``None`` means the same as ``act_codec``.
+        device: this rank's device (CPU client and GPU server may differ).
+        timeout: seconds any receive or send may block before the step fails with
+            an error naming the peer.
+        deferred_batchnorm: convert BatchNorm layers to torchgpipe's
+            ``DeferredBatchNorm`` (running statistics per mini-batch; inputs must be
+            at least 3-D). Default off: plain BatchNorm per micro-batch.
+        compress_eval: compress floating activations in :meth:`eval_step` too.
+
+    Raises:
+        ValueError: bad placement, ``chunks``, ``timeout``, rank or codec spec.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        placement: Sequence[int],
+        rank: int | None = None,
+        chunks: int = 1,
+        loss_fn: Callable | None = None,
+        act_codec: CodecSpec | list = "none",
+        grad_codec: CodecSpec | list | None = None,
+        device: torch.device | str = "cpu",
+        timeout: float = 300.0,
+        deferred_batchnorm: bool = False,
+        compress_eval: bool = True,
+    ) -> None:
+        stages = list(stages)
+        if not stages or any(not isinstance(s, nn.Module) for s in stages):
+            raise ValueError("stages must be a non-empty list of nn.Module")
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if initialized else 1
+        actual_rank = dist.get_rank() if initialized else 0
+        if rank is None:
+            rank = actual_rank
+        if rank != actual_rank:
+            raise ValueError(f"rank={rank} but this process is rank {actual_rank} of torch.distributed")
+        self._placement = validate_placement(placement, len(stages), world_size)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
+        if not timeout or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        n_boundaries = len(stages) - 1
+        acts = codec_factories(act_codec, n_boundaries, "act_codec")
+        grads = acts if grad_codec is None else codec_factories(grad_codec, n_boundaries, "grad_codec")
+
+        self.rank, self.world_size, self.chunks = rank, world_size, chunks
+        self.loss_fn, self.compress_eval, self.timeout = loss_fn, compress_eval, float(timeout)
+        self.device = torch.device(device)
+        self.meter = BandwidthMeter()
+        self.n_stages = len(stages)
+        self._segs = segments(self._placement)
+        self._stages: dict[int, nn.Module] = {}
+        for i, stage in enumerate(stages):
+            if self._placement[i] == rank:
+                stage = stage.to(self.device)
+                if deferred_batchnorm:
+                    stage = DeferredBatchNorm.convert_deferred_batch_norm(stage, chunks)
+                self._stages[i] = stage
+        # Boundaries touching this rank, keyed by the index of the segment before them.
+        self._bounds: dict[int, Boundary] = {}
+        for a, b in zip(self._segs, self._segs[1:]):
+            if rank in (a.rank, b.rank):
+                self._bounds[a.index] = Boundary(
+                    a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout
+                )
+        self.last_rank = self._placement[-1]
+        self.last_step_totals: dict = self.meter.totals()
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def holds_first_stage(self) -> bool:
+        """Whether this rank holds stage 0 (and needs ``inputs``)."""
+        return self._placement[0] == self.rank
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (and needs ``targets``, computes the loss)."""
+        return self._placement[-1] == self.rank
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """This rank's stages, keyed by stage index."""
+        return dict(self._stages)
+
+    def parameters(self):
+        """Parameters of this rank's stages (for the optimizer)."""
+        for i in sorted(self._stages):
+            yield from self._stages[i].parameters()
+
+    def state_dict(self) -> dict:
+        """``{"stages": {index: stage state}, "codecs": {boundary name: codec states}}`` of this rank."""
+        return {
+            "stages": {str(i): s.state_dict() for i, s in sorted(self._stages.items())},
+            "codecs": {b.name: b.codec_state() for b in self._bounds.values()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output of the same rank and placement.
+
+        Raises:
+            ValueError: the saved stages are not exactly this rank's stages, or a
+            codec state names an unknown boundary.
+        """
+        saved = set(state.get("stages", {}))
+        mine = {str(i) for i in self._stages}
+        if saved != mine:
+            raise ValueError(f"state holds stages {sorted(saved)} but this rank holds stages {sorted(mine)}")
+        for i, s in self._stages.items():
+            s.load_state_dict(state["stages"][str(i)])
+        bounds = {b.name: b for b in self._bounds.values()}
+        for name, codec_state in state.get("codecs", {}).items():
+            if name not in bounds:
+                raise ValueError(f"codec state for boundary {name!r}, which this rank does not touch")
+            bounds[name].load_codec_state(codec_state)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def train_step(self, inputs=None, targets=None, return_outputs: bool = False):
+        """One GPipe step: forward all micro-batches, backward them in reverse.
+
+        Gradients accumulate into :meth:`parameters` (call ``optimizer.zero_grad()``
+        and ``optimizer.step()`` around it). A collective: every rank must call it.
+
+        Args:
+            inputs: mini-batch (tensor or tuple, batch in dim 0) on the rank holding
+                stage 0; ignored elsewhere. Its batch size must be a multiple of
+                ``chunks``.
+            targets: tensor or tuple on the rank holding the last stage; ignored elsewhere.
+            return_outputs: also return the last stage's outputs (detached,
+                concatenated over micro-batches) on the last-stage rank, ``None`` elsewhere.
+
+        Returns:
+            The mean loss over micro-batches (float, the same on every rank), or
+            ``(loss, outputs)`` with ``return_outputs``.
+
+        Raises:
+            ValueError: a batch smaller than or not divisible by ``chunks``, missing
+                inputs/targets/loss_fn.
+            TransportError: a peer failed or stalled (the message names it).
+        """
+        micro_in = micro_tg = None
+        if self.holds_first_stage:
+            if inputs is None:
+                raise ValueError(f"rank {self.rank} holds stage 0 and needs inputs")
+            batch = _batch_size(inputs, "inputs")
+            if batch < self.chunks:
+                raise ValueError(f"chunks={self.chunks} is larger than the batch of {batch}; use chunks <= batch size")
+            if batch % self.chunks:
+                raise ValueError(
+                    f"a batch of {batch} does not split into chunks={self.chunks} equal micro-batches; use a "
+                    f"batch size that is a multiple of {self.chunks} (e.g. drop_last=True in the DataLoader)"
+                )
+            micro_in = _split(inputs, self.chunks, self.device)
+        if self.holds_last_stage:
+            if self.loss_fn is None:
+                raise ValueError(f"rank {self.rank} holds the last stage and needs loss_fn")
+            if targets is None:
+                raise ValueError(f"rank {self.rank} holds the last stage and needs targets")
+            batch = _batch_size(targets, "targets")
+            if batch % self.chunks or batch < self.chunks:
+                raise ValueError(f"targets batch of {batch} does not split into chunks={self.chunks} micro-batches")
+            micro_tg = _split(targets, self.chunks, self.device)
+        for s in self._stages.values():
+            s.train()
+        with torch.enable_grad():
+            losses, outputs = self._run("forward", micro_in, micro_tg, return_outputs)
+        loss = self._broadcast_loss(torch.stack(losses).mean() if losses else None)
+        if return_outputs:
+            return loss, gather([Batch(o) for o in outputs]) if outputs else None
+        return loss
+
+    def eval_step(self, inputs=None):
+        """Forward only, without gradients, in eval mode (BatchNorm uses running statistics).
+
+        Any batch size >= 1 works: it is split into ``min(chunks, batch)`` micro-batches.
+        Floating activations are compressed if ``compress_eval`` (metered as direction
+        ``"eval"``). A collective: every rank must call it.
+
+        Args:
+            inputs: tensor or tuple on the rank holding stage 0; ignored elsewhere.
+
+        Returns:
+            The last stage's outputs concatenated over micro-batches on the rank holding
+            the last stage; ``None`` elsewhere.
+        """
+        micro_in = None
+        if self.holds_first_stage:
+            if inputs is None:
+                raise ValueError(f"rank {self.rank} holds stage 0 and needs inputs")
+            batch = _batch_size(inputs, "inputs")
+            if batch < 1:
+                raise ValueError("eval_step needs a batch of at least one sample")
+            micro_in = _split(inputs, min(self.chunks, batch), self.device)
+        for s in self._stages.values():
+            s.eval()
+        with torch.no_grad():
+            _, outputs = self._run("eval", micro_in, None, True)
+        return gather([Batch(o) for o in outputs]) if self.holds_last_stage else None
+
+    # -- execution -------------------------------------------------------------------------
+
+    def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool):
+        before = self.meter.totals()
+        training = direction == "forward"
+        received: dict[tuple[int, int], tuple] = {}
+        mine = [s for s in self._segs if s.rank == self.rank]
+        if micro_in is not None:
+            n_micro = len(micro_in)
+        else:  # learn the number of micro-batches from the first message
+            first = mine[0]
+            value, leaves, n_micro = self._bounds[first.index - 1].recv_forward(0, direction)
+            received[(0, first.index)] = (value, leaves)
+        if training and n_micro != self.chunks:
+            raise ValueError(f"rank {self.rank}: peer sent {n_micro} micro-batches, this rank expects chunks={self.chunks}")
+        saved: dict[tuple[int, int], tuple] = {}
+        losses: list[torch.Tensor] = []
+        outputs: list = []
+        works: list[SendWork] = []
+        for task in gpipe_tasks(self._segs, self.rank, n_micro, backward=training):
+            seg = self._segs[task.segment]
+            if task.phase == "forward":
+                self._forward(task, seg, direction, n_micro, micro_in, micro_tg, received, saved, losses, outputs, works)
+            else:
+                self._backward(task, seg, n_micro, saved, works)
+        for w in works:
+            w.wait(self.timeout)
+        after = self.meter.totals()
+        self.last_step_totals = {k: after[k] - before[k] for k in after if k not in ("ratio", "recv_bytes_per_s")}
+        return losses, (outputs if keep_outputs else [])
+
+    def _forward(self, task: Task, seg: Segment, direction, n_micro, micro_in, micro_tg, received, saved, losses, outputs, works):
+        m = task.micro
+        if seg.first == 0:
+            x, leaves = micro_in[m], []
+        elif (m, seg.index) in received:
+            x, leaves = received.pop((m, seg.index))
+        else:
+            x, leaves, n = self._bounds[seg.index - 1].recv_forward(m, direction)
+            if n != n_micro:
+                raise ValueError(f"rank {self.rank}: peer sent micro-batch count {n}, expected {n_micro}")
+        for i in range(seg.first, seg.last + 1):
+            x = self._stages[i](x)
+        if seg.last == self.n_stages - 1:
+            if direction == "forward":
+                loss = self.loss_fn(x, micro_tg[m])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+                saved[(m, seg.index)] = (leaves, loss, [])
+                losses.append(loss.detach().reshape(()))
+            outputs.append(_detach(x))
+        else:
+            sent, out_rg = self._bounds[seg.index].send_forward(m, x, n_micro, direction, self.compress_eval)
+            works.extend(sent)
+            if direction == "forward":
+                saved[(m, seg.index)] = (leaves, None, out_rg)
+
+    def _backward(self, task: Task, seg: Segment, n_micro: int, saved, works) -> None:
+        leaves, loss, out_rg = saved.pop((task.micro, seg.index))
+        if loss is not None:
+            (loss / n_micro).backward()
+        elif out_rg:
+            grads = self._bounds[seg.index].recv_backward(task.micro, len(out_rg))
+            pairs = [(t, g) for t, g in zip(out_rg, grads) if g is not None]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if leaves:
+            works.extend(self._bounds[seg.index - 1].send_backward(task.micro, [x.grad for x in leaves]))
+
+    def _broadcast_loss(self, loss: torch.Tensor | None) -> float:
+        if self.world_size == 1:
+            return float(loss)
+        buf = torch.zeros(1, dtype=torch.float64, device=wire_device())
+        if loss is not None:
+            buf.fill_(float(loss))
+        work = dist.broadcast(buf, src=self.last_rank, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            raise TransportError(
+                f"rank {self.rank}: broadcasting the loss from rank {self.last_rank} failed ({err}); "
+                f"a rank has failed or stalled", self.last_rank
+            ) from err
+        return float(buf.item())

@@ -1,0 +1,84 @@
+"""GPipe fill-drain schedule: the order in which one rank runs forward and backward tasks.
+
+GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
+Pipeline Parallelism", NeurIPS 2019) splits a mini-batch into M micro-batches, runs
+every forward, then every backward in reverse, then one optimizer step. As in
+torchgpipe's clock cycles, task (micro-batch m, segment k) runs at clock ``m + k``;
+a rank runs its forward tasks by increasing clock and its backward tasks by
+decreasing clock. Every task depends only on tasks of an earlier clock (the previous
+segment of the same micro-batch; in backward, the next one), so with asynchronous
+sends and blocking receives no rank ever waits on a task that waits on it.
+
+A *segment* is a maximal run of consecutive stages held by one rank: nothing
+crosses the wire inside it, so it runs as one unit. Client/server ``[0, 1, 0]`` has
+three segments; ``[0, 0, 1]`` has two.
+
+Pure functions, no torch.distributed: the runtime (:mod:`dgpipe.pipeline.runtime`)
+executes the tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["Segment", "Task", "segments", "gpipe_tasks", "bubble_fraction"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive stages ``first..last`` (inclusive) on one rank; ``index`` in the chain."""
+
+    index: int
+    rank: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of work: ``phase`` is ``"forward"`` or ``"backward"``."""
+
+    phase: str
+    micro: int
+    segment: int
+
+
+def segments(placement: Sequence[int]) -> list[Segment]:
+    """Maximal runs of consecutive stages on the same rank, in stage order.
+
+    Example: ``segments([0, 1, 0])`` -> three segments on ranks 0, 1, 0;
+    ``segments([0, 0, 1])`` -> stages 0-1 on rank 0, stage 2 on rank 1.
+    """
+    out: list[Segment] = []
+    for stage, rank in enumerate(placement):
+        if out and out[-1].rank == rank:
+            prev = out[-1]
+            out[-1] = Segment(prev.index, rank, prev.first, stage)
+        else:
+            out.append(Segment(len(out), rank, stage, stage))
+    return out
+
+
+def gpipe_tasks(segs: Sequence[Segment], rank: int, n_micro: int, backward: bool = True) -> list[Task]:
+    """Tasks of ``rank`` in execution order for ``n_micro`` micro-batches.
+
+    Forward tasks sorted by (clock, segment), then -- if ``backward`` -- backward
+    tasks sorted by (clock, segment) descending; clock = micro-batch + segment index.
+    """
+    mine = [s.index for s in segs if s.rank == rank]
+    fwd = sorted(((m + k, k, m) for k in mine for m in range(n_micro)))
+    tasks = [Task("forward", m, k) for _, k, m in fwd]
+    if backward:
+        tasks += [Task("backward", m, k) for _, k, m in reversed(fwd)]
+    return tasks
+
+
+def bubble_fraction(n_stages: int, n_micro: int) -> float:
+    """Idle fraction of an S-stage GPipe pipeline with M micro-batches: (S-1)/(M+S-1).
+
+    Assumes equal stage times and free communication (GPipe paper, section 2.3).
+    """
+    if n_stages < 1 or n_micro < 1:
+        raise ValueError(f"need n_stages >= 1 and n_micro >= 1, got {n_stages}, {n_micro}")
+    return (n_stages - 1) / (n_micro + n_stages - 1)

@@ -1,0 +1,320 @@
+"""Command-line flags shared by the main jobs, and their validation.
+
+Both CLIs (``test_vision_dgpipe.py``, ``test_nlp_dgpipe.py``) start from
+:func:`common_parser`, add their model-specific flags, then call
+:func:`validate_common`. Validation raises :class:`ValueError` whose message says
+what is wrong *and how to fix it*; the CLIs turn it into ``parser.error`` so that
+every argument error is reported before any process starts.
+
+Usage::
+
+    parser = common_parser("my job", batch_size=128, lr=0.1, epochs=10, client_layers=1)
+    parser.add_argument("--dataset", choices=["cifar10", "cifar100"], default="cifar10")
+    args = parser.parse_args()
+    validate_common(args)          # ValueError with the fix
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import read_meta
+from .codecs import boundary_compression, grad_compression
+
+__all__ = [
+    "TORCHRUN_VARS",
+    "DistEnv",
+    "common_parser",
+    "validate_common",
+    "dist_env",
+    "rank_device",
+    "resolve_backend",
+]
+
+#: Environment variables that ``torchrun`` sets for every rank.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def common_parser(
+    description: str,
+    *,
+    batch_size: int,
+    lr: float,
+    epochs: int,
+    client_layers: int,
+    data_dir: str | None,
+    data_dir_help: str,
+) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` holding every flag the main jobs share.
+
+    Args:
+        description: the CLI's one-line description.
+        batch_size, lr, epochs, client_layers: the job's defaults for these flags.
+        data_dir: default of ``--data-dir`` (``None``: no default).
+        data_dir_help: help text of ``--data-dir`` (what layout the job reads).
+
+    Returns:
+        a parser; the CLI adds its own flags (model, dataset, optimizer extras).
+    """
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    c = p.add_argument_group("compression at stage boundaries (pipeline mode)")
+    c.add_argument("--sortquant", action="store_true",
+                   help="sort quantization of activations and gradients: --quant Q bits per level, "
+                        "--split S bits per bucket index (Q+S bits per value)")
+    c.add_argument("--quant", type=int, metavar="Q",
+                   help="quant bits; without --sortquant: uniform Q-bit min-max quantization")
+    c.add_argument("--split", type=int, metavar="S", help="split bits of --sortquant (2^S buckets)")
+    c.add_argument("--codec", metavar="NAME", help="any registered codec for both directions")
+    c.add_argument("--codec-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="option of --codec (repeatable), e.g. --codec-opt ratio=0.01")
+    c.add_argument("--grad-quant", type=int, metavar="Q", help="backward direction: quant bits")
+    c.add_argument("--grad-split", type=int, metavar="S", help="backward direction: split bits (sortquant)")
+    c.add_argument("--grad-codec", metavar="NAME", help="backward direction: any registered codec")
+    c.add_argument("--grad-codec-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="option of --grad-codec (repeatable)")
+    c.add_argument("--no-compress-eval", dest="compress_eval", action="store_false",
+                   help="send activations uncompressed during evaluation (default: the training codec)")
+
+    d = p.add_argument_group("data")
+    d.add_argument("--data-dir", default=data_dir, help=data_dir_help)
+    d.add_argument("--train-subset", type=int, metavar="N", help="train on a fixed subset of N examples")
+    d.add_argument("--eval-subset", type=int, metavar="N", help="evaluate on a fixed subset of N examples")
+    d.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=int, default=batch_size, help="examples per optimizer step (all ranks)")
+    t.add_argument("--chunk", type=int, default=4, metavar="M", help="micro-batches per mini-batch (pipeline)")
+    t.add_argument("--epochs", type=int, default=epochs)
+    t.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    t.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (smoke runs)")
+    t.add_argument("--seed", type=int, default=0)
+
+    s = p.add_argument_group("partition and processes")
+    s.add_argument("--mode", choices=["pipeline", "dataparallel"], default="pipeline",
+                   help="pipeline: the model split into stages; dataparallel: DDP baseline")
+    s.add_argument("--partition", choices=["client-server", "linear"], default="client-server",
+                   help="client-server: the client (rank 0) holds the first and last --client-layers layers, "
+                        "the server (rank 1) the middle; linear: --stages consecutive stages")
+    s.add_argument("--client-layers", type=int, default=client_layers, metavar="K",
+                   help="layers the client holds at each end (client-server)")
+    s.add_argument("--stages", type=int, metavar="N", help="stages of a linear partition (default: world size)")
+    s.add_argument("--balance", metavar="N1,N2,...",
+                   help="layers per stage of a linear partition (default: about equal)")
+    s.add_argument("--world-size", type=int, metavar="W",
+                   help="processes (default 2; under torchrun: its WORLD_SIZE)")
+    s.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="torch.distributed backend (auto: nccl on CUDA devices, else gloo)")
+    s.add_argument("--devices", metavar="DEV[,DEV...]",
+                   help="device of each rank, e.g. cpu or cuda:0,cuda:1 (default: cuda:<local rank> "
+                        "when CUDA is available, else cpu)")
+    s.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a peer silent this long ends every rank with an error")
+    s.add_argument("--grad-compression", metavar="NAME",
+                   help="dataparallel mode: compress the DDP gradient exchange with this hook/codec")
+    s.add_argument("--grad-compression-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="option of --grad-compression (repeatable), e.g. rank=4")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--log", metavar="PATH", help="JSON-lines log (one record per epoch, then a summary)")
+    o.add_argument("--bandwidth", action="store_true", help="print the per-boundary meter table each epoch")
+    o.add_argument("--save", metavar="DIR", help="checkpoint directory written after every epoch")
+    o.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory written by --save")
+    o.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bars")
+    return p
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: launched by ``torchrun`` or about to spawn its own ranks.
+
+    Attributes:
+        torchrun: True when the ``torchrun`` environment variables are set.
+        rank, local_rank: this process's ranks under torchrun (0 otherwise).
+        world_size: number of processes.
+    """
+
+    torchrun: bool
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def dist_env(world_size_flag: int | None, environ: os._Environ | dict | None = None) -> DistEnv:
+    """Resolve the world size from ``--world-size`` and the ``torchrun`` variables.
+
+    Raises:
+        ValueError: ``--world-size`` disagrees with torchrun's ``WORLD_SIZE``, or a
+            torchrun variable is missing or not an integer.
+    """
+    env = os.environ if environ is None else environ
+    present = [v for v in TORCHRUN_VARS if v in env]
+    if not present:
+        return DistEnv(False, 0, 0, 2 if world_size_flag is None else world_size_flag)
+    missing = [v for v in TORCHRUN_VARS if v not in env]
+    if missing:
+        raise ValueError(f"torchrun environment incomplete: {', '.join(missing)} not set "
+                         f"(found {', '.join(present)}); launch with torchrun or unset these variables")
+    try:
+        rank, local_rank, world = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+    except ValueError:
+        raise ValueError("torchrun variables RANK, LOCAL_RANK and WORLD_SIZE must be integers") from None
+    if world_size_flag is not None and world_size_flag != world:
+        raise ValueError(f"--world-size {world_size_flag} but torchrun started {world} processes "
+                         f"(WORLD_SIZE={world}); drop --world-size or pass --nproc-per-node/--nnodes to match")
+    return DistEnv(True, rank, local_rank, world)
+
+
+def _parse_devices(spec: str | None, world_size: int) -> list[str]:
+    """``--devices`` -> one device string per rank (``None``: the default rule)."""
+    if spec is None:
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            return [f"cuda:{r % n}" for r in range(world_size)]
+        return ["cpu"] * world_size
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    if len(devices) == 1:
+        devices = devices * world_size
+    if len(devices) != world_size:
+        raise ValueError(f"--devices lists {len(devices)} devices for {world_size} processes; "
+                         f"give one device for all ranks or exactly {world_size}, e.g. --devices cpu")
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise ValueError(f"--devices: {d!r} is not a device; use e.g. cpu, cuda, cuda:1") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--devices {d}: CUDA is not available here; use --devices cpu")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(f"--devices {d}: only {torch.cuda.device_count()} CUDA device(s) here")
+        elif dev.type not in ("cpu", "mps", "xpu"):
+            raise ValueError(f"--devices {d}: unsupported device type {dev.type!r}")
+    return devices
+
+
+def rank_device(args: argparse.Namespace, rank: int, local_rank: int) -> torch.device:
+    """The device of ``rank`` (under torchrun, by ``local_rank``) from validated ``args``."""
+    devices = _parse_devices(args.devices, args.world_size)
+    if args.devices is None and devices[0].startswith("cuda"):
+        return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
+    return torch.device(devices[rank])
+
+
+def resolve_backend(args: argparse.Namespace) -> str:
+    """``--backend`` with ``auto`` resolved: nccl when the ranks use CUDA, else gloo."""
+    if args.backend != "auto":
+        return args.backend
+    return "nccl" if _parse_devices(args.devices, args.world_size)[0].startswith("cuda") else "gloo"
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be positive, got {value}")
+
+
+def _balance(args: argparse.Namespace) -> tuple[int, ...] | None:
+    if args.balance is None:
+        return None
+    try:
+        balance = tuple(int(x) for x in args.balance.split(","))
+    except ValueError:
+        raise ValueError(f"--balance {args.balance!r}: give layers per stage as integers, e.g. --balance 3,10,5") from None
+    if any(b < 1 for b in balance):
+        raise ValueError(f"--balance {args.balance}: every stage needs at least one layer")
+    return balance
+
+
+def validate_common(args: argparse.Namespace, environ: dict | None = None) -> None:
+    """Check the shared flags and fill in derived values, before any process starts.
+
+    Sets on ``args``: ``world_size`` (resolved), ``stages`` (linear default),
+    ``balance`` (tuple or None), ``compression`` (a
+    :class:`~dgpipe.train.codecs.BoundaryCompression`, pipeline mode) and
+    ``dp_compression`` (a :class:`~dgpipe.train.codecs.CodecSpec` or None).
+
+    Raises:
+        ValueError: the first problem found, with the flag to change.
+    """
+    _positive(args, "batch_size", "chunk", "epochs", "lr", "max_steps", "train_subset", "eval_subset",
+              "client_layers", "stages", "world_size", "timeout")
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    env = dist_env(args.world_size, environ)
+    args.world_size = env.world_size
+
+    if args.mode == "pipeline":
+        if args.chunk > args.batch_size:
+            raise ValueError(f"--chunk {args.chunk} micro-batches is more than --batch-size {args.batch_size} "
+                             f"examples; use --chunk <= {args.batch_size}")
+        if args.batch_size % args.chunk:
+            raise ValueError(f"--batch-size {args.batch_size} is not divisible by --chunk {args.chunk}; "
+                             f"use e.g. --batch-size {args.batch_size - args.batch_size % args.chunk or args.chunk}")
+        if args.grad_compression or args.grad_compression_opt:
+            raise ValueError("--grad-compression compresses the DDP gradient exchange: add --mode dataparallel, "
+                             "or use --sortquant/--quant/--codec for pipeline boundaries")
+        if args.world_size < 2:
+            raise ValueError("pipeline mode needs at least 2 processes; use --world-size 2 "
+                             "(or --mode dataparallel for one process)")
+        args.balance = _balance(args)
+        if args.partition == "client-server":
+            if args.world_size != 2:
+                raise ValueError(f"--partition client-server runs on exactly 2 processes, not {args.world_size}; "
+                                 "use --world-size 2 or --partition linear")
+            if args.stages is not None or args.balance is not None:
+                raise ValueError("--stages/--balance apply to --partition linear; "
+                                 "client-server is set by --client-layers")
+        else:
+            if args.stages is None:
+                args.stages = len(args.balance) if args.balance else args.world_size
+            if args.stages < args.world_size:
+                raise ValueError(f"--stages {args.stages} leaves processes idle with --world-size "
+                                 f"{args.world_size}; use --stages >= {args.world_size}")
+            if args.balance is not None and len(args.balance) != args.stages:
+                raise ValueError(f"--balance lists {len(args.balance)} stages but --stages is {args.stages}")
+        args.compression = boundary_compression(args)
+        args.dp_compression = None
+    else:
+        if args.batch_size % args.world_size:
+            raise ValueError(f"--batch-size {args.batch_size} is not divisible by --world-size {args.world_size} "
+                             "(dataparallel splits each batch over the processes); "
+                             f"use e.g. --batch-size {args.batch_size - args.batch_size % args.world_size or args.world_size}")
+        pipeline_flags = [f for f, v in (("--sortquant", args.sortquant), ("--quant", args.quant),
+                                         ("--split", args.split), ("--codec", args.codec),
+                                         ("--grad-quant", args.grad_quant), ("--grad-split", args.grad_split),
+                                         ("--grad-codec", args.grad_codec)) if v]
+        if pipeline_flags:
+            raise ValueError(f"{', '.join(pipeline_flags)} compress pipeline boundaries; in --mode dataparallel "
+                             "use --grad-compression NAME (e.g. --grad-compression sortquant "
+                             "--grad-compression-opt quant_bits=6 --grad-compression-opt split_bits=2)")
+        args.balance = _balance(args)
+        args.compression = None
+        args.dp_compression = grad_compression(args)
+
+    if args.train_subset is not None and args.train_subset < args.batch_size:
+        raise ValueError(f"--train-subset {args.train_subset} is smaller than one batch (--batch-size "
+                         f"{args.batch_size}); use --train-subset >= {args.batch_size} or a smaller batch")
+    _parse_devices(args.devices, args.world_size)
+    backend = resolve_backend(args)
+    if backend == "nccl" and not _parse_devices(args.devices, args.world_size)[0].startswith("cuda"):
+        raise ValueError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
+    if args.resume is not None:
+        meta = read_meta(args.resume)
+        if meta["world_size"] != args.world_size or meta["mode"] != args.mode:
+            raise ValueError(f"--resume {args.resume} was saved by {meta['world_size']} processes in "
+                             f"{meta['mode']} mode; resume with --world-size {meta['world_size']} "
+                             f"--mode {meta['mode']}")
+    for flag, path in (("--log", args.log), ("--save", args.save)):
+        if path is not None:
+            parent = Path(path).resolve().parent
+            existing = next(p for p in (parent, *parent.parents) if p.exists())
+            if not existing.is_dir() or not os.access(existing, os.W_OK):
+                raise ValueError(f"{flag} {path}: cannot create it under {existing}; choose a writable path")

@@ -1,0 +1,224 @@
+"""Compression flags -> codec specs for the stage boundaries and the DDP baseline.
+
+The flag rules (issue 4, original flag names):
+
+- ``--sortquant --quant Q --split S``: sort quantization, Q quant bits + S split bits,
+  both directions. ``--quant Q`` alone: uniform Q-bit quantization. ``--codec NAME``
+  with ``--codec-opt KEY=VALUE``: any registered codec. None of them: ``none``
+  (uncompressed, still measured).
+- ``--grad-codec NAME`` (+ ``--grad-codec-opt``) replaces the backward codec;
+  ``--grad-quant``/``--grad-split`` change the bits of the backward direction (sort
+  quantization when the forward one is, or when ``--grad-split`` is given; uniform
+  quantization otherwise).
+- ``--grad-compression NAME`` (+ ``--grad-compression-opt``): the DDP gradient hook
+  of ``--mode dataparallel``.
+
+Every spec is checked by building its codec once, so an unknown codec or a bad option
+is an argument error, raised before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from dgpipe.compression import Codec, available_codecs, get_codec
+
+__all__ = [
+    "MAX_BITS",
+    "CodecSpec",
+    "BoundaryCompression",
+    "parse_options",
+    "boundary_compression",
+    "grad_compression",
+]
+
+#: Most bits per value a quantizing codec may use (Q + S for sort quantization).
+MAX_BITS = 16
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A codec name with its keyword options: what a rank needs to build the codec.
+
+    Attributes:
+        name: registry name (:func:`dgpipe.compression.available_codecs`).
+        options: keyword arguments of :func:`dgpipe.compression.get_codec`.
+    """
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Codec:
+        """A fresh codec instance (stateful wrappers get their own state per call).
+
+        Raises:
+            ValueError: unknown codec name or bad options.
+        """
+        return get_codec(self.name, **self.options)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"name": ..., "options": {...}}`` for logs."""
+        return {"name": self.name, "options": dict(self.options)}
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.name}({opts})" if opts else self.name
+
+
+@dataclass(frozen=True)
+class BoundaryCompression:
+    """The codecs of a pipeline's boundaries: ``forward`` for activations, ``backward``
+    for their gradients."""
+
+    forward: CodecSpec
+    backward: CodecSpec
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"forward": spec, "backward": spec}`` for logs."""
+        return {"forward": self.forward.to_json(), "backward": self.backward.to_json()}
+
+    def __str__(self) -> str:
+        if self.forward == self.backward:
+            return str(self.forward)
+        return f"forward {self.forward}, backward {self.backward}"
+
+
+def _value(text: str) -> Any:
+    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"``/``"false"`` -> bool, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(pairs: list[str], flag: str) -> dict[str, Any]:
+    """Parse repeated ``KEY=VALUE`` flags into keyword options.
+
+    Values become int, float or bool when they read as one, else stay strings.
+
+    Raises:
+        ValueError: a pair without ``=``, an empty key, or a key given twice.
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"{flag} {pair!r}: write KEY=VALUE, e.g. {flag} ratio=0.01")
+        if key in options:
+            raise ValueError(f"{flag} gives {key!r} twice")
+        options[key] = _value(text.strip())
+    return options
+
+
+def _check_bits(quant: int, split: int | None, flags: str) -> None:
+    if quant < 1:
+        raise ValueError(f"{flags}: quant bits must be >= 1, got {quant}")
+    if split is not None and split < 0:
+        raise ValueError(f"{flags}: split bits must be >= 0, got {split}")
+    total = quant + (split or 0)
+    if total > MAX_BITS:
+        raise ValueError(f"{flags}: {total} bits per value is more than {MAX_BITS}; choose Q+S <= {MAX_BITS}, "
+                         "e.g. --quant 12 --split 4 (16 bits) or --quant 6 --split 2 (8 bits)")
+
+
+def _sortquant(quant: int, split: int) -> CodecSpec:
+    return CodecSpec("sortquant", {"quant_bits": quant, "split_bits": split})
+
+
+def _quant(bits: int) -> CodecSpec:
+    return CodecSpec("quant", {"bits": bits})
+
+
+def _checked(spec: CodecSpec, flag: str) -> CodecSpec:
+    if spec.name not in available_codecs():
+        raise ValueError(f"{flag}: unknown codec {spec.name!r}; available: {', '.join(available_codecs())}")
+    try:
+        spec.build()
+    except ValueError as e:
+        raise ValueError(f"{flag} {spec}: {e}") from None
+    return spec
+
+
+def _forward(args: argparse.Namespace) -> CodecSpec:
+    if args.codec is not None:
+        if args.sortquant or args.quant is not None or args.split is not None:
+            raise ValueError("--codec replaces --sortquant/--quant/--split; give one or the other")
+        return _checked(CodecSpec(args.codec, parse_options(args.codec_opt, "--codec-opt")), "--codec")
+    if args.codec_opt:
+        raise ValueError("--codec-opt needs --codec NAME")
+    if args.sortquant:
+        if args.quant is None or args.split is None:
+            raise ValueError("--sortquant needs --quant Q and --split S (Q+S bits per value), "
+                             "e.g. --sortquant --quant 6 --split 2")
+        _check_bits(args.quant, args.split, f"--quant {args.quant} --split {args.split}")
+        return _checked(_sortquant(args.quant, args.split), "--sortquant")
+    if args.split is not None:
+        raise ValueError("--split is the bucket bits of sort quantization: add --sortquant")
+    if args.quant is not None:
+        _check_bits(args.quant, None, f"--quant {args.quant}")
+        return _checked(_quant(args.quant), "--quant")
+    return CodecSpec("none")
+
+
+def _backward(args: argparse.Namespace, forward: CodecSpec) -> CodecSpec:
+    if args.grad_codec is not None:
+        if args.grad_quant is not None or args.grad_split is not None:
+            raise ValueError("--grad-codec replaces --grad-quant/--grad-split; give one or the other")
+        return _checked(CodecSpec(args.grad_codec, parse_options(args.grad_codec_opt, "--grad-codec-opt")),
+                        "--grad-codec")
+    if args.grad_codec_opt:
+        raise ValueError("--grad-codec-opt needs --grad-codec NAME")
+    if args.grad_quant is None and args.grad_split is None:
+        return forward
+    if forward.name == "sortquant" or args.grad_split is not None:
+        quant = args.grad_quant if args.grad_quant is not None else forward.options.get("quant_bits")
+        split = args.grad_split if args.grad_split is not None else forward.options.get("split_bits")
+        if quant is None or split is None:
+            raise ValueError("sort-quantized gradients need both --grad-quant Q and --grad-split S "
+                             "(the forward direction is not sort-quantized)")
+        _check_bits(quant, split, f"--grad-quant {quant} --grad-split {split}")
+        return _checked(_sortquant(quant, split), "--grad-quant/--grad-split")
+    _check_bits(args.grad_quant, None, f"--grad-quant {args.grad_quant}")
+    return _checked(_quant(args.grad_quant), "--grad-quant")
+
+
+def boundary_compression(args: argparse.Namespace) -> BoundaryCompression:
+    """The boundary codecs selected by the compression flags (rules in the module docstring).
+
+    Raises:
+        ValueError: contradictory flags, Q+S > 16, unknown codec or bad codec options,
+            each with the flag to change.
+    """
+    forward = _forward(args)
+    return BoundaryCompression(forward, _backward(args, forward))
+
+
+def grad_compression(args: argparse.Namespace) -> CodecSpec | None:
+    """The DDP gradient compression of ``--grad-compression`` (None: plain all-reduce).
+
+    The name and options are checked by :func:`dgpipe.baseline.validate_grad_compression`.
+
+    Raises:
+        ValueError: unknown name or bad options, with the fix.
+    """
+    from dgpipe.baseline import validate_grad_compression
+
+    options = parse_options(args.grad_compression_opt, "--grad-compression-opt")
+    if args.grad_compression is None:
+        if options:
+            raise ValueError("--grad-compression-opt needs --grad-compression NAME")
+        return None
+    spec = CodecSpec(args.grad_compression, options)
+    try:
+        validate_grad_compression(spec.name, dict(spec.options))
+    except ValueError as e:
+        raise ValueError(f"--grad-compression {spec}: {e}") from None
+    return spec

@@ -1,0 +1,169 @@
+"""Engines: one rank's way of running a training step -- the compressed pipeline or DDP.
+
+Both give the training loop (:mod:`dgpipe.train.loop`) the same small interface, so
+``--mode pipeline`` and ``--mode dataparallel`` share every line of the loop:
+
+- ``train_step(inputs, targets) -> float`` (gradients accumulated, the caller steps
+  the optimizer), ``eval_step(inputs) -> outputs or None``;
+- which ranks read training/evaluation data, which rank ends with evaluation outputs;
+- ``parameters()``, ``meter`` (a :class:`~dgpipe.comm.BandwidthMeter` of the traffic:
+  stage boundaries, or the DDP gradient exchange), ``state_dict()``/``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dgpipe.comm import wire_device
+from dgpipe.models import Stage, client_server_split
+from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
+
+from .job import Job
+
+__all__ = ["partition", "PipelineEngine", "DataParallelEngine", "make_engine"]
+
+
+def partition(layers: list[nn.Module], args: argparse.Namespace, pinned: tuple[int, int]) -> tuple[list[nn.Module], list[int]]:
+    """Stages and placement from the partition flags.
+
+    client-server: ``[client front, server middle, client back]`` on ranks ``[0, 1, 0]``
+    (``--client-layers`` at each end plus the job's ``pinned`` layers). linear:
+    ``--stages`` consecutive stages, ``--balance`` layers each (default: even parameter
+    counts), stage i on rank ``i % world_size``.
+    """
+    if args.partition == "client-server":
+        return client_server_split(layers, args.client_layers, pinned), client_server_placement()
+    balance = list(args.balance) if args.balance else balance_by_params(layers, args.stages)
+    return split_layers(layers, balance), [i % args.world_size for i in range(args.stages)]
+
+
+def _to(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    return tuple(t.to(device, non_blocking=True) for t in value)
+
+
+class PipelineEngine:
+    """This rank's part of the compressed GPipe pipeline (:class:`dgpipe.pipeline.Pipeline`).
+
+    Every rank calls every step (a collective). Stage 0's rank reads inputs, the last
+    stage's rank reads targets and ends with the evaluation outputs.
+    """
+
+    def __init__(self, job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
+                 device: torch.device) -> None:
+        stages, placement = partition(layers, args, job.pinned)
+        self.layers_per_stage = [len(list(s.children())) for s in stages]
+        self.placement = placement
+        comp = args.compression
+        self.pipe = Pipeline(
+            stages, placement, rank, chunks=args.chunk, loss_fn=job.loss,
+            act_codec=(comp.forward.name, dict(comp.forward.options)),
+            grad_codec=(comp.backward.name, dict(comp.backward.options)),
+            device=device, timeout=args.timeout,
+            deferred_batchnorm=getattr(args, "deferred_batchnorm", False), compress_eval=args.compress_eval,
+        )
+        self.meter = self.pipe.meter
+        self.reads_train_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage
+        self.evaluates = True
+        self.reads_eval_data = self.reads_train_data
+        self.output_rank = self.pipe.last_rank
+        self.momentum_in_codec = False
+
+    def describe(self) -> str:
+        """One line: stages, layers per stage, placement."""
+        return f"{len(self.placement)} stages with {self.layers_per_stage} layers on ranks {self.placement}"
+
+    def parameters(self):
+        return self.pipe.parameters()
+
+    def train_step(self, inputs, targets) -> float:
+        """GPipe step; returns the mini-batch's mean loss (the same on every rank)."""
+        return self.pipe.train_step(inputs, targets)
+
+    def eval_step(self, inputs):
+        """Outputs on the last stage's rank, None elsewhere."""
+        return self.pipe.eval_step(inputs)
+
+    def mean_loss(self, loss_sum: float, steps: int) -> float:
+        """The epoch's mean training loss (the pipeline's losses are already global)."""
+        return loss_sum / max(steps, 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to tell the pipeline."""
+
+    def state_dict(self) -> dict:
+        return self.pipe.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pipe.load_state_dict(state)
+
+
+class DataParallelEngine:
+    """The DDP baseline (:func:`dgpipe.baseline.build_ddp`): the whole model on every rank,
+    each rank on its shard of every batch, gradients averaged by the (optionally
+    compressed) exchange hook. Evaluation runs on rank 0 over the whole evaluation set.
+    """
+
+    def __init__(self, job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
+                 device: torch.device) -> None:
+        from dgpipe.baseline import build_ddp
+
+        spec = args.dp_compression
+        self.job, self.device = job, device
+        self.model = Stage(*layers)
+        self.dp = build_ddp(self.model, device, spec.name if spec else None, dict(spec.options) if spec else None,
+                            seed=args.seed)
+        self.model = self.dp.module.module
+        self.meter = self.dp.meter
+        self.reads_train_data = True
+        self.evaluates = self.reads_eval_data = rank == 0
+        self.output_rank = 0
+        self.momentum_in_codec = self.dp.codec_applies_momentum
+        self._compression = spec
+
+    def describe(self) -> str:
+        return f"DDP on {dist.get_world_size()} processes, gradient exchange {self._compression or 'all-reduce'}"
+
+    def parameters(self):
+        return self.dp.module.parameters()
+
+    def train_step(self, inputs, targets) -> float:
+        """Forward and backward of this rank's shard; returns its loss."""
+        self.dp.module.train()
+        loss = self.job.loss(self.dp.module(_to(inputs, self.device)), _to(targets, self.device))
+        loss.backward()
+        return float(loss.detach())
+
+    def eval_step(self, inputs):
+        """Outputs of the replica (no gradient exchange)."""
+        self.model.eval()
+        with torch.no_grad():
+            return self.model(_to(inputs, self.device))
+
+    def mean_loss(self, loss_sum: float, steps: int) -> float:
+        """Mean over ranks of the epoch's mean loss (one all-reduce)."""
+        buf = torch.tensor([loss_sum / max(steps, 1)], dtype=torch.float64, device=wire_device())
+        dist.all_reduce(buf)
+        return float(buf) / dist.get_world_size()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dp.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "hook": self.dp.hook_state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.dp.load_hook_state_dict(state["hook"])
+
+
+def make_engine(job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
+                device: torch.device) -> PipelineEngine | DataParallelEngine:
+    """The engine of ``args.mode``."""
+    cls = PipelineEngine if args.mode == "pipeline" else DataParallelEngine
+    return cls(job, layers, args, rank, device)

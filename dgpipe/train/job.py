@@ -1,0 +1,128 @@
+"""What a main job hands the training loop: model, data, loss, metrics, optimizer.
+
+:class:`Job` is the interface :func:`dgpipe.train.loop.run` drives; the vision job
+(:class:`~dgpipe.train.vision.VisionJob`) and the GLUE job
+(:class:`~dgpipe.train.nlp.GlueJob`) implement it. A job is built from the parsed
+arguments in every rank; :meth:`Job.check` runs once in the launching process, before
+any rank starts, and turns every problem it can see (data, model, partition) into a
+``ValueError`` that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dgpipe.models import client_server_split
+from dgpipe.pipeline import split_layers
+
+__all__ = ["Job", "metric_key", "decay_groups", "check_partition"]
+
+
+def metric_key(name: str) -> str:
+    """Log field of a validation metric: ``accuracy`` -> ``val_acc``, else ``val_<name>``."""
+    return "val_acc" if name == "accuracy" else f"val_{name}"
+
+
+def decay_groups(named: Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Optimizer parameter groups: weight decay on matrices and kernels (``dim >= 2``),
+    none on biases and normalisation scales (``dim < 2``), as usual for BERT and
+    MobileNet training."""
+    params = [p[1] if isinstance(p, tuple) else p for p in named]
+    params = [p for p in params if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def check_partition(n_layers: int, args: argparse.Namespace, pinned: tuple[int, int]) -> None:
+    """Check the partition flags against a model of ``n_layers`` layers (no model needed).
+
+    Raises:
+        ValueError: ``--client-layers`` too large, ``--stages`` more than the layers, or
+            a ``--balance`` that does not add up, with the values that fit.
+    """
+    if args.mode != "pipeline":
+        return
+    dummy = [nn.Identity() for _ in range(n_layers)]
+    if args.partition == "client-server":
+        try:
+            client_server_split(dummy, args.client_layers, pinned)
+        except ValueError as e:
+            raise ValueError(f"--client-layers {args.client_layers}: {e}") from None
+        return
+    if args.stages > n_layers:
+        raise ValueError(f"--stages {args.stages} is more than the model's {n_layers} layers; "
+                         f"use --stages <= {n_layers}")
+    if args.balance is not None:
+        try:
+            split_layers(dummy, list(args.balance))
+        except ValueError as e:
+            raise ValueError(f"--balance {','.join(map(str, args.balance))}: {e}") from None
+
+
+class Job:
+    """Interface of a main job (see the module docstring). Subclasses set the class
+    attributes and implement the methods.
+
+    Attributes:
+        pinned: ``(front, back)`` layers the client always holds in a client/server
+            partition besides ``--client-layers`` (an encoder's embeddings and head).
+        metric: log field of the summary metric (e.g. ``"val_acc"``), set by ``__init__``.
+        metric_names: every validation metric's log field, summary metric first.
+    """
+
+    pinned: tuple[int, int] = (0, 0)
+    metric: str
+    metric_names: tuple[str, ...]
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    @classmethod
+    def check(cls, args: argparse.Namespace) -> None:
+        """Validate the job's flags, data and model in the launching process.
+
+        Raises:
+            ValueError: with the fix.
+        """
+        raise NotImplementedError
+
+    def build_layers(self) -> list[nn.Module]:
+        """The whole model as an ordered layer list (same initialisation on every rank:
+        the loop seeds torch first)."""
+        raise NotImplementedError
+
+    def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+        """``(train, eval)`` loaders yielding ``(inputs, targets)``.
+
+        ``world_size > 1`` shards the training set for data parallelism (each rank gets
+        ``batch_size / world_size`` per step); the eval loader always covers the whole
+        evaluation set.
+        """
+        raise NotImplementedError
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean loss of a (micro-)batch: a scalar tensor."""
+        raise NotImplementedError
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """Validation metrics of the whole evaluation set, keyed by :attr:`metric_names`."""
+        raise NotImplementedError
+
+    def optimizer(self, params: Iterable[nn.Parameter], total_steps: int, steps_per_epoch: int,
+                  momentum_in_codec: bool = False) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """The optimizer over ``params`` and its per-step learning-rate schedule.
+
+        Args:
+            total_steps: optimizer steps of the whole run (schedule length).
+            steps_per_epoch: optimizer steps per epoch (for warm-up in epochs).
+            momentum_in_codec: the gradient codec applies momentum itself (DGC): build the
+                optimizer without it.
+        """
+        raise NotImplementedError

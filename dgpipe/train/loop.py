@@ -1,0 +1,228 @@
+"""The training loop shared by the main jobs: launch, epochs, evaluation, logs, checkpoints.
+
+:func:`run` starts the ranks -- in this process under ``torchrun`` (its environment
+variables are set), else ``--world-size`` local processes through
+:func:`dgpipe.pipeline.spawn` -- and each rank runs :func:`worker`:
+
+1. seed torch, build the job's layers (identical on every rank) and its engine
+   (:mod:`dgpipe.train.engine`: the compressed pipeline or the DDP baseline);
+2. per epoch: train for ``len(train loader)`` steps (fewer with ``--max-steps``), with
+   a tqdm bar on rank 0 (loss, samples/s); evaluate; gather the traffic meter on rank
+   0; rank 0 writes an ``epoch`` record (:mod:`dgpipe.train.runlog`) and prints a line
+   (and the per-boundary table with ``--bandwidth``); every rank saves its checkpoint
+   file with ``--save``;
+3. rank 0 writes the ``summary`` record and prints it.
+
+The data order of an epoch depends only on ``--seed`` and the epoch, so a resumed run
+(``--resume``) sees the same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm.auto import tqdm
+
+from dgpipe.comm import wire_device
+from dgpipe.pipeline import init_distributed, spawn
+
+from . import checkpoint, runlog
+from .args import dist_env, rank_device, resolve_backend
+from .engine import make_engine
+from .job import Job
+
+__all__ = ["run", "worker", "json_args"]
+
+#: Meter directions that are evaluation traffic (not counted in the summary's bytes).
+EVAL_DIRECTIONS = ("eval",)
+
+
+def run(job_cls: type[Job], args: argparse.Namespace) -> None:
+    """Train ``job_cls(args)`` on ``args.world_size`` ranks; validated ``args`` only.
+
+    Raises:
+        dgpipe.pipeline.SpawnError: a rank failed (names it, with its traceback).
+    """
+    args.launch_time = time.time()
+    env = dist_env(args.world_size)
+    backend = resolve_backend(args)
+    if env.torchrun:
+        init_distributed(backend, args.timeout)
+        try:
+            worker(env.rank, env.world_size, job_cls, args, env.local_rank)
+        finally:
+            dist.destroy_process_group()
+    else:
+        spawn(_spawned, args.world_size, (job_cls, args), backend=backend, timeout=args.timeout)
+
+
+def _spawned(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namespace) -> None:
+    worker(rank, world_size, job_cls, args, local_rank=rank)
+
+
+def json_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments as JSON values (codec specs as ``{"name", "options"}``)."""
+    out = {}
+    for key, value in sorted(vars(args).items()):
+        if key == "launch_time":
+            continue
+        if hasattr(value, "to_json"):
+            value = value.to_json()
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif value is not None and not isinstance(value, (str, int, float, bool, list, dict)):
+            value = str(value)
+        out[key] = value
+    return out
+
+
+def _set_threads(device: torch.device) -> None:
+    """Share the CPU cores among the local ranks instead of oversubscribing them."""
+    if device.type == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def _broadcast(values: list[float], src: int) -> list[float]:
+    """``values`` of rank ``src`` on every rank (float64 tensor collective)."""
+    buf = torch.tensor(values, dtype=torch.float64, device=wire_device())
+    dist.broadcast(buf, src=src)
+    return buf.tolist()
+
+
+def _start_epoch(loader: DataLoader | None, seed: int, epoch: int) -> None:
+    """Make the epoch's order (and augmentation draws) a function of ``(seed, epoch)``."""
+    if loader is None:
+        return
+    if loader.generator is not None:
+        loader.generator.manual_seed(seed * 1_000_003 + epoch)
+    if isinstance(loader.sampler, DistributedSampler):
+        loader.sampler.set_epoch(epoch)
+
+
+def _boundaries(meter) -> list[dict[str, Any]]:
+    return [runlog.boundary_record(r["name"], r["direction"], r["raw_bytes"], r["wire_bytes"], r["recv_bytes"],
+                                   r["recv_seconds"]) | {"frame_bytes": r["frame_bytes"]}
+            for r in meter.records()]
+
+
+def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> dict[str, float]:
+    """Run the evaluation set through the engine; every rank returns the metrics."""
+    outputs, targets = [], []
+    if engine.evaluates:
+        batches = iter(loader) if engine.reads_eval_data else None
+        for _ in range(steps):
+            inputs, target = next(batches) if batches is not None else (None, None)
+            out = engine.eval_step(inputs)
+            if out is not None:
+                outputs.append(out.float().cpu())
+                targets.append(target)
+    values = [0.0] * len(job.metric_names)
+    if dist.get_rank() == engine.output_rank:
+        metrics = job.metrics(torch.cat(outputs), torch.cat(targets))
+        values = [metrics[name] for name in job.metric_names]
+    return dict(zip(job.metric_names, _broadcast(values, engine.output_rank)))
+
+
+def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namespace, local_rank: int) -> None:
+    """Body of one rank (torch.distributed initialised); see the module docstring."""
+    device = rank_device(args, rank, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _set_threads(device)
+    torch.manual_seed(args.seed)
+    job = job_cls(args)
+    engine = make_engine(job, job.build_layers(), args, rank, device)
+    dp_shards = world_size if args.mode == "dataparallel" else 1
+    train_loader = eval_loader = None
+    if engine.reads_train_data or engine.reads_eval_data:
+        train_loader, eval_loader = job.loaders(rank if dp_shards > 1 else 0, dp_shards)
+    sizes = [len(train_loader), len(eval_loader)] if rank == 0 else [0, 0]
+    steps_per_epoch, eval_steps = (int(x) for x in _broadcast(sizes, 0))
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+    optimizer, scheduler = job.optimizer(engine.parameters(), total_steps, steps_per_epoch, engine.momentum_in_codec)
+
+    start_epoch, step = 0, 0
+    if args.resume:
+        state = checkpoint.load_rank(args.resume, rank, map_location=device)
+        engine.load_state_dict(state["engine"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        start_epoch, step = state["epoch"], state["step"]
+
+    lead = rank == 0
+    log = runlog.JsonlLog(args.log if lead else None, append=bool(args.resume))
+    if lead:
+        print(f"dgpipe {args.mode}: {engine.describe()}; "
+              + (f"codec {args.compression}; " if args.compression else "")
+              + f"{steps_per_epoch} steps/epoch of {args.batch_size} examples", flush=True)
+    train_seconds = samples = 0.0
+    raw_total = wire_total = 0
+    metrics: dict[str, float] = {}
+    for epoch in range(start_epoch, args.epochs):
+        if step >= total_steps:
+            break
+        engine.meter.reset()
+        engine.set_epoch(epoch)
+        _start_epoch(train_loader, args.seed, epoch)
+        batches = iter(train_loader) if engine.reads_train_data else None
+        n = min(steps_per_epoch, total_steps - step)
+        bar = tqdm(total=n, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not (lead and args.progress),
+                   unit="step", dynamic_ncols=True)
+        loss_sum, start = 0.0, time.perf_counter()
+        for i in range(n):
+            inputs, targets = next(batches) if batches is not None else (None, None)
+            optimizer.zero_grad(set_to_none=True)
+            loss = engine.train_step(inputs, targets)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            loss_sum += loss
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}",
+                            samples_s=f"{(i + 1) * args.batch_size / (time.perf_counter() - start):.1f}")
+        seconds = time.perf_counter() - start
+        bar.close()
+        train_seconds += seconds
+        samples += n * args.batch_size
+        train_loss = engine.mean_loss(loss_sum, n)
+        merged = engine.meter.gather(dst=0)
+        metrics = _evaluate(engine, job, eval_loader, eval_steps)
+        eval_traffic = engine.meter.gather(dst=0)
+        if lead:
+            boundaries = _boundaries(merged)
+            raw_total += sum(b["raw_bytes"] for b in boundaries)
+            wire_total += sum(b["wire_bytes"] for b in boundaries)
+            boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]
+            record = runlog.epoch_record(epoch + 1, train_loss, metrics, n * args.batch_size / seconds, boundaries,
+                                         steps=n, lr=scheduler.get_last_lr()[0])
+            log.write(record)
+            print(runlog.format_epoch(record, job.metric), flush=True)
+            if args.bandwidth:
+                print(runlog.format_boundaries(boundaries), flush=True)
+        if args.save:
+            checkpoint.save_rank(args.save, rank, {
+                "engine": engine.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch + 1, "step": step,
+            })
+            dist.barrier()
+            if lead:
+                checkpoint.write_meta(args.save, world_size=world_size, mode=args.mode, epoch=epoch + 1, step=step,
+                                      args=json_args(args))
+    if lead:
+        summary = runlog.summary_record(
+            job.metric, metrics.get(job.metric, float("nan")), samples / train_seconds if train_seconds else 0.0,
+            raw_total, wire_total, time.time() - args.launch_time, json_args(args), metrics=metrics, steps=step,
+        )
+        log.write(summary)
+        log.close()
+        print(runlog.format_summary(summary), flush=True)

@@ -1,0 +1,171 @@
+"""The NLP main job: a BERT/RoBERTa-family encoder fine-tuned on a GLUE task.
+
+Data from :mod:`dgpipe.data.glue` (local GLUE TSVs or ``datasets``), model from
+:mod:`dgpipe.models.encoder` (``from_pretrained`` a hub name or local directory, or a
+random initialisation from a config: ``--model-config tiny-roberta|tiny-bert|PATH``),
+AdamW with a linear warm-up and linear decay
+(``transformers.get_linear_schedule_with_warmup``). Flags: see ``test_nlp_dgpipe.py``.
+
+Tokenizer: the model's own (``AutoTokenizer``), or ``--tokenizer offline`` -- a small
+WordPiece vocabulary trained on the task's training texts (:func:`dgpipe.data.offline_tokenizer`),
+for randomly initialised models on machines without a model hub. Training it is not
+deterministic, so it is trained once in the launching process and saved (in the
+``--save`` directory when given, so that ``--resume`` finds the same vocabulary); the
+ranks load that copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dgpipe.data import glue_task, load_glue, make_glue_loader, offline_tokenizer
+from dgpipe.models import build_encoder, encoder_layers, small_encoder_config
+
+from .args import dist_env
+from .job import Job, check_partition, decay_groups, metric_key
+from .metrics import TASK_METRICS, compute_metrics
+
+__all__ = ["GlueJob", "TINY_CONFIGS", "OFFLINE_VOCAB"]
+
+#: ``--model-config`` presets: small random encoders sized for smoke runs.
+TINY_CONFIGS = {"tiny-roberta": "roberta", "tiny-bert": "bert"}
+#: Vocabulary bound of the offline tokenizer.
+OFFLINE_VOCAB = 8000
+_TOKENIZER_SUBDIR = "tokenizer"
+
+
+def _train_texts(args: argparse.Namespace) -> list[str]:
+    examples = load_glue(args.task, args.data_dir, "train")
+    return [a for a, _, _ in examples] + [b for _, b, _ in examples if b]
+
+
+def _config(args: argparse.Namespace, tokenizer):
+    """The model config of ``--model-config`` (None: use ``--model``'s pretrained weights)."""
+    from transformers import AutoConfig
+
+    num_labels = glue_task(args.task).num_labels
+    if args.model_config is None:
+        return None
+    if args.model_config in TINY_CONFIGS:
+        return small_encoder_config(TINY_CONFIGS[args.model_config], len(tokenizer), tokenizer.pad_token_id,
+                                    args.max_length, num_labels)
+    config = AutoConfig.from_pretrained(args.model_config)
+    config.num_labels = num_labels
+    if args.tokenizer == "offline":
+        config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+    return config
+
+
+class GlueJob(Job):
+    """An encoder on one GLUE task; see :class:`~dgpipe.train.job.Job` for the interface."""
+
+    pinned = (1, 1)
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoTokenizer
+
+        super().__init__(args)
+        self.task = glue_task(args.task)
+        self.metric_names = tuple(metric_key(m) for m in TASK_METRICS[self.task.name])
+        self.metric = self.metric_names[0]
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+
+    @classmethod
+    def check(cls, args: argparse.Namespace) -> None:
+        """Check lengths, data, tokenizer and model, and train the offline tokenizer.
+
+        Sets ``args.tokenizer`` (resolved) and ``args.tokenizer_path`` (what the ranks load).
+
+        Raises:
+            ValueError: bad ``--max-length``/``--weight-decay``/``--warmup-ratio``, missing
+                GLUE files (names the paths tried), a model or tokenizer that cannot be
+                loaded, or a partition that does not fit the model.
+        """
+        from transformers import AutoConfig, AutoTokenizer
+
+        if args.max_length < 8:
+            raise ValueError(f"--max-length {args.max_length} is too short; use e.g. 128")
+        if args.weight_decay < 0 or not 0 <= args.warmup_ratio < 1:
+            raise ValueError("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
+        try:
+            for split in ("train", "dev"):
+                load_glue(args.task, args.data_dir, split)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        if args.tokenizer is None:
+            args.tokenizer = "offline" if args.model_config is not None else args.model
+        if args.model_config is None and args.tokenizer == "offline":
+            raise ValueError("--tokenizer offline has a vocabulary of its own: it needs a randomly initialised "
+                             "model (--model-config tiny-roberta), not pretrained weights")
+        resume_tok = Path(args.resume, _TOKENIZER_SUBDIR) if args.resume else None
+        if args.tokenizer == "offline" and resume_tok is not None and resume_tok.is_dir():
+            args.tokenizer_path = str(resume_tok)
+        elif args.tokenizer == "offline":
+            if dist_env(args.world_size).torchrun and args.mode == "dataparallel":
+                raise ValueError("under torchrun each process would train its own offline tokenizer, and "
+                                 "data-parallel ranks need the same one: save one (e.g. from a --save run) and "
+                                 "pass --tokenizer DIR")
+            tokenizer = offline_tokenizer(_train_texts(args), OFFLINE_VOCAB, token_type_ids=args.model_config == "tiny-bert")
+            if args.save:
+                path = Path(args.save, _TOKENIZER_SUBDIR)
+            else:
+                path = Path(tempfile.mkdtemp(prefix="dgpipe-tokenizer-"))
+                atexit.register(shutil.rmtree, path, ignore_errors=True)
+            tokenizer.save_pretrained(path)
+            args.tokenizer_path = str(path)
+        else:
+            args.tokenizer_path = args.tokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+            config = _config(args, tokenizer) or AutoConfig.from_pretrained(args.model)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load the model or tokenizer ({e}); pass --model/--tokenizer as a hub name "
+                             "(online) or a local directory, or --model-config tiny-roberta for a random model") from None
+        positions = getattr(config, "max_position_embeddings", None)
+        need = args.max_length + (config.pad_token_id + 1 if config.model_type == "roberta" else 0)
+        if positions is not None and need > positions:
+            raise ValueError(f"--max-length {args.max_length} needs {need} position embeddings but the model has "
+                             f"{positions}; use --max-length <= {args.max_length - need + positions}")
+        check_partition(config.num_hidden_layers + 2, args, cls.pinned)
+
+    def build_layers(self) -> list[nn.Module]:
+        config = _config(self.args, self.tokenizer)
+        num_labels = self.task.num_labels
+        model = build_encoder(config if config is not None else self.args.model, num_labels)
+        return encoder_layers(model)
+
+    def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+        a = self.args
+        common = dict(max_length=a.max_length, seed=a.seed, num_workers=0)
+        train = make_glue_loader(a.task, self.tokenizer, a.data_dir, "train", a.batch_size // world_size,
+                                 subset=a.train_subset, rank=rank, world_size=world_size, **common)
+        evaluation = make_glue_loader(a.task, self.tokenizer, a.data_dir, "dev", a.batch_size,
+                                      subset=a.eval_subset, **common)
+        return train, evaluation
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.task.is_regression:
+            return F.mse_loss(output.squeeze(-1), target)
+        return F.cross_entropy(output, target)
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        values = compute_metrics(self.task.name, outputs, targets)
+        return {metric_key(k): v for k, v in values.items()}
+
+    def optimizer(self, params: Iterable[nn.Parameter], total_steps: int, steps_per_epoch: int,
+                  momentum_in_codec: bool = False):
+        from transformers import get_linear_schedule_with_warmup
+
+        a = self.args
+        opt = torch.optim.AdamW(decay_groups(params, a.weight_decay), lr=a.lr)
+        return opt, get_linear_schedule_with_warmup(opt, round(a.warmup_ratio * total_steps), total_steps)

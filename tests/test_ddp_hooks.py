@@ -1,0 +1,267 @@
+"""DDP communication hooks (issue 7) on 2 gloo processes, plus argument validation.
+
+One spawn of 2 ranks runs every distributed scenario (``_worker``) and saves what each
+rank saw; the tests below assert on those results.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dgpipe.baseline import build_ddp, grad_compression_names, validate_grad_compression
+from dgpipe.compression import get_codec
+
+WORLD = 2
+DEADLINE_S = 150
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def batch(rank: int, step: int, zero_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(8, 6, generator=g)
+    return (torch.zeros_like(x) if zero_input else x), torch.randn(8, 3, generator=g)
+
+
+def grads_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def backward(module: torch.nn.Module, rank: int, step: int, zero_input: bool = False) -> None:
+    x, y = batch(rank, step, zero_input)
+    module.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(module(x), y).backward()
+
+
+def ddp_grads(name, options, rank, steps=1, zero_input=False, **kw):
+    dp = build_ddp(tiny_model(), "cpu", name, options, seed=1, **kw)
+    for step in range(steps):
+        backward(dp.module, rank, step, zero_input)
+    return grads_of(dp.module), dp
+
+
+def mean_of_own_decodes(name, options, rank, zero_input=False) -> list[torch.Tensor]:
+    """Independent reference: local gradients, a fresh codec per parameter, decoded,
+    all-gathered by this test and averaged."""
+    local = tiny_model()
+    backward(local, rank, 0, zero_input)
+    out = []
+    for g in grads_of(local):
+        codec = get_codec(name, **options)
+        mine = codec.decode(codec.encode(g))
+        every = [torch.empty_like(mine) for _ in range(WORLD)]
+        dist.all_gather(every, mine)
+        out.append(sum(every) / WORLD)
+    return out
+
+
+def train_steps(name, options, rank, steps, state=None):
+    """SGD steps through build_ddp; returns (model state, optimizer state, hook state,
+    gradients of the last step). ``state`` resumes from a previous return value."""
+    dp = build_ddp(tiny_model(), "cpu", name, options, seed=1)
+    opt = torch.optim.SGD(dp.module.parameters(), lr=0.1, momentum=0.9)
+    start = 0
+    if state is not None:
+        dp.module.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        dp.load_hook_state_dict(state["hook"])
+        start = state["step"]
+    for step in range(start, steps):
+        backward(dp.module, rank, step)
+        opt.step()
+    return {
+        "model": copy.deepcopy(dp.module.module.state_dict()),
+        "opt": copy.deepcopy(opt.state_dict()),
+        "hook": dp.hook_state_dict(),
+        "step": steps,
+        "grads": grads_of(dp.module),
+    }
+
+
+def _scenarios(rank: int) -> dict:
+    res: dict = {}
+    plain = torch.nn.parallel.DistributedDataParallel(tiny_model())
+    backward(plain, rank, 0)
+    res["plain"] = grads_of(plain)
+
+    res["none"], dp = ddp_grads(None, None, rank)
+    res["none_records"] = dp.step_records()
+    res["none_allgather"], _ = ddp_grads("none", {"exchange": "allgather"}, rank)
+    res["none_allreduce"], _ = ddp_grads("none", {"exchange": "allreduce"}, rank)
+    res["fp16"], dp = ddp_grads("fp16", None, rank)
+    res["fp16_records"] = dp.step_records()
+
+    res["onebit"], dp = ddp_grads("onebit", {}, rank)
+    res["onebit_records"] = dp.step_records()
+    res["onebit_reference"] = mean_of_own_decodes("onebit", {}, rank)
+    local = tiny_model()
+    backward(local, rank, 0)
+    res["onebit_payload_bytes"] = sum(get_codec("onebit").encode(g).nbytes for g in grads_of(local))
+
+    # rank 1's input is zero: its first weight gradient is 0 and ATOMO sends 0 atoms
+    # for it, rank 0 sends several -- payloads of different sizes.
+    res["atomo"], dp = ddp_grads("atomo", {"budget": 6}, rank, zero_input=rank == 1)
+    res["atomo_records"] = dp.step_records()
+    plain = torch.nn.parallel.DistributedDataParallel(tiny_model())
+    backward(plain, rank, 0, zero_input=rank == 1)
+    res["atomo_plain"] = grads_of(plain)
+    res["dgc"], _ = ddp_grads("dgc", {"density": 0.3, "warmup_epochs": 0}, rank, steps=3)
+
+    for name, options, steps, cut in [
+        ("onebit", {"error_feedback": True}, 3, 2),
+        ("dgc", {"density": 0.2, "warmup_epochs": 0}, 3, 2),
+        ("powersgd", {"start_powerSGD_iter": 2}, 5, 3),
+    ]:
+        full = train_steps(name, options, rank, steps)
+        half = train_steps(name, options, rank, cut)
+        resumed = train_steps(name, options, rank, steps, state=half)
+        fresh = train_steps(name, options, rank, steps, state={**half, "hook": train_steps(name, options, rank, 0)["hook"]})
+        res[f"resume_{name}"] = (full, resumed, fresh)
+
+    # a rank that cannot encode (NaN gradient) must stop every rank with an error
+    dp = build_ddp(tiny_model(), "cpu", "onebit", {}, seed=1)
+    x, y = batch(rank, 0)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    try:
+        torch.nn.functional.mse_loss(dp.module(x), y).backward()
+        res["nan_error"] = None
+    except Exception as err:  # noqa: BLE001
+        res["nan_error"] = str(err)
+    return res
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        torch.save(_scenarios(rank), os.path.join(outdir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    outdir = str(tmp_path_factory.mktemp("ddp"))
+    ctx = mp.start_processes(_worker, args=(_free_port(), outdir), nprocs=WORLD, join=False, start_method="spawn")
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=DEADLINE_S)
+        while not ctx.join(timeout=1):
+            if datetime.datetime.now() > deadline:
+                raise TimeoutError(f"DDP hook workers did not finish within {DEADLINE_S} s")
+    except Exception:
+        errors = [p for p in os.listdir(outdir) if p.endswith(".err")]
+        details = "\n".join(open(os.path.join(outdir, p)).read() for p in errors)
+        raise RuntimeError(f"workers failed:\n{details}")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+def assert_all_close(a, b, **kw):
+    assert len(a) == len(b)
+    for s, t in zip(a, b):
+        torch.testing.assert_close(s, t, **kw)
+
+
+def test_none_equals_plain_ddp(runs):
+    for res in runs:
+        for key in ("none", "none_allgather", "none_allreduce"):
+            assert_all_close(res[key], res["plain"], rtol=1e-6, atol=1e-7)
+
+
+def test_fp16_close_to_plain(runs):
+    for res in runs:
+        assert_all_close(res["fp16"], res["plain"], rtol=2e-3, atol=1e-4)
+    (rec,) = runs[0]["fp16_records"]
+    assert rec["name"] == "ddp" and rec["direction"] == "allreduce" and rec["wire_bytes"] * 2 == rec["raw_bytes"]
+
+
+def test_none_meters_the_allreduce(runs):
+    numel = sum(p.numel() for p in tiny_model().parameters())
+    (rec,) = runs[0]["none_records"]
+    assert rec["raw_bytes"] == rec["wire_bytes"] == rec["recv_bytes"] == 4 * numel
+    assert rec["ratio"] == 1.0 and rec["recv_seconds"] > 0
+
+
+def test_allgather_codec_gives_every_rank_the_mean_of_decodes(runs):
+    for res in runs:
+        assert_all_close(res["onebit"], res["onebit_reference"], rtol=1e-6, atol=1e-7)
+    for a, b in zip(runs[0]["onebit"], runs[1]["onebit"]):
+        assert torch.equal(a, b)
+    (rec,) = runs[0]["onebit_records"]
+    assert rec["direction"] == "allgather" and rec["wire_bytes"] == runs[0]["onebit_payload_bytes"]
+    assert rec["recv_bytes"] == runs[1]["onebit_payload_bytes"]
+    assert rec["ratio"] < 1 and rec["encode_seconds"] > 0 and rec["decode_seconds"] > 0
+
+
+def test_payloads_of_different_sizes_do_not_hang(runs):
+    wire = [res["atomo_records"][0]["wire_bytes"] for res in runs]
+    assert wire[0] != wire[1]
+    for res in runs:  # the budget covers every rank, so ATOMO is exact: the plain average
+        assert_all_close(res["atomo"], res["atomo_plain"], rtol=1e-4, atol=1e-5)
+    for a, b in zip(runs[0]["dgc"], runs[1]["dgc"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["onebit", "dgc", "powersgd"])
+def test_resume_restores_hook_state(name, runs):
+    for res in runs:
+        full, resumed, fresh = res[f"resume_{name}"]
+        assert_all_close(resumed["grads"], full["grads"], rtol=0, atol=0)
+        for k, v in full["model"].items():
+            assert torch.equal(resumed["model"][k], v)
+        # without the saved hook state the next update differs: the state matters
+        assert any(not torch.equal(a, b) for a, b in zip(fresh["grads"], full["grads"]))
+
+
+def test_failing_rank_stops_every_rank(runs):
+    assert "inf/NaN" in runs[1]["nan_error"]
+    assert "rank 1 failed to encode" in runs[0]["nan_error"]
+
+
+def test_validation_errors_before_any_process():
+    validate_grad_compression(None, None)
+    validate_grad_compression("topk" if "topk" in grad_compression_names() else "onebit", {"error_feedback": True})
+    validate_grad_compression("powersgd", {"matrix_approximation_rank": 4})
+    validate_grad_compression("qsgd", {"levels": 4, "norm": "max"})
+    for name, options, match in [
+        ("nope", {}, "unknown grad compression"),
+        ("fp16", {"x": 1}, "takes no options"),
+        ("powersgd", {"rank": 2}, "unknown powersgd options"),
+        ("powersgd", {"matrix_approximation_rank": 0}, "matrix_approximation_rank"),
+        ("powersgd", {"start_powerSGD_iter": 1}, "start_powerSGD_iter"),
+        ("qsgd", {"levels": -1}, "levels"),
+        ("qsgd", {"seed": 3}, "seed"),
+        ("onebit", {"error_feedback": "yes"}, "error_feedback"),
+        ("onebit", {"exchange": "allreduce"}, "cannot be all-reduced"),
+        ("dgc", {"error_feedback": True}, "dgc"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            validate_grad_compression(name, options)

@@ -1,0 +1,118 @@
+"""Run logs (JSON lines, readable summary), checkpoints, and the ablation plot script."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dgpipe.train import checkpoint, runlog
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _summary(path: Path, value: float, raw: int, wire: int, metric: str = "val_acc") -> None:
+    with runlog.JsonlLog(path) as log:
+        log.write(runlog.epoch_record(1, 2.0, {metric: value / 2}, 10.0, []))
+        log.write(runlog.summary_record(metric, value, 11.0, raw, wire, 3.0, {"quant": 8}))
+
+
+def test_boundary_record_rate_and_null_without_time():
+    b = runlog.boundary_record("0->1", "forward", 4000, 1000, 1000, 0.5)
+    assert list(b) == list(runlog.BOUNDARY_FIELDS)
+    assert b["recv_bytes_per_s"] == 2000.0
+    assert runlog.boundary_record("0->1", "backward", 1, 1, 0, 0.0)["recv_bytes_per_s"] is None
+
+
+def test_jsonl_roundtrip_schema_and_append(tmp_path):
+    path = tmp_path / "sub" / "run.jsonl"
+    b = runlog.boundary_record("1->0", "backward", 800, 200, 200, 0.25)
+    with runlog.JsonlLog(path) as log:
+        log.write(runlog.epoch_record(1, 1.5, {"val_acc": 0.25}, 123.0, [b], steps=7))
+        log.write(runlog.summary_record("val_acc", 0.25, 120.0, 800, 200, 9.5, {"lr": 0.1}, val_loss=float("nan")))
+    records = runlog.read_records(path)
+    assert [r["event"] for r in records] == ["epoch", "summary"]
+    assert records[0] == {"event": "epoch", "epoch": 1, "train_loss": 1.5, "val_acc": 0.25, "samples_per_s": 123.0,
+                          "boundaries": [b], "steps": 7}
+    s = runlog.read_summary(path)
+    assert (s["metric"], s["value"], s["raw_bytes"], s["wire_bytes"], s["args"]) == ("val_acc", 0.25, 800, 200,
+                                                                                       {"lr": 0.1})
+    assert s["val_loss"] is None  # NaN is not JSON: written as null
+    with runlog.JsonlLog(path, append=True) as log:
+        log.write({"event": "epoch", "epoch": 2})
+    assert len(runlog.read_records(path)) == 3
+    with runlog.JsonlLog(path) as log:  # a new run starts a new file
+        pass
+    assert runlog.read_records(path) == []
+
+
+def test_read_errors_name_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"event": "epoch"}\n\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: a record must be a JSON object"):
+        runlog.read_records(path)
+    path.write_text('{"event": "epoch"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        runlog.read_records(path)
+    path.write_text('{"event": "epoch"}\n')
+    with pytest.raises(ValueError, match="no summary record"):
+        runlog.read_summary(path)
+
+
+def test_readable_summary_and_table():
+    s = runlog.summary_record("val_mcc", 0.125, 50.0, 4 << 20, 1 << 20, 12.0, {})
+    text = runlog.format_summary(s)
+    assert "val_mcc: 0.1250" in text and "wire/raw 0.2500 (x4.00 smaller)" in text
+    assert "raw 4.0 MiB, wire 1.0 MiB" in text
+    table = runlog.format_boundaries([runlog.boundary_record("0->1", "forward", 2048, 512, 512, 0.001)])
+    header, row = table.splitlines()
+    assert header.split()[:4] == ["boundary", "direction", "raw", "wire"]
+    assert row.split() == ["0->1", "forward", "2.0", "KiB", "512", "B", "0.250", "512", "B", "0.001", "0.51"]
+
+
+def test_checkpoint_roundtrip_and_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"no checkpoint there \(.*meta.json not found\)"):
+        checkpoint.read_meta(tmp_path / "ckpt")
+    state = {"stages": {"1": {"weight": torch.arange(6.0).view(2, 3)}}, "epoch": 2, "step": 40,
+             "optimizer": torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9).state_dict()}
+    checkpoint.save_rank(tmp_path / "ckpt", 1, state)
+    checkpoint.write_meta(tmp_path / "ckpt", world_size=2, mode="pipeline", epoch=2, step=40, args={"lr": 0.1})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "rank1.pt"]  # no temp files left
+    meta = checkpoint.read_meta(tmp_path / "ckpt")
+    assert (meta["world_size"], meta["mode"], meta["epoch"], meta["step"]) == (2, "pipeline", 2, 40)
+    loaded = checkpoint.load_rank(tmp_path / "ckpt", 1)
+    assert torch.equal(loaded["stages"]["1"]["weight"], state["stages"]["1"]["weight"])
+    assert loaded["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    with pytest.raises(FileNotFoundError, match="rank 0"):
+        checkpoint.load_rank(tmp_path / "ckpt", 0)
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps({"format": 1, "world_size": "2"}))
+    with pytest.raises(ValueError, match="'world_size' missing or not int"):
+        checkpoint.read_meta(tmp_path / "ckpt")
+
+
+def test_plot_ablation_points_and_png(tmp_path, capsys):
+    plot = _load_script(ROOT / "benchmarks" / "plot_ablation.py")
+    _summary(tmp_path / "none.jsonl", 0.50, 1000, 1010)
+    _summary(tmp_path / "sq8.jsonl", 0.48, 1000, 260)
+    points = plot.ablation_points([tmp_path / "none.jsonl", tmp_path / "sq8.jsonl"])
+    assert [(p.label, p.wire_ratio, p.value) for p in points] == [("none", 1.01, 0.5), ("sq8", 0.26, 0.48)]
+    out = tmp_path / "fig" / "ablation.png"
+    assert plot.main([str(tmp_path / "none.jsonl"), str(tmp_path / "sq8.jsonl"), "--out", str(out),
+                      "--labels", "fp32,8 bit"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "8 bit  wire/raw 0.2600  val_acc 0.4800" in printed and math.isclose(points[1].wire_ratio, 0.26)
+    _summary(tmp_path / "cola.jsonl", 0.3, 1000, 500, metric="val_mcc")
+    with pytest.raises(ValueError, match="different metrics"):
+        plot.ablation_points([tmp_path / "sq8.jsonl", tmp_path / "cola.jsonl"])

@@ -1,0 +1,153 @@
+"""send_payload / recv_payload between two gloo ranks: exact round trips, validation, timeouts.
+
+All checks run in one spawned 2-rank world (one process-group start for the module);
+each rank writes its outcome per check to a file, and every test reads its own check.
+"""
+
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dgpipe.comm.transport import PREAMBLE_MAGIC, TransportError, recv_payload, send_payload
+from dgpipe.compression import get_codec
+from dgpipe.compression.base import MAGIC, make_payload
+from dgpipe.pipeline import spawn
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3, 5, generator=g),
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.randint(-(2**40), 2**40, (4, 2), generator=g),
+        torch.rand(6, generator=g) > 0.5,
+        torch.randn((), generator=g, dtype=torch.float64),
+        torch.empty(0, 4),
+        torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8),
+    ]
+
+
+def check_round_trip(rank):
+    """Lossless payloads of many dtypes/shapes (0-d, empty) arrive bit-exact, in order."""
+    none = get_codec("none")
+    if rank == 0:
+        works = [send_payload(none.encode(t), 1, tag=3) for t in _tensors()]
+        for w in works:
+            w.wait(10)
+    else:
+        for t in _tensors():
+            p = recv_payload(0, "cpu", tag=3, timeout=10)
+            assert p.nbytes == none.encode(t).nbytes
+            got = none.decode(p)
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert torch.equal(got, t)
+
+
+def check_multi_tensor_payload(rank):
+    """A payload with several tensors (fp16 codec header + data) decodes to the sender's result."""
+    codec = get_codec("fp16")
+    x = torch.linspace(-3, 3, 50).reshape(5, 10)
+    if rank == 0:
+        send_payload(codec.encode(x), 1).wait(10)
+    else:
+        got = codec.decode(recv_payload(0, "cpu", timeout=10))
+        assert torch.equal(got, x.half().float())
+
+
+def check_tags_keep_streams_apart(rank):
+    """Messages on different tags are matched by tag, not by arrival order."""
+    none = get_codec("none")
+    if rank == 0:
+        a = send_payload(none.encode(torch.full((2,), 1.0)), 1, tag=11)
+        b = send_payload(none.encode(torch.full((3,), 2.0)), 1, tag=12)
+        a.wait(10)
+        b.wait(10)
+    else:
+        second = none.decode(recv_payload(0, "cpu", tag=12, timeout=10))
+        first = none.decode(recv_payload(0, "cpu", tag=11, timeout=10))
+        assert torch.equal(first, torch.full((2,), 1.0)) and torch.equal(second, torch.full((3,), 2.0))
+
+
+def check_corrupt_preamble(rank):
+    """A preamble without the magic is refused before anything else is read."""
+    if rank == 0:
+        dist.send(torch.tensor([12345, 10], dtype=torch.int64), 1, tag=21)
+    else:
+        with pytest.raises(ValueError, match="corrupt preamble from rank 0"):
+            recv_payload(0, "cpu", tag=21, timeout=10)
+
+
+def check_corrupt_header(rank):
+    """A header with a bad dtype code is refused (parse_header) before allocating tensors."""
+    header = make_payload(0, torch.float32, (4,), (), (torch.zeros(4),)).header.clone()
+    header[2] = 99  # dtype code
+    if rank == 0:
+        dist.send(torch.tensor([PREAMBLE_MAGIC, header.numel()], dtype=torch.int64), 1, tag=22)
+        dist.send(header, 1, tag=22)
+    else:
+        with pytest.raises(ValueError, match="unknown dtype code 99"):
+            recv_payload(0, "cpu", tag=22, timeout=10)
+
+
+def check_oversized_payload(rank):
+    """A header announcing more than max_bytes is refused without allocating."""
+    header = torch.tensor([MAGIC, 0, 1, 1, 10**9, 0, 1, 1, 10**9], dtype=torch.int64)  # float32[1e9]
+    if rank == 0:
+        dist.send(torch.tensor([PREAMBLE_MAGIC, header.numel()], dtype=torch.int64), 1, tag=23)
+        dist.send(header, 1, tag=23)
+    else:
+        with pytest.raises(ValueError, match="announces 4000000000 bytes, over max_bytes=1000000"):
+            recv_payload(0, "cpu", tag=23, timeout=10, max_bytes=10**6)
+
+
+def check_timeout_names_peer(rank):
+    """A receive from a silent (alive) peer ends within its timeout with an error naming the peer."""
+    if rank == 0:
+        time.sleep(2)  # stay alive and silent
+    else:
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="timed out after 1 s: rank 0 is stalled") as info:
+            recv_payload(0, "cpu", tag=31, timeout=1.0)
+        assert info.value.peer == 0
+        assert time.monotonic() - start < 5
+
+
+CHECKS = [
+    check_round_trip,
+    check_multi_tensor_payload,
+    check_tags_keep_streams_apart,
+    check_corrupt_preamble,
+    check_corrupt_header,
+    check_oversized_payload,
+    check_timeout_names_peer,  # last: a timed-out gloo pair is closed afterwards
+]
+
+
+def _worker(rank, world_size, out_dir):
+    torch.set_num_threads(1)
+    for check in CHECKS:
+        try:
+            check(rank)
+            result = "ok"
+        except BaseException:  # recorded for the test that owns this check
+            result = traceback.format_exc()
+        Path(out_dir, f"{check.__name__}.{rank}").write_text(result)
+        dist.barrier() if check is not CHECKS[-1] else None
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("transport")
+    spawn(_worker, 2, args=(str(out),), timeout=60)
+    return out
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+def test_transport(outcomes, check):
+    for rank in range(2):
+        result = (outcomes / f"{check}.{rank}").read_text()
+        assert result == "ok", f"rank {rank}:\n{result}"
