@@ -3,7 +3,8 @@
 
 Local (spawns two processes on 127.0.0.1)::
 
-    python bandwidth/probe_link.py [--min-size 1K] [--max-size 64M] [--factor 4] [--repeats 5] [--min-time 0.2]
+    python bandwidth/probe_link.py [--min-size 1K] [--max-size 64M] [--factor 4]
+                                   [--repeats 5] [--warmup 2] [--min-time 0.2]
 
 Two machines or a slow link (torchrun-style env vars RANK, WORLD_SIZE=2, MASTER_ADDR,
 MASTER_PORT are set, so it joins with ``env://``)::
@@ -12,22 +13,21 @@ MASTER_PORT are set, so it joins with ``env://``)::
     python bandwidth/slow_link.py --rate 100mbit -- python bandwidth/probe_link.py
 
 Timing is ping-pong over gloo (see ``dgpipe.comm.probe``): one-way seconds = half the
-round trip, median of ``--repeats``. Rank 0 prints the table and the fit.
+round trip; per size the median of at least ``--repeats`` round trips and at least
+``--min-time`` seconds of them. Rank 0 prints the table and the fit.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import re
-import socket
 import sys
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dgpipe.comm.probe import fit_latency_bandwidth, pingpong_seconds
+from dgpipe.pipeline.launch import SpawnError, init_distributed, spawn
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -81,29 +81,14 @@ def report(sizes: list[int], seconds: list[float], how: str) -> str:
     return "\n".join(lines)
 
 
-def run_rank(args: argparse.Namespace, how: str) -> None:
-    """Body of one rank after init_process_group; rank 0 prints."""
+def run_rank(rank: int, world_size: int, args: argparse.Namespace, how: str) -> None:
+    """Body of one rank once torch.distributed is initialised; rank 0 prints."""
     sizes = message_sizes(args.min_size, args.max_size, args.factor)
     seconds = pingpong_seconds(sizes, repeats=args.repeats, warmup=args.warmup,
                                min_time_s=args.min_time)
     if seconds is not None:
         print(report(sizes, seconds, f"{how}; median of >= {args.repeats} round trips "
                                      f"and >= {args.min_time:g} s per size"), flush=True)
-
-
-def _local_worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        run_rank(args, "2 local processes, gloo over 127.0.0.1")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,22 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
 
-    if "RANK" in os.environ:
-        world = int(os.environ.get("WORLD_SIZE", "0"))
-        if world != 2:
-            parser.error(f"the probe needs WORLD_SIZE=2, got {world}")
-        dist.init_process_group("gloo", init_method="env://",
-                                timeout=datetime.timedelta(seconds=args.timeout))
+    if "RANK" in os.environ:  # launched by torchrun or bandwidth/slow_link.py
+        if os.environ.get("WORLD_SIZE") != "2":
+            parser.error(f"the probe needs WORLD_SIZE=2, got {os.environ.get('WORLD_SIZE')}")
+        rank, world_size = init_distributed(backend="gloo", timeout=args.timeout)
         try:
-            run_rank(args, f"2 ranks, gloo via env:// (MASTER_ADDR "
-                           f"{os.environ.get('MASTER_ADDR')})")
+            run_rank(rank, world_size, args, "2 ranks, gloo via env:// (MASTER_ADDR "
+                                             f"{os.environ['MASTER_ADDR']})")
         finally:
             dist.destroy_process_group()
         return 0
     try:
-        mp.spawn(_local_worker, args=(_free_port(), args), nprocs=2, join=True)
-    except mp.ProcessException as err:
-        print(f"probe failed on a rank: {err}", file=sys.stderr)
+        spawn(run_rank, world_size=2, args=(args, "2 local processes, gloo over 127.0.0.1"),
+              backend="gloo", timeout=args.timeout)
+    except SpawnError as err:
+        print(f"probe failed: {err}", file=sys.stderr)
         return 1
     return 0
 

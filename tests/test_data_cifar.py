@@ -34,8 +34,9 @@ def _md5(data: bytes) -> str:
 def _batch(images: np.ndarray, labels: list[int], key: bytes) -> bytes:
     """A batch in the official layout: rows of 3072 bytes = R, G, B planes, row-major."""
     rows = np.stack([np.concatenate([img[:, :, c].reshape(-1) for c in range(3)]) for img in images])
-    # protocol 2 and bytes keys, like the original Python 2 cPickle files
-    return pickle.dumps({b"batch_label": b"test batch", key: labels, b"data": rows}, protocol=2)
+    # protocol 2, bytes keys and numpy's pre-2.0 module path, like the original Python 2 cPickle files
+    data = pickle.dumps({b"batch_label": b"test batch", key: labels, b"data": rows}, protocol=2)
+    return data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
 
 
 @dataclasses.dataclass
@@ -312,7 +313,9 @@ def test_random_crop_is_a_window_of_the_padded_image():
     out = random_crop(x, padding=2, generator=torch.Generator().manual_seed(1))
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
     for b in range(2):
-        windows = [(dy, dx) for dy in range(5) for dx in range(5) if torch.equal(out[b], padded[b, :, dy : dy + 6, dx : dx + 6])]
+        windows = [
+            (dy, dx) for dy in range(5) for dx in range(5) if torch.equal(out[b], padded[b, :, dy : dy + 6, dx : dx + 6])
+        ]
         assert len(windows) == 1
     crops = {tuple(random_crop(x[:1], 2, torch.Generator().manual_seed(s)).flatten().tolist()) for s in range(30)}
     assert len(crops) > 3  # the offset varies

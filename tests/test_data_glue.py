@@ -110,7 +110,8 @@ def test_subset_is_fixed_and_stratified():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    texts = [t for task in ("rte", "mrpc", "sst2", "cola") for ex in load_glue(task, FIXTURES, "train") for t in ex[:2] if t]
+    examples = [ex for task in ("rte", "mrpc", "sst2", "cola") for ex in load_glue(task, FIXTURES, "train")]
+    texts = [t for ex in examples for t in ex[:2] if t]
     return offline_tokenizer(texts, vocab_size=300)
 
 
@@ -126,6 +127,16 @@ def test_offline_tokenizer(tokenizer):
     assert enc["token_type_ids"] == [0, 0, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="non-empty"):
         offline_tokenizer([])
+
+
+def test_offline_tokenizer_vocabulary_is_deterministic():
+    texts = ["the cat sat", "the cat ran", "a dog sat", "Über alles"]
+    tok = offline_tokenizer(texts, vocab_size=5 + 2 * 14 + 2)  # specials, 14 chars twice, 2 words
+    assert tok.get_vocab() == offline_tokenizer(list(texts), vocab_size=35).get_vocab()
+    assert len(tok) == 35
+    # most frequent words first: "the", "cat", "sat" occur twice; ties alphabetical -> cat, sat
+    assert tok.tokenize("cat sat the") == ["cat", "sat", "t", "##h", "##e"]
+    assert tok.tokenize("über ?") == ["u", "##b", "##e", "##r", "[UNK]"]  # accents stripped; "?" never seen
 
 
 def test_tokenize_glue_pairs_and_single(tokenizer):

@@ -127,7 +127,8 @@ def _scenarios(rank: int) -> dict:
         full = train_steps(name, options, rank, steps)
         half = train_steps(name, options, rank, cut)
         resumed = train_steps(name, options, rank, steps, state=half)
-        fresh = train_steps(name, options, rank, steps, state={**half, "hook": train_steps(name, options, rank, 0)["hook"]})
+        untrained = build_ddp(tiny_model(), "cpu", name, options, seed=1).hook_state_dict()
+        fresh = train_steps(name, options, rank, steps, state={**half, "hook": untrained})
         res[f"resume_{name}"] = (full, resumed, fresh)
 
     # a rank that cannot encode (NaN gradient) must stop every rank with an error
@@ -218,7 +219,7 @@ def test_allgather_codec_gives_every_rank_the_mean_of_decodes(runs):
     (rec,) = runs[0]["onebit_records"]
     assert rec["direction"] == "allgather" and rec["wire_bytes"] == runs[0]["onebit_payload_bytes"]
     assert rec["recv_bytes"] == runs[1]["onebit_payload_bytes"]
-    assert rec["ratio"] < 1 and rec["encode_seconds"] > 0 and rec["decode_seconds"] > 0
+    assert rec["encode_seconds"] > 0 and rec["decode_seconds"] > 0 and rec["recv_seconds"] > 0
 
 
 def test_payloads_of_different_sizes_do_not_hang(runs):
@@ -265,3 +266,24 @@ def test_validation_errors_before_any_process():
     ]:
         with pytest.raises(ValueError, match=match):
             validate_grad_compression(name, options)
+
+
+def test_frame_roundtrip_and_corruption():
+    from dgpipe.baseline.hooks import frame_payloads, unframe_payloads
+
+    x = torch.randn(5, 4)
+    payloads = [get_codec("onebit").encode(x), get_codec("none").encode(x.half()), get_codec("atomo").encode(x)]
+    blob = frame_payloads(payloads, torch.device("cpu"))
+    assert blob.dtype == torch.uint8 and blob.numel() == 8 * (2 + 3) + sum(p.nbytes for p in payloads)
+    back = unframe_payloads(blob, 3, torch.device("cpu"))
+    for p, q in zip(payloads, back):
+        assert torch.equal(p.header, q.header)
+        assert all(torch.equal(s, t) for s, t in zip(p.tensors, q.tensors))
+    with pytest.raises(ValueError, match="magic/count"):
+        unframe_payloads(blob, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="total"):
+        unframe_payloads(blob[:-1], 3, torch.device("cpu"))
+    bad = blob.clone()
+    bad[40] ^= 0xFF  # inside the first header: its magic
+    with pytest.raises(ValueError, match="corrupt header"):
+        unframe_payloads(bad, 3, torch.device("cpu"))

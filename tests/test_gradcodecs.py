@@ -323,3 +323,12 @@ def test_atomo_exact_when_budget_covers_rank():
     p = get_codec("atomo", budget=1).encode(x)
     k = parse_header(p.header).params[0]
     assert k <= 4 and torch.linalg.matrix_rank(get_codec("atomo").decode(p)) <= k
+
+
+def test_dithering_is_an_alias_of_qsgd():
+    x = torch.randn(20)
+    a, b = get_codec("dithering", levels=3, seed=2), get_codec("qsgd", levels=3, seed=2)
+    pa = a.encode(x)
+    assert a.name == "qsgd" and a.codec_id == 9
+    assert torch.equal(pa.header, b.encode(x).header)
+    torch.testing.assert_close(b.decode(pa), a.decode(pa))

@@ -9,6 +9,7 @@ from dgpipe.models.encoder import build_encoder, encoder_layers, small_encoder_c
 from dgpipe.models.split import client_server_split
 
 VOCAB, LENGTH = 120, 12
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(family, attn="sdpa", num_labels=3):

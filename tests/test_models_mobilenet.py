@@ -8,6 +8,9 @@ from dgpipe.models.mobilenet import build_mobilenet, mobilenet_layers
 from dgpipe.models.split import Stage, client_server_split
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -66,6 +69,9 @@ def test_client_server_split(model):
     layers = mobilenet_layers(model)
     stages = client_server_split(layers, client_layers=2)
     assert [len(s) for s in stages] == [2, 16, 2] and all(isinstance(s, Stage) for s in stages)
+    whole = Stage(*layers).state_dict()
+    parts = {k: v for s in stages for k, v in s.state_dict().items()}
+    assert parts.keys() == whole.keys() and all(parts[k] is whole[k] or torch.equal(parts[k], whole[k]) for k in whole)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(stages[2](stages[1](stages[0](x))), model(x).logits, rtol=0, atol=1e-6)

@@ -66,23 +66,20 @@ def reference_step(ref, x, y, chunks):
 
 def expected_deferred_stats(ref, x):
     """BatchNorm running stats after one update with the whole mini-batch's mean and biased
-    variance (what DeferredBatchNorm tracks), from the BN inputs of the unsplit model."""
+    variance (what DeferredBatchNorm tracks), from the BN inputs of the unsplit model run
+    micro-batch by micro-batch in training mode (on a copy, so ``ref`` is untouched)."""
+    copy_ = copy.deepcopy(ref).train()
     inputs = {}
-    hooks = [
-        mod.register_forward_hook(lambda m, i, o, name=name: inputs.__setitem__(name, i[0].detach()))
-        for name, mod in ref.named_modules()
-        if isinstance(mod, nn.BatchNorm2d)
-    ]
+    for name, mod in copy_.named_modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.register_forward_hook(lambda m, i, o, name=name: inputs.setdefault(name, []).append(i[0].detach()))
     with torch.no_grad():
-        copy.deepcopy(ref).eval()  # unused; keeps ref untouched below
-        ref.eval()(x)
-    for h in hooks:
-        h.remove()
-    ref.train()
+        for xm in x.chunk(CHUNKS):
+            copy_(xm)
     out = {}
     for name, mod in ref.named_modules():
         if isinstance(mod, nn.BatchNorm2d):
-            v, m = inputs[name], mod.momentum
+            v, m = torch.cat(inputs[name]), mod.momentum
             mean, var = v.mean(dim=(0, 2, 3)), v.var(dim=(0, 2, 3), unbiased=False)
             out[name] = ((1 - m) * mod.running_mean + m * mean, (1 - m) * mod.running_var + m * var)
     return out
@@ -248,7 +245,7 @@ def outcomes(tmp_path_factory):
     dirs = {}
     for world in (2, 3):
         dirs[world] = tmp_path_factory.mktemp(f"world{world}")
-        spawn(_worker, world, args=(str(dirs[world]),), timeout=60)
+        spawn(_worker, world, args=(str(dirs[world]),), timeout=60, start_method="fork")
     return dirs
 
 

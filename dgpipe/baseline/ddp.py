@@ -17,6 +17,8 @@ Usage (in every rank, after ``torch.distributed.init_process_group``)::
 - ``None`` / ``"none"``: plain all-reduce, metered (no options).
 - ``"fp16"``, ``"bf16"``: PyTorch's cast hooks (no options; ``bf16`` needs a backend
   that reduces bfloat16).
+- ``"none"``, ``"fp16"``, ``"bf16"`` *with* ``exchange`` or ``error_feedback``: the
+  generic hook below with that cast codec instead (to measure the generic exchange).
 - ``"powersgd"``: PyTorch's PowerSGD hook (:data:`~dgpipe.baseline.hooks.POWERSGD_OPTIONS`:
   ``matrix_approximation_rank``, ``start_powerSGD_iter``, ``use_error_feedback``,
   ``warm_start``, ``min_compression_rate``, ``orthogonalization_epsilon``).
@@ -39,12 +41,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dgpipe.compression.base import available_codecs, get_codec
 
-from .hooks import LINEAR_CODECS, POWERSGD_OPTIONS, AllReduceHook, CodecHook, TorchHook, _MeteredHook
+from .hooks import LINEAR_CODECS, POWERSGD_OPTIONS, AllReduceHook, CastHook, CodecHook, PowerSGDHook, _MeteredHook
 
 __all__ = ["DataParallel", "build_ddp", "validate_grad_compression", "grad_compression_names"]
 
 _TORCH_CASTS = ("fp16", "bf16")
 _HOOK_OPTIONS = ("error_feedback", "exchange")
+_ONE_BUCKET_MB = 1 << 20
 
 
 def grad_compression_names() -> list[str]:
@@ -52,10 +55,13 @@ def grad_compression_names() -> list[str]:
     return sorted(set(available_codecs()) | {"powersgd"})
 
 
-def _split_options(name: str | None, options: dict | None) -> tuple[str, dict, dict]:
-    """Validate ``name``/``options``; returns ``(kind, hook_options, codec_options)``."""
+def _split_options(name: str | None, options: dict | None) -> tuple[str, str, dict, dict]:
+    """Validate ``name``/``options``; returns ``(kind, name, hook_options, codec_options)``."""
     options = dict(options or {})
-    if name is None or name == "none":
+    if (name is None or name == "none" or name in _TORCH_CASTS) and options and set(options) <= set(_HOOK_OPTIONS):
+        kind = "codec"  # the generic hook with a cast codec (e.g. to measure the generic exchange)
+        name = name or "none"
+    elif name is None or name == "none":
         kind = "none"
     elif name in _TORCH_CASTS:
         kind = "cast"
@@ -67,8 +73,10 @@ def _split_options(name: str | None, options: dict | None) -> tuple[str, dict, d
         raise ValueError(f"unknown grad compression {name!r}; choose one of: {', '.join(grad_compression_names())}")
     if kind in ("none", "cast"):
         if options:
-            raise ValueError(f"grad compression {name or 'none'!r} takes no options, got {sorted(options)}")
-        return kind, {}, {}
+            raise ValueError(
+                f"grad compression {name or 'none'!r} takes no options except {list(_HOOK_OPTIONS)}, got {sorted(options)}"
+            )
+        return kind, name or "none", {}, {}
     if kind == "powersgd":
         unknown = sorted(set(options) - set(POWERSGD_OPTIONS))
         if unknown:
@@ -84,7 +92,7 @@ def _split_options(name: str | None, options: dict | None) -> tuple[str, dict, d
             if not isinstance(merged[flag], bool):
                 raise ValueError(f"powersgd: {flag} must be True or False, got {merged[flag]!r}")
         powerSGD_hook.PowerSGDState(None, **merged)  # its own checks (start_powerSGD_iter > 1 with EF/warm start)
-        return kind, options, {}
+        return kind, name, options, {}
     if "seed" in options:
         raise ValueError("grad compression options must not contain 'seed': pass seed= to build_ddp")
     hook_options = {k: options.pop(k) for k in _HOOK_OPTIONS if k in options}
@@ -101,7 +109,7 @@ def _split_options(name: str | None, options: dict | None) -> tuple[str, dict, d
             "use exchange='allgather' or 'auto'"
         )
     get_codec(name, **options)  # raises ValueError on bad codec options
-    return kind, hook_options, options
+    return kind, name, hook_options, options
 
 
 def validate_grad_compression(name: str | None, options: dict | None = None) -> None:
@@ -186,27 +194,26 @@ def build_ddp(
     Raises:
         ValueError: as :func:`validate_grad_compression`.
     """
-    kind, hook_options, codec_options = _split_options(grad_compression, options)
+    kind, name, hook_options, codec_options = _split_options(grad_compression, options)
     device = torch.device(device)
     model = model.to(device)
     device_ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    # PowerSGD keys its memory by bucket index: keep DDP's initial bucket layout for good
-    # (no rebuild after the first iteration), so that a resumed run sees the same buckets.
+    # PowerSGDHook needs every gradient in one bucket (see its docstring): a 1 TiB cap.
     ddp = DistributedDataParallel(
-        model, device_ids=device_ids, process_group=process_group, find_unused_parameters=kind == "powersgd"
+        model, device_ids=device_ids, process_group=process_group,
+        bucket_cap_mb=_ONE_BUCKET_MB if kind == "powersgd" else None,
     )
     if kind == "none":
         hook: _MeteredHook = AllReduceHook(process_group)
     elif kind == "cast":
-        hook = TorchHook(grad_compression, {}, seed, process_group)
+        hook = CastHook(name, process_group)
     elif kind == "powersgd":
-        hook = TorchHook("powersgd", hook_options, seed, process_group)
+        hook = PowerSGDHook(model.named_parameters(), hook_options, seed, process_group)
     else:
-        if grad_compression == "dgc":
+        if name == "dgc":
             codec_options.setdefault("world_size", dist.get_world_size(process_group))
         hook = CodecHook(
-            model.named_parameters(), grad_compression, codec_options, seed=seed, process_group=process_group,
-            **hook_options,
+            model.named_parameters(), name, codec_options, seed=seed, process_group=process_group, **hook_options
         )
     hook.register(ddp)
-    return DataParallel(ddp, hook, grad_compression or "none")
+    return DataParallel(ddp, hook, name)

@@ -2,12 +2,12 @@
 
 ``DistributedDataParallel.register_comm_hook`` hands each hook one gradient *bucket*
 (a flat buffer holding the local gradients of a few parameters) and expects a future
-of the averaged buffer. Three hooks live here, all metered in a
+of the averaged buffer. The hooks here are all metered in a
 :class:`~dgpipe.comm.meter.BandwidthMeter` under the name ``"ddp"``:
 
 - :class:`AllReduceHook`: plain all-reduce of the buffer (no compression), as DDP
   does by default, with bytes and seconds recorded.
-- :class:`TorchHook`: PyTorch's own hooks -- ``fp16``/``bf16``
+- :class:`CastHook` and :class:`PowerSGDHook`: PyTorch's own hooks -- ``fp16``/``bf16``
   (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``) and ``powersgd``
   (``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState``; Vogels et al., "PowerSGD:
   Practical Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019).
@@ -36,9 +36,9 @@ of the averaged buffer. Three hooks live here, all metered in a
   A rank whose encode fails still joins the first exchange with an error flag, so
   every rank raises a clear error instead of waiting forever in a collective.
 
-All hooks are synchronous on the CPU side except the all-reduce and PyTorch hooks,
-which complete asynchronously; their seconds run from the hook call to the
-completion of the future.
+:class:`CodecHook` runs synchronously (it returns a completed future); the others
+return PyTorch's asynchronous futures, and their seconds run from the hook call to
+the completion of the future.
 
 Meter fields per bucket exchange (``direction`` is ``"allreduce"`` or ``"allgather"``):
 ``raw_bytes`` the bucket's gradients uncompressed; ``wire_bytes`` the bytes this rank
@@ -73,7 +73,9 @@ __all__ = [
     "LINEAR_CODECS",
     "FRAME_MAGIC",
     "AllReduceHook",
-    "TorchHook",
+    "CastHook",
+    "PowerSGDHook",
+    "POWERSGD_OPTIONS",
     "CodecHook",
     "frame_payloads",
     "unframe_payloads",
@@ -188,7 +190,8 @@ class _MeteredHook:
             raise ValueError(f"hook state is for {got!r}, this run uses {type(self).__name__!r}")
 
 
-def _run_hook(state: _MeteredHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _run_hook(state, bucket):  # no annotations: DDP compares them with the real classes
+    """The function registered with DDP: ``state`` is the hook object."""
     return state.run(bucket)
 
 
@@ -225,95 +228,156 @@ POWERSGD_OPTIONS = {
 2, the smallest it allows, instead of 1000, so that short runs are compressed)."""
 
 
-class TorchHook(_MeteredHook):
-    """PyTorch's ``fp16``/``bf16`` cast hooks or its ``powersgd`` hook, metered.
+class CastHook(_MeteredHook):
+    """PyTorch's ``fp16``/``bf16`` hooks (``default_hooks.fp16_compress_hook`` /
+    ``bf16_compress_hook``: cast, divide by the world size, all-reduce), metered.
 
-    Args:
-        kind: ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
-        options: for ``powersgd``, any of :data:`POWERSGD_OPTIONS`; ``seed`` seeds its
-            random ``Q`` initialisation (equal on all ranks). Empty for the casts.
-
-    Wire bytes: the cast buffer (2 bytes per value), or for PowerSGD the growth of
-    ``PowerSGDState.total_numel_after_compression`` in this call (its ``P`` and ``Q``
-    factors plus the tensors it all-reduces uncompressed) times the element size; the
-    whole buffer before ``start_powerSGD_iter``.
-
-    State: PowerSGD's ``iter``, ``error_dict``, ``p_memory_dict``, ``q_memory_dict``
-    (all keyed by bucket index) and its numpy RNG, as tensors and ints. Buckets are
-    identified by index, so the DDP model must keep one bucket layout across a
-    resume: :func:`dgpipe.baseline.ddp.build_ddp` builds it with
-    ``find_unused_parameters=True``, which keeps DDP's initial buckets (no rebuild).
+    Wire bytes: the cast buffer, 2 bytes per value.
     """
 
-    def __init__(self, kind: str, options: dict, seed: int = 0, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, kind: str, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(process_group)
-        self.kind = kind
-        if kind == "powersgd":
-            self.powersgd = powerSGD_hook.PowerSGDState(
-                process_group, random_seed=seed % (1 << 32), **{**POWERSGD_OPTIONS, **options}
-            )
-            self._hook, self._hook_state = powerSGD_hook.powerSGD_hook, self.powersgd
-        elif kind in ("fp16", "bf16"):
-            self.powersgd = None
-            self._hook = default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.bf16_compress_hook
-            self._hook_state = process_group
-        else:
-            raise ValueError(f"TorchHook kind must be fp16, bf16 or powersgd, got {kind!r}")
+        hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+        if kind not in hooks:
+            raise ValueError(f"CastHook kind must be 'fp16' or 'bf16', got {kind!r}")
+        self._hook = hooks[kind]
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buffer = bucket.buffer()
-        raw = buffer.numel() * buffer.element_size()
+        raw, wire = buffer.numel() * buffer.element_size(), buffer.numel() * 2
         start = time.perf_counter()
-        if self.powersgd is not None:
-            before, compressing = self.powersgd.total_numel_after_compression, (
-                self.powersgd.iter >= self.powersgd.start_powerSGD_iter
-            )
-            fut = self._hook(self._hook_state, bucket)
-            wire = (self.powersgd.total_numel_after_compression - before) * buffer.element_size()
-            wire = wire if compressing else raw
-        else:
-            fut = self._hook(self._hook_state, bucket)
-            wire = buffer.numel() * 2
 
         def done(f: torch.futures.Future) -> torch.Tensor:
-            direction = "allreduce"
             self._record(
-                direction,
+                "allreduce",
                 send={"raw_bytes": raw, "wire_bytes": wire},
                 recv={"recv_bytes": wire, "recv_seconds": time.perf_counter() - start},
             )
             return f.value()
 
+        return self._hook(self.group, bucket).then(done)
+
+
+class _OrderedBucket:
+    """Stand-in for ``dist.GradBucket`` handed to PyTorch's PowerSGD hook: the same
+    gradients, copied into one buffer in parameter order, always as bucket 0."""
+
+    def __init__(self, buffer: torch.Tensor, gradients: list[torch.Tensor], is_last: bool) -> None:
+        self._buffer, self._gradients, self._is_last = buffer, gradients, is_last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+
+class PowerSGDHook(_MeteredHook):
+    """PyTorch's PowerSGD hook (``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState``),
+    metered and checkpointable.
+
+    PowerSGD keys its memories (error feedback, warm-start ``P``/``Q``) by bucket index
+    and layout, but DDP rebuilds its buckets after the first iteration of every process
+    -- so after a resume the first step would see another layout. This hook therefore
+    needs DDP to put all gradients in one bucket (:func:`dgpipe.baseline.ddp.build_ddp`
+    sets ``bucket_cap_mb`` accordingly) and hands PowerSGD a copy of it in
+    ``named_parameters()`` order, always as bucket 0: the layout PowerSGD sees never
+    changes, and the state restores exactly.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs of the module wrapped by DDP.
+        options: any of :data:`POWERSGD_OPTIONS`.
+        seed: seeds PowerSGD's random ``Q`` initialisation (equal on all ranks).
+
+    Wire bytes: the growth of ``PowerSGDState.total_numel_after_compression`` in the
+    call (the ``P`` and ``Q`` factors plus the tensors all-reduced uncompressed) times
+    the element size; the whole buffer before ``start_powerSGD_iter``.
+
+    State: ``iter``, ``error_dict``, ``p_memory_dict``, ``q_memory_dict``, the numpy RNG
+    and the compression counters, as tensors and ints.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        options: dict,
+        seed: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(process_group)
+        trainable = [p for _, p in named_parameters if p.requires_grad]
+        self._order = {id(p): i for i, p in enumerate(trainable)}
+        self.powersgd = powerSGD_hook.PowerSGDState(
+            process_group, random_seed=seed % (1 << 32), **{**POWERSGD_OPTIONS, **options}
+        )
+
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        grads = bucket.gradients()
+        try:
+            positions = [self._order[id(p)] for p in bucket.parameters()]
+        except KeyError:
+            raise ValueError("a DDP bucket holds a parameter this hook was not built for") from None
+        if len(positions) != len(self._order):
+            raise ValueError(
+                "PowerSGDHook needs all gradients in one DDP bucket; build DDP with a large bucket_cap_mb "
+                "(dgpipe.baseline.build_ddp does)"
+            )
+        ordered = [grads[i] for i in sorted(range(len(grads)), key=positions.__getitem__)]
+        flat = torch.cat([g.reshape(-1) for g in ordered])
+        views = [v.view_as(g) for v, g in zip(torch.split(flat, [g.numel() for g in ordered]), ordered)]
+        raw = flat.numel() * flat.element_size()
+        state = self.powersgd
+        before, compressing = state.total_numel_after_compression, state.iter >= state.start_powerSGD_iter
+        start = time.perf_counter()
+        fut = powerSGD_hook.powerSGD_hook(state, _OrderedBucket(flat, views, bucket.is_last()))
+        wire = (state.total_numel_after_compression - before) * flat.element_size() if compressing else raw
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            for g, v in zip(ordered, views):
+                g.copy_(v)
+            self._record(
+                "allreduce",
+                send={"raw_bytes": raw, "wire_bytes": wire},
+                recv={"recv_bytes": wire, "recv_seconds": time.perf_counter() - start},
+            )
+            return bucket.buffer()
+
         return fut.then(done)
 
     def state_dict(self) -> dict:
-        state = super().state_dict()
-        if self.powersgd is None:
-            return state
         s = self.powersgd
         clone = lambda d: {int(k): v.detach().clone() for k, v in d.items()}  # noqa: E731
         _, keys, pos, has_gauss, cached = s.rng.get_state()
-        state.update(
-            iter=s.iter,
-            error_dict=clone(s.error_dict),
-            p_memory_dict=clone(s.p_memory_dict),
-            q_memory_dict=clone(s.q_memory_dict),
-            rng={"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                 "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-            total_numel_before_compression=s.total_numel_before_compression,
-            total_numel_after_compression=s.total_numel_after_compression,
-        )
-        return state
+        return {
+            **super().state_dict(),
+            "iter": s.iter,
+            "error_dict": clone(s.error_dict),
+            "p_memory_dict": clone(s.p_memory_dict),
+            "q_memory_dict": clone(s.q_memory_dict),
+            "rng": {
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "total_numel_before_compression": s.total_numel_before_compression,
+            "total_numel_after_compression": s.total_numel_after_compression,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        if self.powersgd is None:
-            return
         s = self.powersgd
         try:
             rng = state["rng"]
-            s.rng.set_state(("MT19937", rng["keys"].numpy().astype(np.uint32), rng["pos"],
-                             rng["has_gauss"], rng["cached_gaussian"]))
+            s.rng.set_state(
+                ("MT19937", rng["keys"].numpy().astype(np.uint32), rng["pos"], rng["has_gauss"], rng["cached_gaussian"])
+            )
             s.iter = int(state["iter"])
             for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
                 setattr(s, name, {int(k): v.detach().clone() for k, v in state[name].items()})

@@ -5,6 +5,10 @@
   tensors; never pickled), with timeouts that name the failed peer.
 - :mod:`dgpipe.comm.meter`: ``BandwidthMeter``, bytes and seconds per boundary and
   direction, gathered to rank 0 with tensor collectives.
+- :mod:`dgpipe.comm.probe`: ``pingpong_seconds`` (message time between two ranks) and
+  ``fit_latency_bandwidth`` (``seconds = latency + bytes / bandwidth``).
+- :mod:`dgpipe.comm.slow_link`: ``SlowLink``, a real throttled TCP link on one machine
+  (network namespace, veth pair, ``tc``); standard library only, needs root.
 """
 
 from .meter import BandwidthMeter

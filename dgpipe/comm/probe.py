@@ -51,9 +51,10 @@ def fit_latency_bandwidth(sizes_bytes: Sequence[float], seconds: Sequence[float]
     """Fit ``seconds = latency_s + sizes_bytes / bandwidth_Bps`` by least squares.
 
     Minimises ``sum((latency + size / bandwidth - t) ** 2 / t)`` (weights ``1 / t``:
-    timing variance proportional to time) subject to ``latency >= 0`` and ``1 / bandwidth >= 0`` (non-negative least squares,
-    ``scipy.optimize.nnls``). Model: Hockney, "The communication challenge for MPP",
-    Parallel Computing 20(3), 1994.
+    timing variance proportional to time) subject to ``latency >= 0`` and
+    ``1 / bandwidth >= 0`` (non-negative least squares, ``scipy.optimize.nnls``).
+    Model: Hockney, "The communication challenge for MPP", Parallel Computing 20(3),
+    1994.
 
     Args:
         sizes_bytes: message sizes in bytes, > 0, at least two distinct values.

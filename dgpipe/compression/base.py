@@ -293,18 +293,22 @@ _REGISTRY: dict[str, type[Codec]] = {}
 _IDS: dict[int, str] = {}
 
 
-def register_codec(name: str, codec_id: int) -> Callable[[type[Codec]], type[Codec]]:
+def register_codec(name: str, codec_id: int, aliases: Sequence[str] = ()) -> Callable[[type[Codec]], type[Codec]]:
     """Class decorator registering a codec under ``name`` with the wire id ``codec_id``.
 
+    ``aliases`` are further names :func:`get_codec` accepts for the same codec (same id;
+    ``codec.name`` stays ``name``).
+
     Raises:
-        ValueError: if the name or the id is already taken.
+        ValueError: if a name or the id is already taken.
     """
 
     def deco(cls: type[Codec]) -> type[Codec]:
-        if name in _REGISTRY or codec_id in _IDS:
-            raise ValueError(f"codec name {name!r} or id {codec_id} registered twice")
+        if any(n in _REGISTRY for n in (name, *aliases)) or codec_id in _IDS:
+            raise ValueError(f"codec name {name!r}, an alias in {list(aliases)} or id {codec_id} registered twice")
         cls.name, cls.codec_id = name, codec_id
-        _REGISTRY[name] = cls
+        for n in (name, *aliases):
+            _REGISTRY[n] = cls
         _IDS[codec_id] = name
         return cls
 

@@ -123,8 +123,14 @@ def pack_bits(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Te
         return torch.empty(0, dtype=torch.uint8, device=codes.device)
     if bits <= 8:
         return _pack_low(codes, bits)
-    low = (codes & 0xFF).to(torch.uint8)
-    return torch.cat((low, pack_bits(codes >> 8, bits - 8, check=False)))
+    n = codes.numel()
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=codes.device)
+    torch.bitwise_and(codes, 0xFF, out=out[:n])
+    if bits == 16:
+        torch.bitwise_right_shift(codes, 8, out=out[n:])
+    else:
+        out[n:] = pack_bits(codes >> 8, bits - 8, check=False)
+    return out
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -6,7 +6,7 @@ Source:
     ``Q_s(v_i) = ||v|| * sign(v_i) * xi_i(v, s)``, with buckets of ``d`` values each
     scaled by its own norm; this codec bit-packs the levels instead of Elias coding).
 
-Also known as random dithering; registered as ``qsgd``.
+Also known as random dithering: registered as ``qsgd`` with the alias ``dithering``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = ["QSGD"]
 _NORMS = {"l2": 0, "max": 1}
 
 
-@register_codec("qsgd", 9)
+@register_codec("qsgd", 9, aliases=("dithering",))
 class QSGD(SeededCodec):
     """QSGD quantizer: per bucket of values, ``norm * sign(x) * level / s``.
 

@@ -365,7 +365,8 @@ def load_cifar(
         try:
             kind, path = "archive", download_cifar(name, data_dir)
         except OSError as err:
-            raise FileNotFoundError(_missing_message(spec, Path(data_dir), f" and the download failed ({err})")) from err
+            reason = f" and the download failed ({err})"
+            raise FileNotFoundError(_missing_message(spec, Path(data_dir), reason)) from err
     if kind == "images":
         found = len(image_folder_classes(path))
         if found != spec.num_classes:

@@ -2,55 +2,66 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4 in this order
 
 
 def offline_tokenizer(texts: Iterable[str], vocab_size: int = 2000, token_type_ids: bool = False):
-    """Train a small lower-cased WordPiece tokenizer on ``texts`` and wrap it for transformers.
+    """Build a small lower-cased WordPiece tokenizer from ``texts`` and wrap it for transformers.
 
-    What it is: a BERT-style tokenizer (BERT normaliser and pre-tokeniser, WordPiece with
-    ``##`` continuation pieces) trained on the fly with the ``tokenizers`` library, wrapped
-    as ``transformers.PreTrainedTokenizerFast``. Special tokens ``[PAD]=0, [UNK]=1,
-    [CLS]=2, [SEP]=3, [MASK]=4``; a single text becomes ``[CLS] a [SEP]``, a pair
-    ``[CLS] a [SEP] b [SEP]``. It has no pretrained meaning: use it only with a randomly
-    initialised model whose config has ``vocab_size=len(tokenizer)`` and
-    ``pad_token_id=tokenizer.pad_token_id`` (see
-    :func:`dgpipe.models.encoder.small_encoder_config`).
+    What it is: a BERT-style tokenizer (BERT normaliser and pre-tokeniser of the
+    ``tokenizers`` library, WordPiece model) wrapped as
+    ``transformers.PreTrainedTokenizerFast``. Its vocabulary is built deterministically
+    from word counts: the special tokens ``[PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4``,
+    then every character seen (as a word start and as a ``##`` continuation), then the most
+    frequent words (ties broken alphabetically) up to ``vocab_size``. A frequent word is
+    one token; any other word is spelled in characters, so nothing but unseen characters
+    becomes ``[UNK]``. The same texts always give the same tokenizer, so every rank can
+    build its own. A single text becomes ``[CLS] a [SEP]``, a pair ``[CLS] a [SEP] b
+    [SEP]``. It has no pretrained meaning: use it only with a randomly initialised model
+    whose config has ``vocab_size=len(tokenizer)`` and ``pad_token_id=tokenizer.pad_token_id``
+    (see :func:`dgpipe.models.encoder.small_encoder_config`).
 
     Args:
-        texts: training corpus (e.g. the task's own training sentences); not empty.
-        vocab_size: upper bound on the vocabulary (a small corpus may give fewer).
+        texts: corpus to count words in (e.g. the task's own training sentences); not empty.
+        vocab_size: vocabulary size; exceeded only when the special tokens and the
+            characters alone need more.
         token_type_ids: also return ``token_type_ids`` (0 for the first text, 1 for the
             second), as BERT-family tokenizers do; off by default, as for RoBERTa (whose
-            default ``type_vocab_size`` is 1).
+            checkpoints have a single token type).
 
     Returns:
         a ``PreTrainedTokenizerFast``.
 
     Raises:
-        ValueError: empty corpus or ``vocab_size`` too small for the special tokens.
+        ValueError: no non-empty text.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    texts = [t for t in texts if t]
-    if not texts:
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        if text:
+            counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    if not counts:
         raise ValueError("offline_tokenizer needs a non-empty list of training texts")
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    chars = sorted({c for word in counts for c in word})
+    vocab = [*SPECIAL_TOKENS, *chars, *("##" + c for c in chars)]
+    words = sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))
+    vocab += words[: max(0, vocab_size - len(vocab))]
+
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+        special_tokens=[("[CLS]", vocab.index("[CLS]")), ("[SEP]", vocab.index("[SEP]"))],
     )
     names = ["input_ids", "token_type_ids", "attention_mask"] if token_type_ids else ["input_ids", "attention_mask"]
     return PreTrainedTokenizerFast(

@@ -102,7 +102,9 @@ class ImageTransform:
     def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         single = images.dim() == 3
         if images.dtype != torch.uint8 or images.shape[-1] != 3 or images.dim() not in (3, 4):
-            raise ValueError(f"expected uint8 images (B, H, W, 3) or (H, W, 3), got {images.dtype} {tuple(images.shape)}")
+            raise ValueError(
+                f"expected uint8 images (B, H, W, 3) or (H, W, 3), got {images.dtype} {tuple(images.shape)}"
+            )
         x = (images[None] if single else images).permute(0, 3, 1, 2)
         if self.train:
             x = random_hflip(random_crop(x, self.padding, generator), generator=generator)

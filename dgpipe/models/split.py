@@ -8,6 +8,7 @@ convention; a tuple such as ``(hidden_states, attention_mask)`` passes from laye
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from torch import nn
@@ -46,7 +47,9 @@ def client_server_split(
             MobileNetV2 ``(0, 0)``: ``K`` counts stem and classifier too.
 
     Returns:
-        three :class:`Stage` s, to be placed on ranks ``[client, server, client]``.
+        three :class:`Stage` s, to be placed on ranks ``[client, server, client]``; each
+        names its layers by their index in ``layers`` (``"0"``, ``"1"``, ...), so
+        ``stage.state_dict()`` keys match those of ``Stage(*layers)``.
 
     Raises:
         ValueError: a stage would be empty (names the largest ``K`` that fits).
@@ -59,9 +62,11 @@ def client_server_split(
     if lead < 1 or trail < 1 or lead + trail >= n:
         low = max(1 - front, 1 - back, 0)
         high = (n - 1 - front - back) // 2
-        fix = f"use client_layers in [{low}, {high}]" if low <= high else "the model has too few layers to split in three"
+        fix = f"use client_layers in [{low}, {high}]" if low <= high else "too few layers to cut in three"
         raise ValueError(
             f"client_layers={client_layers} with {front_back} pinned client layers does not cut {n} layers into "
             f"non-empty client/server/client stages; {fix}"
         )
-    return [Stage(*layers[:lead]), Stage(*layers[lead : n - trail]), Stage(*layers[n - trail :])]
+    cuts = [(0, lead), (lead, n - trail), (n - trail, n)]
+    # Children keep their index in the full list, so state_dict keys name the layer.
+    return [Stage(OrderedDict((str(i), layers[i]) for i in range(a, b))) for a, b in cuts]

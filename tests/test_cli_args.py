@@ -1,0 +1,166 @@
+"""Argument validation of the main-job CLIs and the compression-flag -> codec mapping.
+
+Every error must stop the CLI (exit status 2, argparse style) before any process
+starts, with a message that says what to change. The CLIs are loaded from the repo
+root by path and run in-process; nothing here spawns a rank.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from dgpipe.train import args as targs
+from dgpipe.train import vision
+from dgpipe.train.codecs import CodecSpec, parse_options
+
+ROOT = Path(__file__).resolve().parents[1]
+CIFAR = ROOT.parent / "shared" / "data" / "cifar10-images"
+GLUE = ROOT.parent / "shared" / "data" / "glue"
+
+
+def _cli(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+VISION = _cli("test_vision_dgpipe")
+NLP = _cli("test_nlp_dgpipe")
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun(monkeypatch):
+    for var in targs.TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def _error(cli, argv, capsys) -> str:
+    """Run the CLI, expect an argument error; return its message."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def _validated(argv, cli=VISION):
+    args = cli.build_parser().parse_args(argv)
+    targs.validate_common(args, environ={})
+    return args
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sortquant", "--quant", "12", "--split", "6"], "18 bits per value is more than 16"),
+        (["--quant", "17"], "17 bits per value is more than 16"),
+        (["--grad-quant", "9", "--grad-split", "8", "--sortquant", "--quant", "6", "--split", "2"],
+         "--grad-quant 9 --grad-split 8: 17 bits"),
+        (["--batch-size", "10", "--chunk", "4"], "--batch-size 10 is not divisible by --chunk 4; use e.g. --batch-size 8"),
+        (["--batch-size", "2", "--chunk", "4"], "--chunk 4 micro-batches is more than --batch-size 2"),
+        (["--codec", "nope"], "--codec: unknown codec 'nope'; available: "),
+        (["--codec", "quant", "--codec-opt", "bits=0"], "--codec quant(bits=0): quant: bits must be an int in [1, 16]"),
+        (["--codec", "fp16", "--codec-opt", "ratio"], "--codec-opt 'ratio': write KEY=VALUE"),
+        (["--sortquant", "--quant", "6"], "--sortquant needs --quant Q and --split S"),
+        (["--quant", "6", "--split", "2"], "--split is the bucket bits of sort quantization: add --sortquant"),
+        (["--codec", "fp16", "--quant", "8"], "--codec replaces --sortquant/--quant/--split"),
+        (["--grad-compression", "fp16"], "--grad-compression compresses the DDP gradient exchange: add --mode dataparallel"),
+        (["--mode", "dataparallel", "--sortquant", "--quant", "6", "--split", "2"],
+         "--sortquant, --quant, --split compress pipeline boundaries; in --mode dataparallel use --grad-compression"),
+        (["--mode", "dataparallel", "--grad-compression", "zip"], "unknown grad compression 'zip'"),
+        (["--mode", "dataparallel", "--batch-size", "9"], "--batch-size 9 is not divisible by --world-size 2"),
+        (["--world-size", "3"], "client-server runs on exactly 2 processes, not 3"),
+        (["--partition", "linear", "--stages", "3", "--balance", "5,5"], "--balance lists 2 stages but --stages is 3"),
+        (["--train-subset", "100", "--batch-size", "128"], "--train-subset 100 is smaller than one batch"),
+        (["--devices", "cpu,cpu,cpu"], "--devices lists 3 devices for 2 processes"),
+        (["--epochs", "0"], "--epochs must be positive, got 0"),
+    ],
+)
+def test_common_flag_errors(argv, message, capsys):
+    assert message in _error(VISION, ["--data-dir", str(CIFAR), *argv], capsys)
+
+
+def test_errors_come_before_any_process(monkeypatch, capsys):
+    def no_spawn(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(VISION, "run", no_spawn)
+    _error(VISION, ["--data-dir", str(CIFAR), "--batch-size", "6", "--chunk", "4"], capsys)
+
+
+def test_missing_data_names_the_paths_tried(tmp_path, monkeypatch, capsys):
+    def offline(name, data_dir):
+        raise OSError("no network")
+
+    monkeypatch.setattr(vision, "download_cifar", offline)
+    err = _error(VISION, ["--data-dir", str(tmp_path / "nowhere")], capsys)
+    assert "CIFAR-10 not found" in err and "download failed: no network" in err
+    assert str(tmp_path / "nowhere" / "cifar-10-python.tar.gz") in err
+    assert str(tmp_path / "nowhere" / "cifar10-images") in err
+    err = _error(NLP, ["--task", "cola", "--data-dir", str(tmp_path), "--model-config", "tiny-roberta"], capsys)
+    assert f"tried {tmp_path / 'CoLA' / 'train.tsv'}" in err
+
+
+def test_bad_task_and_partition_that_does_not_fit(capsys):
+    assert "argument --task: invalid choice: 'imagenet'" in _error(NLP, ["--task", "imagenet"], capsys)
+    # MobileNetV2 has 20 layers: at most 9 at each end for the client.
+    err = _error(VISION, ["--data-dir", str(CIFAR), "--client-layers", "10", "--width-mult", "0.25"], capsys)
+    assert "--client-layers 10" in err and "use client_layers in [1, 9]" in err
+    err = _error(NLP, ["--data-dir", str(GLUE), "--model-config", "tiny-roberta", "--client-layers", "3"], capsys)
+    assert "use client_layers in [0, 2]" in err  # tiny-roberta: embeddings + 6 layers + head
+    err = _error(VISION, ["--data-dir", str(CIFAR), "--partition", "linear", "--balance", "10,9", "--width-mult", "0.25"],
+                 capsys)
+    assert "--balance 10,9: balance [10, 9] covers 19 layers but there are 20" in err
+
+
+def test_resume_needs_a_checkpoint(tmp_path, capsys):
+    err = _error(VISION, ["--data-dir", str(CIFAR), "--resume", str(tmp_path)], capsys)
+    assert f"--resume {tmp_path}: no checkpoint there ({tmp_path / 'meta.json'} not found)" in err
+
+
+def test_torchrun_world_size():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert targs.dist_env(None, env) == targs.DistEnv(True, 1, 1, 2)
+    with pytest.raises(ValueError, match="--world-size 4 but torchrun started 2 processes"):
+        targs.dist_env(4, env)
+    with pytest.raises(ValueError, match="MASTER_PORT not set"):
+        targs.dist_env(None, {k: v for k, v in env.items() if k != "MASTER_PORT"})
+    assert targs.dist_env(None, {}) == targs.DistEnv(False, 0, 0, 2)
+
+
+def test_compression_flags_map_to_codecs():
+    sq = CodecSpec("sortquant", {"quant_bits": 6, "split_bits": 2})
+    c = _validated(["--sortquant", "--quant", "6", "--split", "2"]).compression
+    assert (c.forward, c.backward) == (sq, sq)
+    c = _validated(["--quant", "8"]).compression
+    assert c.forward == c.backward == CodecSpec("quant", {"bits": 8})
+    c = _validated([]).compression
+    assert c.forward == c.backward == CodecSpec("none")
+    c = _validated(["--sortquant", "--quant", "6", "--split", "2", "--grad-quant", "9", "--grad-split", "3"]).compression
+    assert (c.forward, c.backward) == (sq, CodecSpec("sortquant", {"quant_bits": 9, "split_bits": 3}))
+    c = _validated(["--sortquant", "--quant", "6", "--split", "2", "--grad-quant", "10"]).compression
+    assert c.backward == CodecSpec("sortquant", {"quant_bits": 10, "split_bits": 2})
+    c = _validated(["--quant", "4", "--grad-quant", "8"]).compression
+    assert (c.forward, c.backward) == (CodecSpec("quant", {"bits": 4}), CodecSpec("quant", {"bits": 8}))
+    c = _validated(["--sortquant", "--quant", "3", "--split", "1", "--grad-codec", "none"]).compression
+    assert c.backward == CodecSpec("none") and str(c) == "forward sortquant(quant_bits=3, split_bits=1), backward none"
+    c = _validated(["--codec", "quant", "--codec-opt", "bits=6", "--codec-opt", "stochastic=true"]).compression
+    assert c.forward == CodecSpec("quant", {"bits": 6, "stochastic": True})
+    a = _validated(["--mode", "dataparallel", "--grad-compression", "powersgd",
+                    "--grad-compression-opt", "matrix_approximation_rank=4"])
+    assert a.compression is None and a.dp_compression == CodecSpec("powersgd", {"matrix_approximation_rank": 4})
+    assert _validated(["--mode", "dataparallel"]).dp_compression is None
+
+
+def test_parse_options_types_and_linear_defaults():
+    assert parse_options(["a=1", "b=0.5", "c=False", "d=l2", "e-f=2"], "--x") == {
+        "a": 1, "b": 0.5, "c": False, "d": "l2", "e_f": 2}
+    with pytest.raises(ValueError, match="gives 'a' twice"):
+        parse_options(["a=1", "a=2"], "--x")
+    a = _validated(["--partition", "linear", "--world-size", "3"])
+    assert (a.stages, a.balance) == (3, None)
+    a = _validated(["--partition", "linear", "--balance", "4,4,4,8"])
+    assert (a.stages, a.balance) == (4, (4, 4, 4, 8))

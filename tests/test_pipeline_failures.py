@@ -1,0 +1,156 @@
+"""A failing, dying or stalled rank ends every rank with a clear error, never a hang.
+
+Spawned worlds use the ``fork`` start method (the ranks inherit the imported torch,
+which keeps these tests fast); the torchrun-style test starts plain processes that
+rendezvous through env:// with no supervisor at all.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dgpipe.pipeline import Pipeline, SpawnError, free_port, spawn
+
+
+class Boom(nn.Module):
+    """Raises on its ``fail_at``-th call (a stage that fails in the middle of a step)."""
+
+    def __init__(self, fail_at):
+        super().__init__()
+        self.lin, self.calls, self.fail_at = nn.Linear(4, 4), 0, fail_at
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError(f"injected failure in call {self.calls}")
+        return self.lin(x)
+
+
+def _pipeline(timeout, fail_at=0):
+    torch.manual_seed(0)
+    return Pipeline([nn.Linear(4, 4), Boom(fail_at)], [0, 1], chunks=4, loss_fn=F.mse_loss, timeout=timeout)
+
+
+def _raise_in_step(rank, world_size):
+    torch.set_num_threads(1)
+    pipe = _pipeline(timeout=60, fail_at=3)
+    pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
+
+
+def _die(rank, world_size):
+    torch.set_num_threads(1)
+    pipe = _pipeline(timeout=60)
+    if rank == 1:
+        os._exit(3)
+    pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
+
+
+def _stall(rank, world_size):
+    torch.set_num_threads(1)
+    pipe = _pipeline(timeout=2)
+    if rank == 1:
+        time.sleep(120)
+    pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
+
+
+def test_spawn_names_the_rank_that_raised():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: injected failure in call 3") as info:
+        spawn(_raise_in_step, 2, timeout=60, start_method="fork")
+    assert info.value.rank == 1
+    assert "Traceback" in info.value.text
+    assert time.monotonic() - start < 30  # not the 60 s timeouts: the others were stopped at once
+
+
+def test_spawn_names_a_rank_that_died_without_an_exception():
+    with pytest.raises(SpawnError, match=r"rank 1 failed: rank 1 died without a Python exception \(exit code 3\)"):
+        spawn(_die, 2, timeout=60, start_method="fork")
+
+
+def test_stalled_peer_times_out_with_its_rank_named():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 0 failed: .*timed out after 2 s: rank 1 is stalled") as info:
+        spawn(_stall, 2, timeout=60, start_method="fork")
+    assert info.value.rank == 0
+    assert time.monotonic() - start < 30
+
+
+TORCHRUN_RANK = textwrap.dedent(
+    """
+    import os, sys, torch, torch.nn as nn, torch.nn.functional as F
+    from dgpipe.pipeline import Pipeline, init_distributed
+    torch.set_num_threads(1)
+    rank, world = init_distributed("gloo", timeout=60)
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("injected failure on rank %d" % rank)
+
+    stages = [nn.Linear(4, 4), Boom()]
+    pipe = Pipeline(stages, [0, 1], chunks=2, loss_fn=F.mse_loss, timeout=30)
+    pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
+    """
+)
+
+
+def test_without_supervisor_the_peer_of_a_failed_rank_exits_nonzero(tmp_path):
+    """Like torchrun ranks: rank 1 raises; rank 0, blocked receiving, exits non-zero on its own."""
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_RANK)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode != 0 and "injected failure on rank 1" in errs[1]
+    assert procs[0].returncode != 0
+    assert "TransportError" in errs[0] and "rank 1 closed the connection or failed" in errs[0], errs[0][-2000:]
+
+
+CTRL_C_PARENT = textwrap.dedent(
+    """
+    import os, sys, time
+    from dgpipe.pipeline import spawn
+
+    def wait_forever(rank, world_size, out_dir):
+        open(os.path.join(out_dir, "rank%d.pid" % rank), "w").write(str(os.getpid()))
+        time.sleep(600)
+
+    spawn(wait_forever, 2, args=(sys.argv[1],), start_method="fork")
+    """
+)
+
+
+def test_ctrl_c_ends_every_rank(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(CTRL_C_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+        os.killpg(parent.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        parent.communicate(timeout=30)
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+    assert parent.returncode != 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
