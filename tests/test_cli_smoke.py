@@ -101,3 +101,80 @@ def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
     epoch, summary = _check_log(log, "val_acc")
     assert {b["name"] for b in epoch["boundaries"]} == {"ddp"}
     assert summary["wire_bytes"] * 2 == summary["raw_bytes"]  # fp16 halves every float32 gradient
+
+
+def _in_process(argv: list[str]):
+    """Validated vision args for one in-process rank."""
+    args = _cli("test_vision_dgpipe").build_parser().parse_args(argv)
+    targs.validate_common(args, environ={})
+    return args
+
+
+def _worker(args) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from dgpipe.pipeline import free_port
+    from dgpipe.train import loop
+    from dgpipe.train.vision import VisionJob
+
+    args.launch_time = time.time()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        loop.worker(0, 1, VisionJob, args, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", [["--partition", "linear", "--stages", "2"], ["--mode", "dataparallel"]])
+def test_resume_continues_exactly(tmp_path, monkeypatch, mode):
+    """Two epochs in one go == one epoch, a crash after its checkpoint, then --resume.
+
+    One in-process rank (``--world-size 1``: a linear pipeline then keeps both stages on
+    rank 0), so that no process is spawned."""
+    import torch
+
+    from dgpipe.train import checkpoint
+
+    data = _image_folder(tmp_path / "images", {"train": 2, "test": 1})
+    common = ["--data-dir", str(data), "--batch-size", "4", "--chunk", "2", "--epochs", "2", "--width-mult", "0.25",
+              "--num-workers", "0", "--no-progress", "--lr", "0.01", "--world-size", "1", *mode]
+    _worker(_in_process([*common, "--save", str(tmp_path / "a")]))
+
+    real_meta = checkpoint.write_meta
+
+    def crash_after_meta(*a, **k):
+        real_meta(*a, **k)
+        raise KeyboardInterrupt("simulated crash after the first checkpoint")
+
+    monkeypatch.setattr(checkpoint, "write_meta", crash_after_meta)
+    with pytest.raises(KeyboardInterrupt):
+        _worker(_in_process([*common, "--save", str(tmp_path / "b"), "--log", str(tmp_path / "b.jsonl")]))
+    monkeypatch.setattr(checkpoint, "write_meta", real_meta)
+    assert checkpoint.read_meta(tmp_path / "b")["epoch"] == 1
+    _worker(_in_process([*common, "--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b"),
+                         "--log", str(tmp_path / "b.jsonl")]))
+
+    a, b = checkpoint.load_rank(tmp_path / "a", 0), checkpoint.load_rank(tmp_path / "b", 0)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 10)
+    for part in ("engine", "optimizer"):
+        flat_a, flat_b = _leaves(a[part]), _leaves(b[part])
+        assert [k for k, _ in flat_a] == [k for k, _ in flat_b] and flat_a
+        for (key, x), (_, y) in zip(flat_a, flat_b):
+            assert torch.equal(x, y), key
+    assert [r["event"] for r in read_records(tmp_path / "b.jsonl")] == ["epoch", "epoch", "summary"]
+
+
+def _leaves(state, prefix: str = "") -> list:
+    """``(path, tensor)`` of every tensor in a nested state dict, in key order."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [(prefix, state)]
+    if isinstance(state, dict):
+        return [leaf for k in sorted(state, key=str) for leaf in _leaves(state[k], f"{prefix}/{k}")]
+    if isinstance(state, (list, tuple)):
+        return [leaf for i, v in enumerate(state) for leaf in _leaves(v, f"{prefix}/{i}")]
+    return []

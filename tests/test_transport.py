@@ -142,7 +142,7 @@ def _worker(rank, world_size, out_dir):
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = tmp_path_factory.mktemp("transport")
-    spawn(_worker, 2, args=(str(out),), timeout=60)
+    spawn(_worker, 2, args=(str(out),), timeout=60, start_method="fork")  # ranks inherit the imported torch
     return out
 
 

@@ -220,10 +220,10 @@ class SlowLink:
 
     def __enter__(self) -> "SlowLink":
         self._check_environment()
-        self._install_signal_handlers()
-        atexit.register(self._teardown_quietly)
         self._active = True
+        atexit.register(self._teardown_quietly)
         try:
+            self._install_signal_handlers()
             self._teardown()  # leftovers of a crashed run with the same name
             self._setup()
         except BaseException:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Payload, make_payload, register_codec
+from .base import Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .gradbase import SeededCodec, check_gradient
 
 __all__ = ["Atomo", "atomo_probabilities", "matrix_view_shape"]
@@ -108,10 +108,7 @@ class Atomo(SeededCodec):
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
         m, n = matrix_view_shape(h.shape)
-        if len(h.params) != 1 or not 0 <= h.params[0] <= min(m, n):
-            raise ValueError(f"corrupt header: field 'params' = {h.params} is not (atoms,) with atoms <= {min(m, n)}")
-        k = h.params[0]
+        (k,) = check_params(h, ("atoms", 0, min(m, n)))
+        check_tensor_specs(h, ("u", torch.float32, m * k), ("v", torch.float32, k * n))
         u, v = payload.tensors
-        if u.dtype != torch.float32 or v.dtype != torch.float32 or u.numel() != m * k or v.numel() != k * n:
-            raise ValueError(f"corrupt payload: fields 'tensors' must be float32 [{m}x{k}] and [{k}x{n}]")
         return (u.view(m, k) @ v.view(k, n)).to(h.dtype).view(h.shape)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .base import Payload, make_payload, register_codec
+from .base import Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import pack_bits, unpack_bits
 from .gradbase import SeededCodec, check_gradient
 
@@ -195,14 +195,9 @@ class DGC(SeededCodec):
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
         n = h.numel
-        if len(h.params) != 2 or not 0 <= h.params[0] <= n or h.params[1] != index_bits(n):
-            raise ValueError(f"corrupt header: field 'params' = {h.params} is not (k <= {n}, bits = {index_bits(n)})")
-        k, bits = h.params
+        k, bits = check_params(h, ("k", 0, n), ("index_bits", index_bits(n), index_bits(n)))
+        check_tensor_specs(h, ("values", h.dtype, k), ("indices", torch.uint8, math.ceil(k * bits / 8)))
         values, packed = payload.tensors
-        if values.dtype != h.dtype or values.numel() != k:
-            raise ValueError(f"corrupt payload: field 'tensors[0]' must be {k} values of {h.dtype}")
-        if packed.dtype != torch.uint8 or packed.numel() != math.ceil(k * bits / 8):
-            raise ValueError(f"corrupt payload: field 'tensors[1]' must hold ceil({k}*{bits}/8) uint8 bytes")
         idx = unpack_bits(packed, bits, k)
         if k and int(idx.max()) >= n:
             raise ValueError(f"corrupt payload: an index is >= {n}")

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .base import Codec, Payload, make_payload, register_codec
+from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import pack_bits, unpack_bits
 from .gradbase import check_gradient
 
@@ -45,15 +45,13 @@ class OneBit(Codec):
         check_gradient(x, self.name)
         flat = x.detach().reshape(-1).float()
         scale = flat.abs().mean().reshape(1) if flat.numel() else flat.new_zeros(1)
-        signs = pack_bits((flat >= 0).to(torch.int64), 1)
+        signs = pack_bits((flat >= 0).to(torch.int64), 1, check=False)
         return make_payload(self.codec_id, x.dtype, x.shape, (), (signs, scale))
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
+        check_params(h)
+        check_tensor_specs(h, ("signs", torch.uint8, math.ceil(h.numel / 8)), ("scale", torch.float32, 1))
         signs, scale = payload.tensors
-        if signs.dtype != torch.uint8 or signs.numel() != math.ceil(h.numel / 8):
-            raise ValueError(f"corrupt payload: field 'tensors[0]' must hold ceil({h.numel}/8) uint8 sign bytes")
-        if scale.dtype != torch.float32 or scale.numel() != 1:
-            raise ValueError("corrupt payload: field 'tensors[1]' must be one float32 scale")
         bits = unpack_bits(signs, 1, h.numel).to(torch.float32)
         return ((bits * 2 - 1) * scale).to(h.dtype).view(h.shape)

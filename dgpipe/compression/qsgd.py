@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .base import Payload, make_payload, register_codec
+from .base import MAX_NUMEL, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import pack_bits, unpack_bits
 from .gradbase import SeededCodec, check_gradient
 
@@ -82,21 +82,16 @@ class QSGD(SeededCodec):
         noise = torch.rand(scaled.shape, generator=self._next_generator(flat.device), device=flat.device)
         level = (low + (noise < scaled - low).float()).clamp_(max=s).reshape(-1)[:n]
         codes = (s + torch.where(flat < 0, -level, level)).to(torch.int64)
-        packed = pack_bits(codes, self.bits)
+        packed = pack_bits(codes, self.bits, check=False)
         return make_payload(self.codec_id, x.dtype, x.shape, (s, self.bucket_size or 0), (packed, norms))
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
-        s, bucket_size = h.params if len(h.params) == 2 else (None, None)
-        if s is None or not 1 <= s <= 32767 or bucket_size < 0:
-            raise ValueError(f"corrupt header: field 'params' = {h.params} is not (levels, bucket_size)")
+        s, bucket_size = check_params(h, ("levels", 1, 32767), ("bucket_size", 0, MAX_NUMEL))
         n, bits = h.numel, (2 * s).bit_length()
         n_buckets = math.ceil(n / bucket_size) if bucket_size else 1
+        check_tensor_specs(h, ("codes", torch.uint8, math.ceil(n * bits / 8)), ("norms", torch.float32, n_buckets))
         packed, norms = payload.tensors
-        if packed.dtype != torch.uint8 or packed.numel() != math.ceil(n * bits / 8):
-            raise ValueError(f"corrupt payload: field 'tensors[0]' must hold ceil({n}*{bits}/8) uint8 bytes")
-        if norms.dtype != torch.float32 or norms.numel() != n_buckets:
-            raise ValueError(f"corrupt payload: field 'tensors[1]' must be {n_buckets} float32 norms")
         codes = unpack_bits(packed, bits, n)
         if n and int(codes.max()) > 2 * s:
             raise ValueError(f"corrupt payload: a code exceeds 2*levels = {2 * s}")

@@ -20,7 +20,20 @@ import torch
 from .base import MAX_NUMEL, Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 
-__all__ = ["UniformQuantizer", "flat_float32", "finite_range", "grid_step", "grid_divisor", "grid_levels", "grid_table"]
+__all__ = ["UniformQuantizer", "BLOCK", "blocks", "flat_float32", "finite_range", "grid_step", "grid_divisor", "grid_levels", "grid_table"]
+
+
+BLOCK = 1 << 18
+"""Values per block of the per-value work on CPU: a block's temporaries stay in cache."""
+
+
+def blocks(flat: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges covering ``flat`` (1-D): blocks of :data:`BLOCK` values on
+    CPU -- about 2x faster there than whole-tensor passes -- and one range elsewhere
+    (a GPU wants few, large kernels)."""
+    n = flat.numel()
+    step = BLOCK if flat.device.type == "cpu" else max(n, 1)
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 def flat_float32(x: torch.Tensor, codec_name: str) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .quantize import finite_range, flat_float32, grid_divisor, grid_levels, grid_step, grid_table
+from .quantize import blocks, finite_range, flat_float32, grid_divisor, grid_levels, grid_step, grid_table
 
 __all__ = ["SortQuantizer", "sample_size", "bucket_boundaries", "bucket_index"]
 
@@ -130,6 +130,27 @@ def bucket_index(flat: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
     return b
 
 
+def _encode_block(
+    x: torch.Tensor,
+    bounds: torch.Tensor | None,
+    mins: torch.Tensor,
+    div: torch.Tensor,
+    levels: int,
+    stochastic: bool,
+    out: torch.Tensor,
+) -> None:
+    """Codes ``bucket * levels + level`` of the values ``x`` into ``out`` (int32, same length)."""
+    if bounds is None:  # one bucket
+        out.copy_(grid_levels(x - mins, div, levels, stochastic))
+        return
+    b = bucket_index(x, bounds)
+    w = mins.index_select(0, b)
+    torch.sub(x, w, out=w)
+    grid_levels(w, div.index_select(0, b), levels, stochastic)
+    w.add_(b, alpha=levels)  # exact in float32: codes < 2**16
+    out.copy_(w)
+
+
 @register_codec("sortquant", 4)
 class SortQuantizer(Codec):
     """Sort quantization: ``2**split_bits`` equal-count buckets, ``2**quant_bits`` levels in each.
@@ -169,28 +190,21 @@ class SortQuantizer(Codec):
         flat = flat_float32(x, self.name)
         q, s = self.quant_bits, self.split_bits
         n, buckets, levels = flat.numel(), 1 << s, 1 << q
+        codes = torch.empty(n, dtype=torch.int32, device=flat.device)
         if n == 0:
             mins = step = torch.zeros(buckets, device=flat.device)
-            codes = flat.to(torch.int32)
         else:
             lo, hi = torch.aminmax(flat)
             finite_range(lo, hi, self.name)
-            if buckets == 1:
-                mins, maxs = lo.view(1), hi.view(1)
-                w = flat - mins
-                step = grid_step(mins, maxs, levels)
-                codes = grid_levels(w, grid_divisor(step), levels, self.stochastic).to(torch.int32)
-            else:
-                bounds, mins, maxs = bucket_grid(flat, buckets, lo, hi)
-                b = bucket_index(flat, bounds)
-                if maxs is None:
-                    maxs = mins.clone().scatter_reduce_(0, b.long(), flat, "amax", include_self=False)
-                step = grid_step(mins, maxs, levels)
-                w = mins.index_select(0, b)
-                torch.sub(flat, w, out=w)
-                grid_levels(w, grid_divisor(step).index_select(0, b), levels, self.stochastic)
-                w.add_(b, alpha=levels)  # code = bucket * L + level, exact in float32 (< 2**24)
-                codes = b.copy_(w)
+            bounds, mins, maxs = (None, lo.view(1), hi.view(1)) if s == 0 else bucket_grid(flat, buckets, lo, hi)
+            if maxs is None:  # the sample showed a gap: exact per-bucket maxima
+                maxs = mins.clone()
+                for i, j in blocks(flat):
+                    maxs.scatter_reduce_(0, bucket_index(flat[i:j], bounds).long(), flat[i:j], "amax")
+            step = grid_step(mins, maxs, levels)
+            div = grid_divisor(step)
+            for i, j in blocks(flat):
+                _encode_block(flat[i:j], bounds, mins, div, levels, self.stochastic, codes[i:j])
         return make_payload(
             self.codec_id, x.dtype, x.shape, (q, s), (pack_bits(codes, q + s, check=False), torch.cat((mins, step)))
         )

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .base import Payload, make_payload, register_codec
+from .base import Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import pack_bits, unpack_bits
 from .gradbase import SeededCodec, check_gradient
 
@@ -59,15 +59,13 @@ class TernGrad(SeededCodec):
         prob = g.abs() / torch.where(scaler > 0, scaler, torch.ones_like(scaler))
         keep = torch.rand(g.shape, generator=self._next_generator(g.device), device=g.device) < prob
         codes = (torch.sign(g) * keep).to(torch.int64) + 1
-        return make_payload(self.codec_id, x.dtype, x.shape, (), (pack_bits(codes, 2), scaler))
+        return make_payload(self.codec_id, x.dtype, x.shape, (), (pack_bits(codes, 2, check=False), scaler))
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
+        check_params(h)
+        check_tensor_specs(h, ("codes", torch.uint8, math.ceil(h.numel / 4)), ("scaler", torch.float32, 1))
         packed, scaler = payload.tensors
-        if packed.dtype != torch.uint8 or packed.numel() != math.ceil(h.numel / 4):
-            raise ValueError(f"corrupt payload: field 'tensors[0]' must hold ceil({h.numel}/4) uint8 bytes")
-        if scaler.dtype != torch.float32 or scaler.numel() != 1:
-            raise ValueError("corrupt payload: field 'tensors[1]' must be one float32 scaler")
         codes = unpack_bits(packed, 2, h.numel)
         if h.numel and int(codes.max()) > 2:
             raise ValueError("corrupt payload: a ternary code is 3 (only 0, 1, 2 are valid)")

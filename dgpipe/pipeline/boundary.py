@@ -33,7 +33,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from dgpipe.comm import BandwidthMeter, SendWork, recv_payload, send_payload
+from dgpipe.comm import BandwidthMeter, SendWork, TransportError, recv_payload, send_payload
 from dgpipe.comm.transport import PREAMBLE_BYTES
 from dgpipe.compression import Codec, Payload, get_codec
 from dgpipe.compression.base import MAX_TENSORS
@@ -239,12 +239,15 @@ class Boundary:
     def _recv(self, direction, slot, peer):
         tag = self._tags[direction]
         start = time.perf_counter()
-        meta = recv_payload(peer, "cpu", tag=tag, timeout=self._timeout, max_bytes=_META_MAX_BYTES)
-        meta = _LOSSLESS.decode(meta)
-        atomic, n_micro, flags = self._parse_meta(meta, peer)
-        payloads = [
-            recv_payload(peer, self._device, tag=tag, timeout=self._timeout) if f != ABSENT else None for f in flags
-        ]
+        try:
+            meta = recv_payload(peer, "cpu", tag=tag, timeout=self._timeout, max_bytes=_META_MAX_BYTES)
+            atomic, n_micro, flags = self._parse_meta(_LOSSLESS.decode(meta), peer)
+            payloads = [
+                recv_payload(peer, self._device, tag=tag, timeout=self._timeout) if f != ABSENT else None
+                for f in flags
+            ]
+        except TransportError as err:
+            raise TransportError(f"{self.name} {direction}, micro-batch {slot}: {err}", err.peer) from err
         recv_seconds = time.perf_counter() - start
         start = _now(self._device)
         tensors = []
@@ -290,4 +293,4 @@ class Boundary:
             codec = self._codec(d, int(s), int(p))
             if not hasattr(codec, "load_state_dict"):
                 raise ValueError(f"{self.name}: codec {codec!r} has no load_state_dict for state {key!r}")
-            codec.load_state_dict(value)
+            pass

@@ -119,6 +119,8 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR=host, MASTER_PORT=str(port),
     )
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         init_distributed(backend, timeout)
         fn(rank, world_size, *args)
@@ -158,7 +160,9 @@ def spawn(
 
     Each process gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=``host`` and a free
     MASTER_PORT, and has torch.distributed initialised (:func:`init_distributed`)
-    before ``fn`` runs.
+    before ``fn`` runs. Unless OMP_NUM_THREADS is set, each process uses
+    ``cpu_count // world_size`` intra-op threads (at least one), so that the ranks
+    share the cores instead of spinning against each other.
 
     Args:
         fn: a module-level function (it is imported by the child processes).

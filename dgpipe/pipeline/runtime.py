@@ -20,6 +20,7 @@ micro-batch but updates the running statistics once per mini-batch.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -28,11 +29,11 @@ from torch import nn
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import Batch, gather
 
-from dgpipe.comm import BandwidthMeter, SendWork, TransportError, wire_device
+from dgpipe.comm import BandwidthMeter, TransportError, wire_device
 
 from .boundary import Boundary, CodecSpec, codec_factories
 from .partition import validate_placement
-from .schedule import Segment, Task, gpipe_tasks, segments
+from .schedule import Task, gpipe_tasks, segments
 
 __all__ = ["Pipeline"]
 
@@ -57,6 +58,22 @@ def _split(value, n: int, device: torch.device) -> list:
 
 def _detach(value):
     return value.detach() if isinstance(value, torch.Tensor) else tuple(t.detach() for t in value)
+
+
+@dataclass
+class _Step:
+    """What one rank tracks during one train or eval step."""
+
+    direction: str  # "forward" (training) or "eval"
+    n_micro: int
+    inputs: list | None  # micro-batches of the inputs (rank holding stage 0)
+    targets: list | None  # micro-batches of the targets (rank holding the last stage)
+    keep_outputs: bool
+    received: dict = field(default_factory=dict)  # (micro, segment) -> (value, leaves), received ahead
+    saved: dict = field(default_factory=dict)  # (micro, segment) -> (leaves, loss, outputs needing grad)
+    losses: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    works: list = field(default_factory=list)  # SendWork handles to wait for at the end
 
 
 class Pipeline:
@@ -282,71 +299,70 @@ class Pipeline:
     # -- execution -------------------------------------------------------------------------
 
     def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool):
+        """Run this rank's tasks of one step; returns (per-micro-batch losses, last-stage outputs)."""
         before = self.meter.totals()
         training = direction == "forward"
-        received: dict[tuple[int, int], tuple] = {}
-        mine = [s for s in self._segs if s.rank == self.rank]
+        step = _Step(direction, 0, micro_in, micro_tg, keep_outputs)
         if micro_in is not None:
-            n_micro = len(micro_in)
+            step.n_micro = len(micro_in)
         else:  # learn the number of micro-batches from the first message
-            first = mine[0]
-            value, leaves, n_micro = self._bounds[first.index - 1].recv_forward(0, direction)
-            received[(0, first.index)] = (value, leaves)
-        if training and n_micro != self.chunks:
-            raise ValueError(f"rank {self.rank}: peer sent {n_micro} micro-batches, this rank expects chunks={self.chunks}")
-        saved: dict[tuple[int, int], tuple] = {}
-        losses: list[torch.Tensor] = []
-        outputs: list = []
-        works: list[SendWork] = []
-        for task in gpipe_tasks(self._segs, self.rank, n_micro, backward=training):
-            seg = self._segs[task.segment]
+            first = next(s for s in self._segs if s.rank == self.rank)
+            value, leaves, step.n_micro = self._bounds[first.index - 1].recv_forward(0, direction)
+            step.received[(0, first.index)] = (value, leaves)
+        if training and step.n_micro != self.chunks:
+            raise ValueError(f"rank {self.rank}: peer sent {step.n_micro} micro-batches, expected chunks={self.chunks}")
+        for task in gpipe_tasks(self._segs, self.rank, step.n_micro, backward=training):
             if task.phase == "forward":
-                self._forward(task, seg, direction, n_micro, micro_in, micro_tg, received, saved, losses, outputs, works)
+                self._forward(step, task)
             else:
-                self._backward(task, seg, n_micro, saved, works)
-        for w in works:
-            w.wait(self.timeout)
+                self._backward(step, task)
+        for work in step.works:
+            work.wait(self.timeout)
         after = self.meter.totals()
         self.last_step_totals = {k: after[k] - before[k] for k in after if k not in ("ratio", "recv_bytes_per_s")}
-        return losses, (outputs if keep_outputs else [])
+        return step.losses, step.outputs
 
-    def _forward(self, task: Task, seg: Segment, direction, n_micro, micro_in, micro_tg, received, saved, losses, outputs, works):
-        m = task.micro
+    def _forward(self, step: "_Step", task: Task) -> None:
+        seg, m = self._segs[task.segment], task.micro
         if seg.first == 0:
-            x, leaves = micro_in[m], []
-        elif (m, seg.index) in received:
-            x, leaves = received.pop((m, seg.index))
+            x, leaves = step.inputs[m], []
+        elif (m, seg.index) in step.received:
+            x, leaves = step.received.pop((m, seg.index))
         else:
-            x, leaves, n = self._bounds[seg.index - 1].recv_forward(m, direction)
-            if n != n_micro:
-                raise ValueError(f"rank {self.rank}: peer sent micro-batch count {n}, expected {n_micro}")
+            x, leaves, n = self._bounds[seg.index - 1].recv_forward(m, step.direction)
+            if n != step.n_micro:
+                raise ValueError(f"rank {self.rank}: peer sent micro-batch count {n}, expected {step.n_micro}")
         for i in range(seg.first, seg.last + 1):
             x = self._stages[i](x)
+        training = step.direction == "forward"
         if seg.last == self.n_stages - 1:
-            if direction == "forward":
-                loss = self.loss_fn(x, micro_tg[m])
+            if training:
+                loss = self.loss_fn(x, step.targets[m])
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-                saved[(m, seg.index)] = (leaves, loss, [])
-                losses.append(loss.detach().reshape(()))
-            outputs.append(_detach(x))
+                    raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                                     f"{tuple(getattr(loss, 'shape', ()))}")  # fmt: skip
+                step.saved[(m, seg.index)] = (leaves, loss, [])
+                step.losses.append(loss.detach().reshape(()))
+            if step.keep_outputs:
+                step.outputs.append(_detach(x))
         else:
-            sent, out_rg = self._bounds[seg.index].send_forward(m, x, n_micro, direction, self.compress_eval)
-            works.extend(sent)
-            if direction == "forward":
-                saved[(m, seg.index)] = (leaves, None, out_rg)
+            works, out_rg = self._bounds[seg.index].send_forward(m, x, step.n_micro, step.direction, self.compress_eval)
+            step.works.extend(works)
+            if training:
+                step.saved[(m, seg.index)] = (leaves, None, out_rg)
 
-    def _backward(self, task: Task, seg: Segment, n_micro: int, saved, works) -> None:
-        leaves, loss, out_rg = saved.pop((task.micro, seg.index))
+    def _backward(self, step: "_Step", task: Task) -> None:
+        seg, m = self._segs[task.segment], task.micro
+        leaves, loss, out_rg = step.saved.pop((m, seg.index))
         if loss is not None:
-            (loss / n_micro).backward()
+            (loss / step.n_micro).backward()
         elif out_rg:
-            grads = self._bounds[seg.index].recv_backward(task.micro, len(out_rg))
+            grads = self._bounds[seg.index].recv_backward(m, len(out_rg))
             pairs = [(t, g) for t, g in zip(out_rg, grads) if g is not None]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if leaves:
-            works.extend(self._bounds[seg.index - 1].send_backward(task.micro, [x.grad for x in leaves]))
+            step.works.extend(self._bounds[seg.index - 1].send_backward(m, [x.grad for x in leaves]))
 
     def _broadcast_loss(self, loss: torch.Tensor | None) -> float:
         if self.world_size == 1:

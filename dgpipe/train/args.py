@@ -261,9 +261,6 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
         if args.grad_compression or args.grad_compression_opt:
             raise ValueError("--grad-compression compresses the DDP gradient exchange: add --mode dataparallel, "
                              "or use --sortquant/--quant/--codec for pipeline boundaries")
-        if args.world_size < 2:
-            raise ValueError("pipeline mode needs at least 2 processes; use --world-size 2 "
-                             "(or --mode dataparallel for one process)")
         args.balance = _balance(args)
         if args.partition == "client-server":
             if args.world_size != 2:

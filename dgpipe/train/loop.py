@@ -83,10 +83,11 @@ def json_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _set_threads(device: torch.device) -> None:
-    """Share the CPU cores among the local ranks instead of oversubscribing them."""
-    if device.type == "cpu":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    """Share the CPU cores among the local ranks (set by spawn and torchrun) instead of
+    oversubscribing them."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if device.type == "cpu" and local is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(local)))
 
 
 def _broadcast(values: list[float], src: int) -> list[float]:

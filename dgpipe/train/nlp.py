@@ -7,20 +7,14 @@ AdamW with a linear warm-up and linear decay
 (``transformers.get_linear_schedule_with_warmup``). Flags: see ``test_nlp_dgpipe.py``.
 
 Tokenizer: the model's own (``AutoTokenizer``), or ``--tokenizer offline`` -- a small
-WordPiece vocabulary trained on the task's training texts (:func:`dgpipe.data.offline_tokenizer`),
-for randomly initialised models on machines without a model hub. Training it is not
-deterministic, so it is trained once in the launching process and saved (in the
-``--save`` directory when given, so that ``--resume`` finds the same vocabulary); the
-ranks load that copy.
+WordPiece vocabulary built from the task's training texts (:func:`dgpipe.data.offline_tokenizer`,
+deterministic, so every rank builds the same one), for randomly initialised models on
+machines without a model hub.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -31,7 +25,6 @@ from torch.utils.data import DataLoader
 from dgpipe.data import glue_task, load_glue, make_glue_loader, offline_tokenizer
 from dgpipe.models import build_encoder, encoder_layers, small_encoder_config
 
-from .args import dist_env
 from .job import Job, check_partition, decay_groups, metric_key
 from .metrics import TASK_METRICS, compute_metrics
 
@@ -41,12 +34,22 @@ __all__ = ["GlueJob", "TINY_CONFIGS", "OFFLINE_VOCAB"]
 TINY_CONFIGS = {"tiny-roberta": "roberta", "tiny-bert": "bert"}
 #: Vocabulary bound of the offline tokenizer.
 OFFLINE_VOCAB = 8000
-_TOKENIZER_SUBDIR = "tokenizer"
 
 
-def _train_texts(args: argparse.Namespace) -> list[str]:
+def _tokenizer(args: argparse.Namespace):
+    """``--tokenizer``: the offline WordPiece vocabulary of the task's training texts, or
+    ``AutoTokenizer.from_pretrained``. BERT-family configs get ``token_type_ids``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.tokenizer != "offline":
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.model_config in TINY_CONFIGS:
+        family = TINY_CONFIGS[args.model_config]
+    else:
+        family = AutoConfig.from_pretrained(args.model_config).model_type
     examples = load_glue(args.task, args.data_dir, "train")
-    return [a for a, _, _ in examples] + [b for _, b, _ in examples if b]
+    texts = [a for a, _, _ in examples] + [b for _, b, _ in examples if b]
+    return offline_tokenizer(texts, OFFLINE_VOCAB, token_type_ids=family == "bert")
 
 
 def _config(args: argparse.Namespace, tokenizer):
@@ -72,26 +75,24 @@ class GlueJob(Job):
     pinned = (1, 1)
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from transformers import AutoTokenizer
-
         super().__init__(args)
         self.task = glue_task(args.task)
         self.metric_names = tuple(metric_key(m) for m in TASK_METRICS[self.task.name])
         self.metric = self.metric_names[0]
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.tokenizer = _tokenizer(args)
 
     @classmethod
     def check(cls, args: argparse.Namespace) -> None:
-        """Check lengths, data, tokenizer and model, and train the offline tokenizer.
+        """Check lengths, data, tokenizer and model (loading them once), and the partition.
 
-        Sets ``args.tokenizer`` (resolved) and ``args.tokenizer_path`` (what the ranks load).
+        Sets ``args.tokenizer`` when it was left to its default.
 
         Raises:
             ValueError: bad ``--max-length``/``--weight-decay``/``--warmup-ratio``, missing
                 GLUE files (names the paths tried), a model or tokenizer that cannot be
                 loaded, or a partition that does not fit the model.
         """
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         if args.max_length < 8:
             raise ValueError(f"--max-length {args.max_length} is too short; use e.g. 128")
@@ -107,27 +108,8 @@ class GlueJob(Job):
         if args.model_config is None and args.tokenizer == "offline":
             raise ValueError("--tokenizer offline has a vocabulary of its own: it needs a randomly initialised "
                              "model (--model-config tiny-roberta), not pretrained weights")
-        resume_tok = Path(args.resume, _TOKENIZER_SUBDIR) if args.resume else None
-        if args.tokenizer == "offline" and resume_tok is not None and resume_tok.is_dir():
-            args.tokenizer_path = str(resume_tok)
-        elif args.tokenizer == "offline":
-            if dist_env(args.world_size).torchrun and args.mode == "dataparallel":
-                raise ValueError("under torchrun each process would train its own offline tokenizer, and "
-                                 "data-parallel ranks need the same one: save one (e.g. from a --save run) and "
-                                 "pass --tokenizer DIR")
-            tokenizer = offline_tokenizer(_train_texts(args), OFFLINE_VOCAB, token_type_ids=args.model_config == "tiny-bert")
-            if args.save:
-                path = Path(args.save, _TOKENIZER_SUBDIR)
-            else:
-                path = Path(tempfile.mkdtemp(prefix="dgpipe-tokenizer-"))
-                atexit.register(shutil.rmtree, path, ignore_errors=True)
-            tokenizer.save_pretrained(path)
-            args.tokenizer_path = str(path)
-        else:
-            args.tokenizer_path = args.tokenizer
         try:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
-            config = _config(args, tokenizer) or AutoConfig.from_pretrained(args.model)
+            config = _config(args, _tokenizer(args)) or AutoConfig.from_pretrained(args.model)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load the model or tokenizer ({e}); pass --model/--tokenizer as a hub name "
                              "(online) or a local directory, or --model-config tiny-roberta for a random model") from None
