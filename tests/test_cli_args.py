@@ -16,8 +16,7 @@ from dgpipe.train import vision
 from dgpipe.train.codecs import CodecSpec, parse_options
 
 ROOT = Path(__file__).resolve().parents[1]
-CIFAR = ROOT.parent / "shared" / "data" / "cifar10-images"
-GLUE = ROOT.parent / "shared" / "data" / "glue"
+RTE_ROWS = [("The cat sat on the mat.", "A cat sat.", "entailment"), ("It rained.", "It was dry.", "not_entailment")]
 
 
 def _cli(name: str):
@@ -36,6 +35,31 @@ NLP = _cli("test_nlp_dgpipe")
 def _no_torchrun(monkeypatch):
     for var in targs.TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory) -> Path:
+    """A CIFAR-10-shaped image folder: 10 classes, 2 train and 1 test image each."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("cifar")
+    for split, count in (("train", 2), ("test", 1)):
+        for c in range(10):
+            (root / split / f"c{c}").mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (32, 32), (c * 20, i * 50, 0)).save(root / split / f"c{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def glue(tmp_path_factory) -> Path:
+    """A GLUE folder with a 4-row RTE train split and a 2-row dev split."""
+    root = tmp_path_factory.mktemp("glue")
+    (root / "RTE").mkdir()
+    for split, rows in (("train", RTE_ROWS * 2), ("dev", RTE_ROWS)):
+        lines = ["index\tsentence1\tsentence2\tlabel"] + [f"{i}\t{a}\t{b}\t{y}" for i, (a, b, y) in enumerate(rows)]
+        (root / "RTE" / f"{split}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return root
 
 
 def _error(cli, argv, capsys) -> str:
@@ -79,16 +103,17 @@ def _validated(argv, cli=VISION):
         (["--epochs", "0"], "--epochs must be positive, got 0"),
     ],
 )
-def test_common_flag_errors(argv, message, capsys):
-    assert message in _error(VISION, ["--data-dir", str(CIFAR), *argv], capsys)
+def test_common_flag_errors(argv, message, cifar, capsys):
+    assert message in _error(VISION, ["--data-dir", str(cifar), *argv], capsys)
 
 
-def test_errors_come_before_any_process(monkeypatch, capsys):
+def test_errors_come_before_any_process(monkeypatch, cifar, capsys):
     def no_spawn(*a, **k):
         raise AssertionError("a process was started")
 
     monkeypatch.setattr(VISION, "run", no_spawn)
-    _error(VISION, ["--data-dir", str(CIFAR), "--batch-size", "6", "--chunk", "4"], capsys)
+    _error(VISION, ["--data-dir", str(cifar), "--batch-size", "6", "--chunk", "4"], capsys)
+    _error(VISION, ["--data-dir", str(cifar), "--eval-subset", "11", "--batch-size", "4"], capsys)
 
 
 def test_missing_data_names_the_paths_tried(tmp_path, monkeypatch, capsys):
@@ -104,20 +129,30 @@ def test_missing_data_names_the_paths_tried(tmp_path, monkeypatch, capsys):
     assert f"tried {tmp_path / 'CoLA' / 'train.tsv'}" in err
 
 
-def test_bad_task_and_partition_that_does_not_fit(capsys):
+def test_subsets_larger_than_the_data(cifar, glue, capsys):
+    err = _error(VISION, ["--data-dir", str(cifar), "--eval-subset", "11", "--batch-size", "4"], capsys)
+    assert f"--eval-subset 11 is more than the 10 test images in {cifar}" in err
+    err = _error(NLP, ["--data-dir", str(glue), "--model-config", "tiny-roberta", "--train-subset", "5",
+                       "--batch-size", "4"], capsys)
+    assert "--train-subset: subset size 5 is out of range: the split has 4 examples" in err
+
+
+def test_bad_task_and_partition_that_does_not_fit(cifar, glue, capsys):
     assert "argument --task: invalid choice: 'imagenet'" in _error(NLP, ["--task", "imagenet"], capsys)
     # MobileNetV2 has 20 layers: at most 9 at each end for the client.
-    err = _error(VISION, ["--data-dir", str(CIFAR), "--client-layers", "10", "--width-mult", "0.25"], capsys)
+    err = _error(VISION, ["--data-dir", str(cifar), "--client-layers", "10", "--width-mult", "0.25"], capsys)
     assert "--client-layers 10" in err and "use client_layers in [1, 9]" in err
-    err = _error(NLP, ["--data-dir", str(GLUE), "--model-config", "tiny-roberta", "--client-layers", "3"], capsys)
+    err = _error(NLP, ["--data-dir", str(glue), "--model-config", "tiny-roberta", "--client-layers", "3"], capsys)
     assert "use client_layers in [0, 2]" in err  # tiny-roberta: embeddings + 6 layers + head
-    err = _error(VISION, ["--data-dir", str(CIFAR), "--partition", "linear", "--balance", "10,9", "--width-mult", "0.25"],
+    err = _error(VISION, ["--data-dir", str(cifar), "--partition", "linear", "--balance", "10,9", "--width-mult", "0.25"],
                  capsys)
     assert "--balance 10,9: balance [10, 9] covers 19 layers but there are 20" in err
+    err = _error(NLP, ["--data-dir", str(glue), "--tokenizer", "offline"], capsys)
+    assert "--tokenizer offline has a vocabulary of its own" in err
 
 
-def test_resume_needs_a_checkpoint(tmp_path, capsys):
-    err = _error(VISION, ["--data-dir", str(CIFAR), "--resume", str(tmp_path)], capsys)
+def test_resume_needs_a_checkpoint(tmp_path, cifar, capsys):
+    err = _error(VISION, ["--data-dir", str(cifar), "--resume", str(tmp_path)], capsys)
     assert f"--resume {tmp_path}: no checkpoint there ({tmp_path / 'meta.json'} not found)" in err
 
 

@@ -83,18 +83,25 @@ def test_vision_pipeline_sortquant(tmp_path, capfd):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "rank0.pt", "rank1.pt"]
 
 
-@pytest.mark.skipif(not RTE.is_dir(), reason=f"real RTE data not found at {RTE}")
-def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
-    glue = tmp_path / "glue" / "RTE"
-    glue.mkdir(parents=True)
-    for split, rows in (("train", 64), ("dev", 16)):
+def _tiny_rte(root: Path, train_rows: int, dev_rows: int) -> Path:
+    """A GLUE folder holding the first rows of the real RTE files."""
+    (root / "RTE").mkdir(parents=True)
+    for split, rows in (("train", train_rows), ("dev", dev_rows)):
         lines = (RTE / f"{split}.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
-        (glue / f"{split}.tsv").write_text("".join(lines[: rows + 1]), encoding="utf-8")
+        (root / "RTE" / f"{split}.tsv").write_text("".join(lines[: rows + 1]), encoding="utf-8")
+    return root
+
+
+needs_rte = pytest.mark.skipif(not RTE.is_dir(), reason=f"real RTE data not found at {RTE}")
+
+
+@needs_rte
+def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
     log = tmp_path / "rte.jsonl"
     code = _cli("test_nlp_dgpipe").main([
-        "--task", "rte", "--data-dir", str(glue.parent), "--model-config", "tiny-roberta", "--max-length", "48",
-        "--mode", "dataparallel", "--grad-compression", "fp16", "--batch-size", "8", "--epochs", "1",
-        "--max-steps", "2", "--lr", "1e-4", "--log", str(log), "--no-progress",
+        "--task", "rte", "--data-dir", str(_tiny_rte(tmp_path / "glue", 64, 16)), "--model-config", "tiny-roberta",
+        "--max-length", "48", "--mode", "dataparallel", "--grad-compression", "fp16", "--batch-size", "8",
+        "--epochs", "1", "--max-steps", "2", "--lr", "1e-4", "--log", str(log), "--no-progress",
     ])
     assert code == 0
     assert "DDP on 2 processes, gradient exchange fp16" in capfd.readouterr().out
@@ -103,68 +110,25 @@ def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
     assert summary["wire_bytes"] * 2 == summary["raw_bytes"]  # fp16 halves every float32 gradient
 
 
-def _in_process(argv: list[str]):
-    """Validated vision args for one in-process rank."""
-    args = _cli("test_vision_dgpipe").build_parser().parse_args(argv)
-    targs.validate_common(args, environ={})
-    return args
-
-
-def _worker(args) -> None:
+def _in_process(argv: list[str]) -> None:
+    """Run the NLP job's loop as one in-process rank (no process spawned)."""
     import time
 
     import torch.distributed as dist
 
     from dgpipe.pipeline import free_port
     from dgpipe.train import loop
-    from dgpipe.train.vision import VisionJob
+    from dgpipe.train.nlp import GlueJob
 
+    args = _cli("test_nlp_dgpipe").build_parser().parse_args(argv)
+    targs.validate_common(args, environ={})
+    GlueJob.check(args)
     args.launch_time = time.time()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        loop.worker(0, 1, VisionJob, args, 0)
+        loop.worker(0, 1, GlueJob, args, 0)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("mode", [["--partition", "linear", "--stages", "2"], ["--mode", "dataparallel"]])
-def test_resume_continues_exactly(tmp_path, monkeypatch, mode):
-    """Two epochs in one go == one epoch, a crash after its checkpoint, then --resume.
-
-    One in-process rank (``--world-size 1``: a linear pipeline then keeps both stages on
-    rank 0), so that no process is spawned."""
-    import torch
-
-    from dgpipe.train import checkpoint
-
-    data = _image_folder(tmp_path / "images", {"train": 2, "test": 1})
-    common = ["--data-dir", str(data), "--batch-size", "4", "--chunk", "2", "--epochs", "2", "--width-mult", "0.25",
-              "--num-workers", "0", "--no-progress", "--lr", "0.01", "--world-size", "1", *mode]
-    _worker(_in_process([*common, "--save", str(tmp_path / "a")]))
-
-    real_meta = checkpoint.write_meta
-
-    def crash_after_meta(*a, **k):
-        real_meta(*a, **k)
-        raise KeyboardInterrupt("simulated crash after the first checkpoint")
-
-    monkeypatch.setattr(checkpoint, "write_meta", crash_after_meta)
-    with pytest.raises(KeyboardInterrupt):
-        _worker(_in_process([*common, "--save", str(tmp_path / "b"), "--log", str(tmp_path / "b.jsonl")]))
-    monkeypatch.setattr(checkpoint, "write_meta", real_meta)
-    assert checkpoint.read_meta(tmp_path / "b")["epoch"] == 1
-    _worker(_in_process([*common, "--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b"),
-                         "--log", str(tmp_path / "b.jsonl")]))
-
-    a, b = checkpoint.load_rank(tmp_path / "a", 0), checkpoint.load_rank(tmp_path / "b", 0)
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 10)
-    for part in ("engine", "optimizer"):
-        flat_a, flat_b = _leaves(a[part]), _leaves(b[part])
-        assert [k for k, _ in flat_a] == [k for k, _ in flat_b] and flat_a
-        for (key, x), (_, y) in zip(flat_a, flat_b):
-            assert torch.equal(x, y), key
-    assert [r["event"] for r in read_records(tmp_path / "b.jsonl")] == ["epoch", "epoch", "summary"]
 
 
 def _leaves(state, prefix: str = "") -> list:
@@ -178,3 +142,48 @@ def _leaves(state, prefix: str = "") -> list:
     if isinstance(state, (list, tuple)):
         return [leaf for i, v in enumerate(state) for leaf in _leaves(v, f"{prefix}/{i}")]
     return []
+
+
+@needs_rte
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", [["--partition", "linear", "--stages", "3"],
+                                  ["--mode", "dataparallel", "--grad-compression", "topk",
+                                   "--grad-compression-opt", "ratio=0.1", "--grad-compression-opt", "error_feedback=true"]])
+def test_resume_continues_exactly(tmp_path, monkeypatch, mode):
+    """Two epochs in one go == one epoch, a crash after its checkpoint, then --resume: same
+    weights, optimizer state (and error-feedback residuals) to the bit, and one log.
+
+    One in-process rank (``--world-size 1``: a linear pipeline then keeps its stages on
+    rank 0; dropout draws from the restored RNG)."""
+    import torch
+
+    from dgpipe.train import checkpoint
+
+    data = _tiny_rte(tmp_path / "glue", 24, 8)
+    common = ["--task", "rte", "--data-dir", str(data), "--model-config", "tiny-roberta", "--max-length", "32",
+              "--batch-size", "4", "--chunk", "2", "--epochs", "2", "--lr", "1e-3", "--world-size", "1",
+              "--no-progress", *mode]
+    _in_process([*common, "--save", str(tmp_path / "a")])
+
+    real_meta = checkpoint.write_meta
+
+    def crash_after_meta(*a, **k):
+        real_meta(*a, **k)
+        raise KeyboardInterrupt("simulated crash after the first checkpoint")
+
+    monkeypatch.setattr(checkpoint, "write_meta", crash_after_meta)
+    with pytest.raises(KeyboardInterrupt):
+        _in_process([*common, "--save", str(tmp_path / "b"), "--log", str(tmp_path / "b.jsonl")])
+    monkeypatch.setattr(checkpoint, "write_meta", real_meta)
+    assert checkpoint.read_meta(tmp_path / "b")["epoch"] == 1
+    _in_process([*common, "--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b"),
+                 "--log", str(tmp_path / "b.jsonl")])
+
+    a, b = checkpoint.load_rank(tmp_path / "a", 0), checkpoint.load_rank(tmp_path / "b", 0)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 12)
+    for part in ("engine", "optimizer"):
+        flat_a, flat_b = _leaves(a[part]), _leaves(b[part])
+        assert [k for k, _ in flat_a] == [k for k, _ in flat_b] and flat_a
+        for (key, x), (_, y) in zip(flat_a, flat_b):
+            assert torch.equal(x, y), key
+    assert [r["event"] for r in read_records(tmp_path / "b.jsonl")] == ["epoch", "epoch", "summary"]

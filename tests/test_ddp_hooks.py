@@ -118,6 +118,8 @@ def _scenarios(rank: int) -> dict:
     backward(plain, rank, 0, zero_input=rank == 1)
     res["atomo_plain"] = grads_of(plain)
     res["dgc"], _ = ddp_grads("dgc", {"density": 0.3, "warmup_epochs": 0}, rank, steps=3)
+    res["randomk"], dp = ddp_grads("randomk", {"ratio": 0.5}, rank)
+    res["randomk_records"] = dp.step_records()
 
     for name, options, steps, cut in [
         ("onebit", {"error_feedback": True}, 3, 2),
@@ -229,6 +231,22 @@ def test_payloads_of_different_sizes_do_not_hang(runs):
         assert_all_close(res["atomo"], res["atomo_plain"], rtol=1e-4, atol=1e-5)
     for a, b in zip(runs[0]["dgc"], runs[1]["dgc"]):
         assert torch.equal(a, b)
+
+
+def test_randomk_goes_through_allreduce(runs):
+    """Shared seeds: every rank keeps the same positions, so the all-reduced sum decodes
+    to the plain average on those positions (times randomk's constant scale), 0 elsewhere."""
+    for a, b in zip(runs[0]["randomk"], runs[1]["randomk"]):
+        assert torch.equal(a, b)
+    kept = total = 0
+    for r, avg in zip(runs[0]["randomk"], runs[0]["plain"]):
+        support = r != 0
+        kept, total = kept + int(support.sum()), total + r.numel()
+        scale = r[support] / avg[support]
+        torch.testing.assert_close(scale, scale.mean().expand_as(scale), rtol=1e-4, atol=0)
+    assert 0.25 * total <= kept <= 0.75 * total
+    (rec,) = runs[0]["randomk_records"]
+    assert rec["direction"] == "allreduce" and rec["wire_bytes"] < rec["raw_bytes"]
 
 
 @pytest.mark.parametrize("name", ["onebit", "dgc", "powersgd"])

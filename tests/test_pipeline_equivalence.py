@@ -237,11 +237,12 @@ def run_state_dict_round_trip(rank):
     assert codec_keys == {f"backward/{m}/0" for m in range(CHUNKS)}, codec_keys
     restored = build(1)
     restored.load_state_dict(state)
-    assert _same(restored.state_dict(), state)
+    loaded = restored.state_dict()
     for p in (pipe, restored):
         for q in p.parameters():
             q.grad = None
-    losses = [p.train_step(x, y) for p in (pipe, restored)]
+    losses = [p.train_step(x, y) for p in (pipe, restored)]  # communication first, checks after
+    assert _same(loaded, state)
     assert losses[0] == losses[1]
     for a, b in zip(pipe.parameters(), restored.parameters()):
         assert torch.equal(a.grad, b.grad)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dgpipe.comm.transport import PREAMBLE_MAGIC, TransportError, recv_payload, send_payload
-from dgpipe.compression import get_codec
-from dgpipe.compression.base import MAGIC, make_payload
+from dgpipe.comm.transport import MAGIC, Receiver, Sender, TransportError, recv_payload, send_payload
+from dgpipe.compression import Payload, get_codec
+from dgpipe.compression.base import make_payload
 from dgpipe.pipeline import spawn
 
 
@@ -72,36 +72,80 @@ def check_tags_keep_streams_apart(rank):
         assert torch.equal(first, torch.full((2,), 1.0)) and torch.equal(second, torch.full((3,), 2.0))
 
 
-def check_corrupt_preamble(rank):
-    """A preamble without the magic is refused before anything else is read."""
+def _message_bytes(payloads, n_meta):
+    """Packed size: int64 fields (5 fixed, meta, header lengths, headers), then each tensor at
+    an 8-byte aligned offset; computed here independently of the transport."""
+    end = 8 * (5 + n_meta + len(payloads) + sum(p.header.numel() for p in payloads))
+    for p in payloads:
+        for t in p.tensors:
+            end = (end + 7) // 8 * 8 + t.numel() * t.element_size()
+    return end
+
+
+def check_stream_capacity_and_posting(rank):
+    """A stream whose messages grow and shrink, received into pre-posted buffers, arrives
+    bit-exact with its meta; each message's wire size is its exact packed size, and the
+    capacity both ends agree on is the largest message so far."""
+    none = get_codec("none")
+    sizes = [3, 1000, 10, 5000, 5000, 2]
+    messages = [[none.encode(torch.arange(n, dtype=torch.float32)), none.encode(torch.tensor([i]))]
+                for i, n in enumerate(sizes)]  # fmt: skip
     if rank == 0:
-        dist.send(torch.tensor([12345, 10], dtype=torch.int64), 1, tag=21)
+        sender = Sender(1, tag=41)
+        works = [sender.send(m, meta=[i, -n]) for i, (m, n) in enumerate(zip(messages, sizes))]
+        assert [w.nbytes for w in works] == [_message_bytes(m, 2) for m in messages]
+        for w in works:
+            w.wait(10)
     else:
-        with pytest.raises(ValueError, match="corrupt preamble from rank 0"):
+        receiver = Receiver(0, tag=41)
+        for i, n in enumerate(sizes):
+            receiver.post()
+            payloads, meta = receiver.recv("cpu", timeout=10)
+            assert meta == [i, -n]
+            assert torch.equal(none.decode(payloads[0]), torch.arange(n, dtype=torch.float32))
+            assert torch.equal(none.decode(payloads[1]), torch.tensor([i]))
+        assert receiver.capacity == max(_message_bytes(m, 2) for m in messages)
+
+
+def check_corrupt_magic(rank):
+    """A message without the magic is refused."""
+    if rank == 0:
+        dist.send(torch.tensor([12345, 40, 0, 0, 0], dtype=torch.int64).view(torch.uint8), 1, tag=21)
+    else:
+        with pytest.raises(ValueError, match="corrupt or oversized message from rank 0: magic 0x3039"):
             recv_payload(0, "cpu", tag=21, timeout=10)
 
 
 def check_corrupt_header(rank):
-    """A header with a bad dtype code is refused (parse_header) before allocating tensors."""
-    header = make_payload(0, torch.float32, (4,), (), (torch.zeros(4),)).header.clone()
-    header[2] = 99  # dtype code
+    """A header with a bad dtype code is refused (parse_header)."""
+    payload = make_payload(0, torch.float32, (4,), (), (torch.zeros(4),))
+    payload.header[2] = 99  # dtype code of the original tensor
     if rank == 0:
-        dist.send(torch.tensor([PREAMBLE_MAGIC, header.numel()], dtype=torch.int64), 1, tag=22)
-        dist.send(header, 1, tag=22)
+        send_payload(payload, 1, tag=22).wait(10)
     else:
         with pytest.raises(ValueError, match="unknown dtype code 99"):
             recv_payload(0, "cpu", tag=22, timeout=10)
 
 
-def check_oversized_payload(rank):
-    """A header announcing more than max_bytes is refused without allocating."""
-    header = torch.tensor([MAGIC, 0, 1, 1, 10**9, 0, 1, 1, 10**9], dtype=torch.int64)  # float32[1e9]
+def check_inconsistent_layout(rank):
+    """A header that does not describe the bytes that follow is refused."""
+    honest = make_payload(0, torch.float32, (4,), (), (torch.zeros(4),))
+    lying = Payload(honest.header, (torch.zeros(3),))  # header says 4 values, 3 are sent
     if rank == 0:
-        dist.send(torch.tensor([PREAMBLE_MAGIC, header.numel()], dtype=torch.int64), 1, tag=23)
-        dist.send(header, 1, tag=23)
+        send_payload(lying, 1, tag=23).wait(10)
     else:
-        with pytest.raises(ValueError, match="announces 4000000000 bytes, over max_bytes=1000000"):
-            recv_payload(0, "cpu", tag=23, timeout=10, max_bytes=10**6)
+        described, sent = _message_bytes([honest], 0), _message_bytes([lying], 0)
+        with pytest.raises(ValueError, match=f"headers describe {described} bytes, message has {sent}"):
+            recv_payload(0, "cpu", tag=23, timeout=10)
+
+
+def check_oversized_message(rank):
+    """A message announcing more than max_bytes is refused before allocating for it."""
+    if rank == 0:
+        dist.send(torch.tensor([MAGIC, 4 * 10**9, 0, 0, 0], dtype=torch.int64).view(torch.uint8), 1, tag=24)
+    else:
+        with pytest.raises(ValueError, match="4000000000 bytes \\(max_bytes=1000000\\)"):
+            recv_payload(0, "cpu", tag=24, timeout=10, max_bytes=10**6)
 
 
 def check_timeout_names_peer(rank):
@@ -120,9 +164,11 @@ CHECKS = [
     check_round_trip,
     check_multi_tensor_payload,
     check_tags_keep_streams_apart,
-    check_corrupt_preamble,
+    check_stream_capacity_and_posting,
+    check_corrupt_magic,
     check_corrupt_header,
-    check_oversized_payload,
+    check_inconsistent_layout,
+    check_oversized_message,
     check_timeout_names_peer,  # last: a timed-out gloo pair is closed afterwards
 ]
 

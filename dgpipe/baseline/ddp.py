@@ -30,6 +30,11 @@ Usage (in every rank, after ``torch.distributed.init_process_group``)::
   ``exchange`` (``"auto"``, ``"allreduce"``, ``"allgather"``). For ``dgc``,
   ``world_size`` defaults to the group's size (local clipping threshold) and
   ``error_feedback`` is refused (DGC accumulates the residual itself).
+
+Hook state is per rank (error-feedback residuals, DGC momenta and seeded counters
+differ between ranks): every rank saves and restores its own ``hook_state_dict()``.
+For ``powersgd`` the DDP model keeps all gradients in one bucket (see
+:class:`~dgpipe.baseline.hooks.PowerSGDHook`).
 """
 
 from __future__ import annotations

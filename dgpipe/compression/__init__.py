@@ -5,7 +5,8 @@ See :mod:`dgpipe.compression.base` for the protocol and the wire header.
 
 from .base import Codec, Payload, available_codecs, get_codec, parse_header, register_codec
 from . import cast  # noqa: F401  (registers none, fp16, bf16)
-from . import quantize, sortquant  # noqa: F401  (registers quant, sortquant)
+from . import lowrank, quantize, sortquant, sparsify  # noqa: F401  (registers quant, sortquant, topk, randomk, lowrank)
+from .feedback import ErrorFeedback
 from . import atomo, dgc, onebit, qsgd, terngrad  # noqa: F401  (registers the gradient codecs, issue 7)
 
-__all__ = ["Codec", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]
+__all__ = ["Codec", "ErrorFeedback", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]

@@ -6,9 +6,12 @@ Wire layout of ``pack_bits(codes, bits)`` for ``n`` codes, always exactly
 * ``bits <= 8``: a little-endian bit stream -- code ``i`` occupies bits
   ``[i * bits, (i + 1) * bits)`` of the stream, bit ``k`` of the stream being bit
   ``k % 8`` of byte ``k // 8``; unused high bits of the last byte are zero.
-* ``bits > 8``: the low byte of every code (``n`` bytes), followed by the remaining
-  high ``bits - 8`` bits of every code packed by the same rule (recursively). The
-  total is still ``n + ceil(n * (bits - 8) / 8) == ceil(n * bits / 8)`` bytes.
+* ``bits > 8``: ``k = (bits - 1) // 8`` planes of ``n`` bytes -- plane ``p`` holds
+  byte ``p`` (bits ``8p .. 8p+7``) of every code -- followed by the remaining high
+  ``r = bits - 8k`` bits of every code as a bit stream by the rule above. The total is
+  still ``k * n + ceil(n * r / 8) == ceil(n * bits / 8)`` bytes, and the bytes of codes
+  ``i .. j`` (``i`` a multiple of 8) are contiguous ranges of each part, so codecs can
+  pack and unpack block by block (:func:`pack_bits_into`, ``unpack_bits(start=, stop=)``).
 
 Everything is a handful of whole-tensor torch ops -- shifts and ORs over blocks of
 ``g = 8 / gcd(bits, 8)`` codes, which fill exactly ``g * bits / 8`` bytes (one uint8,
@@ -27,7 +30,7 @@ import sys
 
 import torch
 
-__all__ = ["MAX_BITS", "packed_nbytes", "pack_bits", "unpack_bits"]
+__all__ = ["MAX_BITS", "index_bits", "packed_nbytes", "pack_bits", "pack_bits_into", "unpack_bits"]
 
 MAX_BITS = 62
 """Widest code :func:`pack_bits` accepts (quantizers use 1..16; packed indices may need more)."""
@@ -38,6 +41,11 @@ _LITTLE = sys.byteorder == "little"
 def packed_nbytes(n: int, bits: int) -> int:
     """Bytes that :func:`pack_bits` produces for ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
     return (n * bits + 7) // 8
+
+
+def index_bits(n: int) -> int:
+    """Bits of one position in ``[0, n)``: ``max(1, ceil(log2(n)))``."""
+    return max(1, (n - 1).bit_length())
 
 
 def _check_bits(bits: int) -> None:
@@ -90,6 +98,27 @@ def _unpack_low(packed: torch.Tensor, bits: int, n: int, dtype: torch.dtype) -> 
     return out.view(-1)[:n]
 
 
+def _planes(bits: int) -> tuple[int, int]:
+    """``(k, r)``: ``bits`` = ``k`` whole low bytes (planes of ``n`` bytes) + an ``r``-bit stream, ``1 <= r <= 8``."""
+    k = (bits - 1) // 8
+    return k, bits - 8 * k
+
+
+def _as_codes(codes: torch.Tensor, bits: int, check: bool) -> torch.Tensor:
+    """``codes`` validated and flattened (uint16/32/64 widened to int64: torch has no shifts for them)."""
+    _check_bits(bits)
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise ValueError(f"pack_bits needs an integer tensor, got {codes.dtype}")
+    codes = codes.reshape(-1)
+    if codes.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        codes = codes.to(torch.int64)
+    if check and codes.numel():
+        lo, hi = (int(v) for v in torch.aminmax(codes))
+        if lo < 0 or hi >= 1 << bits:
+            raise ValueError(f"codes must lie in [0, 2**{bits}) = [0, {1 << bits}); got values in [{lo}, {hi}]")
+    return codes
+
+
 def pack_bits(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Tensor:
     """Pack unsigned integer ``codes`` of ``bits`` bits each into bytes.
 
@@ -108,49 +137,82 @@ def pack_bits(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Te
         ValueError: ``bits`` outside 1..62, ``codes`` not an integer tensor, or (with
             ``check``) a code outside ``[0, 2**bits)``.
     """
-    _check_bits(bits)
-    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
-        raise ValueError(f"pack_bits needs an integer tensor, got {codes.dtype}")
-    codes = codes.reshape(-1)
-    if codes.dtype in (torch.uint16, torch.uint32, torch.uint64):  # no shift kernels for these
-        codes = codes.to(torch.int64)
-    if check and codes.numel():
-        lo, hi = torch.aminmax(codes)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= 1 << bits:
-            raise ValueError(f"codes must lie in [0, 2**{bits}) = [0, {1 << bits}); got values in [{lo}, {hi}]")
-    if codes.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=codes.device)
-    if bits <= 8:
-        return _pack_low(codes, bits)
+    codes = _as_codes(codes, bits, check)
     n = codes.numel()
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=codes.device)
-    torch.bitwise_and(codes, 0xFF, out=out[:n])
-    if bits == 16:
-        torch.bitwise_right_shift(codes, 8, out=out[n:])
-    else:
-        out[n:] = pack_bits(codes >> 8, bits - 8, check=False)
+    pack_bits_into(out, codes, bits, n, 0, check=False)
     return out
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, n: int, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``n`` codes of ``bits`` bits.
+def pack_bits_into(
+    out: torch.Tensor, codes: torch.Tensor, bits: int, n: int, start: int, *, check: bool = True
+) -> None:
+    """Write the codes ``start .. start + len(codes)`` of a stream of ``n`` codes into ``out``.
+
+    Lets a codec pack block by block, while each block is in cache; the bytes are
+    those :func:`pack_bits` gives for the whole stream.
+
+    Args:
+        out: 1-D ``torch.uint8`` of ``ceil(n * bits / 8)`` bytes (the whole stream).
+        codes: integer tensor (flattened) with values in ``[0, 2**bits)``.
+        bits: code width, 1..62.
+        n: length of the whole stream.
+        start: position of ``codes[0]`` in the stream; a multiple of 8.
+        check: verify the value range of ``codes``.
+
+    Raises:
+        ValueError: bad ``bits``/``codes``, ``start`` not a multiple of 8, the block
+            not inside ``[0, n)``, or ``out`` of the wrong size or dtype.
+    """
+    codes = _as_codes(codes, bits, check)
+    m = codes.numel()
+    if start % 8 or start < 0 or start + m > n:
+        raise ValueError(
+            f"start must be a multiple of 8 with start + len(codes) <= n, got start={start}, len={m}, n={n}"
+        )
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != packed_nbytes(n, bits):
+        raise ValueError(f"out must be 1-D uint8 of {packed_nbytes(n, bits)} bytes, got {out.dtype}{tuple(out.shape)}")
+    if m == 0:
+        return
+    k, r = _planes(bits)
+    for p in range(k):  # whole-byte planes: byte p of every code
+        torch.bitwise_and(codes >> (8 * p) if p else codes, 0xFF, out=out[p * n + start : p * n + start + m])
+    rest = _pack_low(codes >> (8 * k) if k else codes, r)
+    o = k * n + start * r // 8
+    out[o : o + rest.numel()] = rest
+
+
+def unpack_bits(
+    packed: torch.Tensor,
+    bits: int,
+    n: int,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: codes ``start .. stop`` (default all ``n``) of the stream.
 
     Args:
         packed: 1-D ``torch.uint8`` tensor of exactly ``ceil(n * bits / 8)`` bytes.
         bits: code width, 1..62.
-        n: number of codes.
-        dtype: integer dtype of the result (``torch.int32`` is faster as an index on CPU).
+        n: number of codes in the stream.
+        start, stop: the range of codes wanted (``start`` a multiple of 8), so that a
+            codec can decode block by block.
+        dtype: ``torch.int64``, or ``torch.int32`` for ``bits <= 31``.
 
     Returns:
-        1-D tensor of ``n`` codes in ``[0, 2**bits)``, ``dtype``, on ``packed.device``.
+        1-D tensor of ``stop - start`` codes in ``[0, 2**bits)``, ``dtype``, on ``packed.device``.
 
     Raises:
-        ValueError: bad ``bits``/``n``/``dtype``, or ``packed`` not uint8 of the right length.
+        ValueError: bad ``bits``/``n``/range/``dtype``, or ``packed`` not uint8 of the right length.
     """
     _check_bits(bits)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    stop = n if stop is None else stop
+    if not 0 <= start <= stop <= n or start % 8:
+        raise ValueError(
+            f"need 0 <= start <= stop <= n with start a multiple of 8, got start={start}, stop={stop}, n={n}"
+        )
     if dtype not in (torch.int32, torch.int64) or (dtype == torch.int32 and bits > 31):
         raise ValueError(f"dtype must be torch.int64 (or torch.int32 for bits <= 31), got {dtype}")
     if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != packed_nbytes(n, bits):
@@ -158,9 +220,11 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int, *, dtype: torch.dtype =
             f"packed must be 1-D uint8 of ceil({n} * {bits} / 8) = {packed_nbytes(n, bits)} bytes, "
             f"got {packed.dtype} of shape {tuple(packed.shape)}"
         )
-    if bits <= 8:
-        return _unpack_low(packed, bits, n, dtype)
-    out = unpack_bits(packed[n:], bits - 8, n, dtype=dtype)
-    out <<= 8
-    out |= packed[:n]
+    k, r = _planes(bits)
+    m = stop - start
+    o = k * n + start * r // 8
+    out = _unpack_low(packed[o : o + packed_nbytes(m, r)], r, m, dtype)
+    for p in reversed(range(k)):
+        out <<= 8
+        out |= packed[p * n + start : p * n + stop]
     return out

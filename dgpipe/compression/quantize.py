@@ -15,12 +15,26 @@ codec ``none``/``fp16``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .base import MAX_NUMEL, Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import pack_bits, pack_bits_into, packed_nbytes, unpack_bits
 
-__all__ = ["UniformQuantizer", "BLOCK", "blocks", "flat_float32", "finite_range", "grid_step", "grid_divisor", "grid_levels", "grid_table"]
+__all__ = [
+    "UniformQuantizer",
+    "BLOCK",
+    "blocks",
+    "encode_blocks",
+    "decode_table",
+    "flat_float32",
+    "finite_range",
+    "grid_step",
+    "grid_divisor",
+    "grid_levels",
+    "grid_table",
+]
 
 
 BLOCK = 1 << 18
@@ -34,6 +48,32 @@ def blocks(flat: torch.Tensor) -> list[tuple[int, int]]:
     n = flat.numel()
     step = BLOCK if flat.device.type == "cpu" else max(n, 1)
     return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def encode_blocks(flat: torch.Tensor, bits: int, codes_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Bit-packed codes of ``flat`` (1-D float32), computed and packed block by block.
+
+    Args:
+        flat: the values.
+        bits: code width.
+        codes_of: maps a block of values to their int32 codes in ``[0, 2**bits)``.
+
+    Returns:
+        1-D uint8 of ``ceil(len(flat) * bits / 8)`` bytes (layout of :func:`.bitpack.pack_bits`).
+    """
+    n = flat.numel()
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
+    for i, j in blocks(flat):
+        pack_bits_into(out, codes_of(flat[i:j]), bits, n, i, check=False)
+    return out
+
+
+def decode_table(packed: torch.Tensor, bits: int, n: int, table: torch.Tensor) -> torch.Tensor:
+    """``table[code]`` for the ``n`` codes of ``bits`` bits in ``packed``, block by block (1-D float32)."""
+    y = torch.empty(n, dtype=torch.float32, device=packed.device)
+    for i, j in blocks(y):
+        torch.index_select(table, 0, unpack_bits(packed, bits, n, start=i, stop=j), out=y[i:j])
+    return y
 
 
 def flat_float32(x: torch.Tensor, codec_name: str) -> torch.Tensor:
@@ -81,10 +121,10 @@ def grid_levels(v: torch.Tensor, div: torch.Tensor, levels: int, stochastic: boo
     v /= div
     if stochastic:
         v += torch.rand_like(v)
-        v.floor_().clamp_(0, levels - 1)
+        v.floor_()
     else:
-        v.round_()  # 0 <= x - lo and (hi - lo) / step rounds to levels - 1: no clamp needed
-    return v
+        v.round_()
+    return v.clamp_(0, levels - 1)  # float rounding of a tiny step must not leave [0, levels)
 
 
 def grid_divisor(step: torch.Tensor) -> torch.Tensor:
@@ -140,19 +180,23 @@ class UniformQuantizer(Codec):
         n, levels = flat.numel(), 1 << self.bits
         g, ng = self._groups(n, self.group_size)
         if n == 0:
-            codes, lo, step = flat.to(torch.int32), flat, flat
+            packed, lo, step = flat.to(torch.uint8), flat, flat
         else:
-            if n % g:  # repeat the last value: the last group's min and max stay its own
-                flat = torch.cat((flat, flat[-1:].expand(g - n % g)))
-            rows = flat.view(ng, g)
+            # repeat the last value so that the last group's min and max stay its own
+            rows = (torch.cat((flat, flat[-1:].expand(g - n % g))) if n % g else flat).view(ng, g)
             lo, hi = torch.aminmax(rows, dim=1, keepdim=True)
             finite_range(lo, hi, self.name)
             step = grid_step(lo, hi, levels)
-            codes = grid_levels(rows - lo, grid_divisor(step), levels, self.stochastic).view(-1)[:n].to(torch.int32)
+            div = grid_divisor(step)
+            if ng == 1:
+                packed = encode_blocks(
+                    flat, self.bits, lambda v: grid_levels(v - lo[0], div[0], levels, self.stochastic).to(torch.int32)
+                )
+            else:
+                codes = grid_levels(rows - lo, div, levels, self.stochastic).view(-1)[:n].to(torch.int32)
+                packed = pack_bits(codes, self.bits, check=False)
         params = torch.cat((lo.reshape(-1), step.reshape(-1)))
-        return make_payload(
-            self.codec_id, x.dtype, x.shape, (self.bits, self.group_size), (pack_bits(codes, self.bits, check=False), params)
-        )
+        return make_payload(self.codec_id, x.dtype, x.shape, (self.bits, self.group_size), (packed, params))
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
@@ -163,7 +207,7 @@ class UniformQuantizer(Codec):
         packed, params = payload.tensors
         lo, step = params[:ng], params[ng:]
         if ng == 1:  # one grid: a table lookup per value
-            y = grid_table(lo, step, 1 << bits).index_select(0, unpack_bits(packed, bits, n, dtype=torch.int32))
+            y = decode_table(packed, bits, n, grid_table(lo, step, 1 << bits))
         else:
             codes = unpack_bits(packed, bits, n, dtype=torch.int32).to(torch.float32)
             if n % g:

@@ -15,21 +15,24 @@ has no Python loop over buckets or values:
 
 1. the ``B - 1`` boundaries ``b_1 <= ... <= b_{B-1}`` are order statistics of the
    tensor -- exactly (a sort) for small tensors, else of a fixed-seed uniform sample of
-   ``max(65536, 64 * B)`` values (the MSE stays that of the exact split; see
-   ``benchmarks/codec_speed.py``);
-2. the bucket of ``x`` is the number of boundaries ``<= x``: a vectorised binary search
-   of ``S`` whole-tensor steps;
+   ``max(16384, 64 * B)`` values (the MSE stays within a few percent of the exact
+   split's; ``benchmarks/codec_speed.py`` measures it);
+2. the bucket of ``x`` is the number of boundaries ``<= x`` (:func:`bucket_index`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
-   the bucket; the global min for bucket 0), its max one ``scatter_reduce``;
-4. levels, codes, bit-packing are whole-tensor ops; decoding is a lookup in the
+   the bucket; the global min for bucket 0); its max is exact for an exact split and,
+   for a sampled one, the next boundary ``b_{i+1}`` -- off by one data gap where the
+   sample is dense at the bucket's top, and replaced by exact maxima (one
+   ``scatter_reduce``) when the sample shows a gap there;
+4. levels, codes and bit-packing run block by block (:func:`.quantize.blocks`: cache-
+   sized blocks on CPU, the whole tensor on a GPU); decoding is a lookup in the
    ``B * L``-entry table of grid values.
 
 Ties: values equal to a boundary all go to the upper bucket, so with many equal values
 (e.g. the zeros of a ReLU) the counts are unequal and some buckets stay empty (min =
 max = their boundary, step 0); every value is still within half a step of its
-bucket's grid. Decoding then re-encoding a decoded tensor gives it back (to float
-rounding): the decoded values keep their order, and the boundaries are decoded
-values at level 0.
+bucket's grid. Decoding, re-encoding and decoding again gives the decoded tensor back
+(to float rounding; tested): the decoded values keep their order, and each boundary
+is a bucket min, which decodes to itself.
 
 Reference: the sort-quantization scheme this project is built around (DESIGN.md);
 uniform quantization within buckets as in :mod:`.quantize`.
@@ -40,12 +43,22 @@ from __future__ import annotations
 import torch
 
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .quantize import blocks, finite_range, flat_float32, grid_divisor, grid_levels, grid_step, grid_table
+from .bitpack import packed_nbytes
+from .quantize import (
+    blocks,
+    decode_table,
+    encode_blocks,
+    finite_range,
+    flat_float32,
+    grid_divisor,
+    grid_levels,
+    grid_step,
+    grid_table,
+)
 
-__all__ = ["SortQuantizer", "sample_size", "bucket_boundaries", "bucket_index"]
+__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "bucket_index", "bucket_codes"]
 
-SAMPLE_MIN = 1 << 16
+SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
 SAMPLE_PER_BUCKET = 64
 """Sampled values per bucket, when more than :data:`SAMPLE_MIN` in all."""
@@ -56,7 +69,7 @@ SAMPLE_SEED = 0x5EED
 def sample_size(n: int, buckets: int) -> int:
     """How many values the boundaries of ``n`` values in ``buckets`` buckets come from.
 
-    ``m = max(65536, 64 * buckets)`` sampled positions when ``n > 2 * m``, else all
+    ``m = max(16384, 64 * buckets)`` sampled positions when ``n > 2 * m``, else all
     ``n`` values (the exact split).
     """
     m = max(SAMPLE_MIN, SAMPLE_PER_BUCKET * buckets)
@@ -107,48 +120,56 @@ def bucket_grid(
 
 
 def bucket_index(flat: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
-    """Bucket of every value: the number of ``boundaries`` that are ``<= x`` (int32, shape of ``flat``).
+    """Bucket of every value: the number of ``boundaries`` that are ``<= x`` (int64, shape of ``flat``).
 
-    A binary search done as ``log2(len(boundaries) + 1)`` whole-tensor steps (one
-    gather, compare and add each), faster on CPU than ``torch.bucketize``.
+    Whole-tensor steps, faster on CPU than ``torch.bucketize``: up to 15 boundaries
+    (S <= 4), one compare-and-add per boundary; beyond, a binary search of ``S``
+    steps (gather the middle boundary of each value's range, compare, add).
 
     Args:
         flat: 1-D float32 values.
         boundaries: 1-D non-decreasing float32 of ``2**S - 1`` values, ``S >= 1``.
     """
+    if boundaries.numel() <= 15:
+        count = torch.ge(flat, boundaries[0], out=torch.empty_like(flat))
+        ge = torch.empty_like(flat)
+        for t in boundaries[1:]:
+            count += torch.ge(flat, t, out=ge)
+        return count.to(torch.int32).to(torch.int64)  # via int32: faster on CPU
     half = (boundaries.numel() + 1) // 2
-    ge = torch.ge(flat, boundaries[half - 1])
-    b = ge.to(torch.int32)
+    b = torch.ge(flat, boundaries[half - 1]).to(torch.int32)
     b *= half
+    t = torch.empty_like(flat)
+    ge = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
     half //= 2
-    t = torch.empty_like(flat) if half else flat
     while half:
         # b is a multiple of 2 * half; boundary b + half - 1 splits [b, b + 2 * half) in two.
-        torch.index_select(boundaries[half - 1 :], 0, b, out=t)
+        torch.index_select(boundaries[half - 1 :], 0, b.to(torch.int64), out=t)
         b.add_(torch.ge(flat, t, out=ge), alpha=half)
         half //= 2
-    return b
+    return b.to(torch.int64)
 
 
-def _encode_block(
-    x: torch.Tensor,
-    bounds: torch.Tensor | None,
-    mins: torch.Tensor,
-    div: torch.Tensor,
-    levels: int,
-    stochastic: bool,
-    out: torch.Tensor,
-) -> None:
-    """Codes ``bucket * levels + level`` of the values ``x`` into ``out`` (int32, same length)."""
+def bucket_codes(
+    x: torch.Tensor, bounds: torch.Tensor | None, mins: torch.Tensor, div: torch.Tensor, levels: int, stochastic: bool
+) -> torch.Tensor:
+    """Codes ``bucket * levels + level`` of the values ``x`` (1-D float32), as int32.
+
+    Args:
+        x: values within the buckets' ranges.
+        bounds: bucket boundaries (:func:`bucket_grid`), or None for one bucket.
+        mins, div: per-bucket grid start and step (:func:`.quantize.grid_divisor`).
+        levels: levels per bucket, ``2**quant_bits``.
+        stochastic: stochastic rounding.
+    """
     if bounds is None:  # one bucket
-        out.copy_(grid_levels(x - mins, div, levels, stochastic))
-        return
+        return grid_levels(x - mins, div, levels, stochastic).to(torch.int32)
     b = bucket_index(x, bounds)
     w = mins.index_select(0, b)
     torch.sub(x, w, out=w)
     grid_levels(w, div.index_select(0, b), levels, stochastic)
     w.add_(b, alpha=levels)  # exact in float32: codes < 2**16
-    out.copy_(w)
+    return w.to(torch.int32)
 
 
 @register_codec("sortquant", 4)
@@ -190,9 +211,9 @@ class SortQuantizer(Codec):
         flat = flat_float32(x, self.name)
         q, s = self.quant_bits, self.split_bits
         n, buckets, levels = flat.numel(), 1 << s, 1 << q
-        codes = torch.empty(n, dtype=torch.int32, device=flat.device)
         if n == 0:
             mins = step = torch.zeros(buckets, device=flat.device)
+            packed = flat.to(torch.uint8)
         else:
             lo, hi = torch.aminmax(flat)
             finite_range(lo, hi, self.name)
@@ -203,11 +224,10 @@ class SortQuantizer(Codec):
                     maxs.scatter_reduce_(0, bucket_index(flat[i:j], bounds).long(), flat[i:j], "amax")
             step = grid_step(mins, maxs, levels)
             div = grid_divisor(step)
-            for i, j in blocks(flat):
-                _encode_block(flat[i:j], bounds, mins, div, levels, self.stochastic, codes[i:j])
-        return make_payload(
-            self.codec_id, x.dtype, x.shape, (q, s), (pack_bits(codes, q + s, check=False), torch.cat((mins, step)))
-        )
+            packed = encode_blocks(
+                flat, q + s, lambda v: bucket_codes(v, bounds, mins, div, levels, self.stochastic)
+            )
+        return make_payload(self.codec_id, x.dtype, x.shape, (q, s), (packed, torch.cat((mins, step))))
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
@@ -217,6 +237,5 @@ class SortQuantizer(Codec):
         n, buckets = h.numel, 1 << s
         check_tensor_specs(h, ("codes", torch.uint8, packed_nbytes(n, q + s)), ("min/step", torch.float32, 2 * buckets))
         packed, params = payload.tensors
-        table = grid_table(params[:buckets], params[buckets:], 1 << q)
-        y = table.index_select(0, unpack_bits(packed, q + s, n, dtype=torch.int32))
+        y = decode_table(packed, q + s, n, grid_table(params[:buckets], params[buckets:], 1 << q))
         return y.to(h.dtype).view(h.shape)

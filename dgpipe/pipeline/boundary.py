@@ -15,11 +15,15 @@ Which tensors are compressed:
 - evaluation (no gradients exist to tell tensors apart): floating tensors go through
   the activation codec if ``compress`` is set, others losslessly.
 
-One message = a *meta* payload (codec ``none``, an int64 tensor
-``[BOUNDARY_MAGIC, atomic, n_micro, n, flag_0 .. flag_{n-1}]``; ``flag`` = kind
-(0 absent, 1 lossless, 2 coded) + 4 if the tensor requires grad) followed by one
-payload per present tensor (:mod:`dgpipe.comm.transport`). Shapes and dtypes travel
-in the payload headers, so they may change from step to step.
+One message (a :class:`dgpipe.comm.transport.Sender` stream per direction) carries one
+payload per present tensor and the meta ``[atomic, n_micro, slot, flag_0 ..
+flag_{n-1}]``, where ``flag`` = kind (0 absent, 1 lossless, 2 coded) + 4 if the tensor
+requires grad. Shapes and dtypes travel in the payload headers, so they may change
+from step to step. Forward messages of boundary i use tag ``2i``, backward ones
+``2i+1``. The receiving side posts the receive of each message it knows will come
+before it is needed: the first forward message of a step when the step starts
+(:meth:`Boundary.expect_forward`), the next one as soon as one arrives, and the
+gradients of a forward message whose tensors need them when it is sent.
 
 Codec instances are made per (direction, micro-batch slot, tuple position), so a
 stateful codec (error feedback) keeps one state per boundary, direction and slot;
@@ -33,19 +37,17 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from dgpipe.comm import BandwidthMeter, SendWork, TransportError, recv_payload, send_payload
-from dgpipe.comm.transport import PREAMBLE_BYTES
+from dgpipe.comm import BandwidthMeter, SendWork, TransportError
+from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, get_codec
-from dgpipe.compression.base import MAX_TENSORS
 
-__all__ = ["CodecSpec", "codec_factory", "codec_factories", "Boundary", "BOUNDARY_MAGIC"]
+__all__ = ["CodecSpec", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
 CodecSpec = Union[str, tuple, Callable[[], Codec], Codec]
-BOUNDARY_MAGIC = 0x64676264  # "dgbd"
+MAX_BOUNDARY_TENSORS = 16
 ABSENT, LOSSLESS, CODED, REQUIRES_GRAD = 0, 1, 2, 4
 _VALID_FLAGS = {ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD}
 _LOSSLESS = get_codec("none")
-_META_MAX_BYTES = 8 * (4 + MAX_TENSORS)
 
 
 def codec_factory(spec: CodecSpec) -> Callable[[], Codec]:
@@ -109,8 +111,8 @@ def _as_tensors(value, where: str) -> tuple[bool, list[torch.Tensor]]:
     tensors = [value] if atomic else list(value) if isinstance(value, (tuple, list)) else None
     if tensors is None or any(not isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError(f"{where} must be a tensor or a tuple of tensors, got {type(value).__name__}")
-    if not 1 <= len(tensors) <= MAX_TENSORS:
-        raise ValueError(f"{where} has {len(tensors)} tensors; a boundary carries 1..{MAX_TENSORS}")
+    if not 1 <= len(tensors) <= MAX_BOUNDARY_TENSORS:
+        raise ValueError(f"{where} has {len(tensors)} tensors; a boundary carries 1..{MAX_BOUNDARY_TENSORS}")
     return atomic, tensors
 
 
@@ -143,6 +145,18 @@ class Boundary:
         self._factories = {"forward": act_factory, "eval": act_factory, "backward": grad_factory}
         self._codecs: dict[tuple[str, int, int], Codec] = {}
         self._meter, self._device, self._timeout = meter, device, timeout
+        # One stream per direction: forward (and eval) src -> dst, backward dst -> src.
+        self._senders: dict[str, Sender] = {}
+        self._receivers: dict[str, Receiver] = {}
+        self._grads_due = 0  # backward messages this rank will still receive in this step
+
+    def _stream(self, direction: str, sending: bool) -> Sender | Receiver:
+        key = "backward" if direction == "backward" else "forward"
+        table, cls = (self._senders, Sender) if sending else (self._receivers, Receiver)
+        if key not in table:
+            src, dst = (self.dst, self.src) if key == "backward" else (self.src, self.dst)
+            table[key] = cls(dst if sending else src, tag=self._tags[key])
+        return table[key]
 
     def _codec(self, direction: str, slot: int, pos: int) -> Codec:
         key = (direction, slot, pos)
@@ -174,8 +188,16 @@ class Boundary:
                 flags.append((CODED | REQUIRES_GRAD) if rg else LOSSLESS)
             else:
                 flags.append(CODED if compress and t.is_floating_point() else LOSSLESS)
-        works = self._send(direction, slot, tensors, flags, atomic, n_micro, self.dst)
-        return works, [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
+        works = self._send(direction, slot, tensors, flags, atomic, n_micro)
+        need_grad = [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
+        if need_grad:  # their gradients will come back: have the receive ready
+            self._grads_due += 1
+            self._stream("backward", sending=False).post()
+        return works, need_grad
+
+    def expect_forward(self) -> None:
+        """Post the receive of the next forward message (this rank is ``dst``; one will come)."""
+        self._stream("forward", sending=False).post()
 
     def recv_forward(self, slot: int, direction: str) -> tuple[object, list[torch.Tensor], int]:
         """Receive micro-batch ``slot``'s input from ``src``.
@@ -186,6 +208,8 @@ class Boundary:
             sender's number of micro-batches in this step.
         """
         atomic, n_micro, tensors, flags = self._recv(direction, slot, self.src)
+        if slot + 1 < n_micro:
+            self.expect_forward()
         if any(t is None for t in tensors):
             raise ValueError(f"{self.name}: forward message from rank {self.src} has absent tensors")
         leaves = []
@@ -200,18 +224,21 @@ class Boundary:
     def send_backward(self, slot: int, grads: Sequence[torch.Tensor | None]) -> list[SendWork]:
         """Send the gradients of the leaves :meth:`recv_forward` returned for ``slot`` to ``src``."""
         flags = [ABSENT if g is None else CODED for g in grads]
-        return self._send("backward", slot, list(grads), flags, False, 0, self.src)
+        return self._send("backward", slot, list(grads), flags, False, 0)
 
     def recv_backward(self, slot: int, n_expected: int) -> list[torch.Tensor | None]:
         """Receive the gradients for the ``n_expected`` tensors :meth:`send_forward` returned."""
         _, _, grads, _ = self._recv("backward", slot, self.dst)
+        self._grads_due -= 1
+        if self._grads_due > 0:
+            self._stream("backward", sending=False).post()
         if len(grads) != n_expected:
             raise ValueError(f"{self.name}: rank {self.dst} sent {len(grads)} gradients, expected {n_expected}")
         return grads
 
     # -- wire ------------------------------------------------------------------------------
 
-    def _send(self, direction, slot, tensors, flags, atomic, n_micro, peer) -> list[SendWork]:
+    def _send(self, direction, slot, tensors, flags, atomic, n_micro) -> list[SendWork]:
         start = _now(self._device)
         payloads: list[Payload] = []
         raw = 0
@@ -223,58 +250,44 @@ class Boundary:
                 payloads.append(codec.encode(t.detach()))
                 raw += t.numel() * t.element_size()
         encode_seconds = _now(self._device) - start
-        meta = _LOSSLESS.encode(torch.tensor([BOUNDARY_MAGIC, int(atomic), n_micro, len(flags), *flags]))
-        tag = self._tags[direction]
-        works = [send_payload(p, peer, tag=tag) for p in (meta, *payloads)]
-        self._meter.record_send(
-            self.name,
-            direction,
-            raw_bytes=raw,
-            wire_bytes=sum(p.nbytes for p in payloads),
-            frame_bytes=meta.nbytes + PREAMBLE_BYTES * len(works),
-            encode_seconds=encode_seconds,
-        )
-        return works
+        work = self._stream(direction, sending=True).send(payloads, meta=[int(atomic), n_micro, slot, *flags])
+        wire = sum(p.nbytes for p in payloads)
+        self._meter.record_send(self.name, direction, raw_bytes=raw, wire_bytes=wire,
+                                frame_bytes=work.nbytes - wire, encode_seconds=encode_seconds)  # fmt: skip
+        return [work]
 
     def _recv(self, direction, slot, peer):
-        tag = self._tags[direction]
         start = time.perf_counter()
         try:
-            meta = recv_payload(peer, "cpu", tag=tag, timeout=self._timeout, max_bytes=_META_MAX_BYTES)
-            atomic, n_micro, flags = self._parse_meta(_LOSSLESS.decode(meta), peer)
-            payloads = [
-                recv_payload(peer, self._device, tag=tag, timeout=self._timeout) if f != ABSENT else None
-                for f in flags
-            ]
+            payloads, meta = self._stream(direction, sending=False).recv(self._device, self._timeout)
         except TransportError as err:
             raise TransportError(f"{self.name} {direction}, micro-batch {slot}: {err}", err.peer) from err
         recv_seconds = time.perf_counter() - start
+        atomic, n_micro, flags = self._parse_meta(meta, len(payloads), slot, peer)
         start = _now(self._device)
-        tensors = []
-        for pos, (p, f) in enumerate(zip(payloads, flags)):
-            if p is None:
+        tensors, it = [], iter(payloads)
+        for pos, f in enumerate(flags):
+            if f == ABSENT:
                 tensors.append(None)
                 continue
             codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
-            tensors.append(codec.decode(p))
+            tensors.append(codec.decode(next(it)))
         decode_seconds = _now(self._device) - start
-        self._meter.record_recv(
-            self.name,
-            direction,
-            recv_bytes=sum(p.nbytes for p in payloads if p is not None),
-            recv_seconds=recv_seconds,
-            decode_seconds=decode_seconds,
-        )
+        self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
+                                recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
         return atomic, n_micro, tensors, flags
 
-    def _parse_meta(self, meta: torch.Tensor, peer: int) -> tuple[bool, int, list[int]]:
-        fields = meta.tolist() if meta.dtype == torch.int64 and meta.dim() == 1 else []
-        ok = len(fields) >= 4 and fields[0] == BOUNDARY_MAGIC and fields[1] in (0, 1) and fields[2] >= 0
-        ok = ok and fields[3] == len(fields) - 4 <= MAX_TENSORS and all(f in _VALID_FLAGS for f in fields[4:])
-        ok = ok and (fields[1] == 0 or fields[3] == 1)
+    def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int) -> tuple[bool, int, list[int]]:
+        """Check ``[atomic, n_micro, slot, *flags]`` against what this rank expects."""
+        flags = meta[3:]
+        ok = len(meta) >= 4 and meta[0] in (0, 1) and meta[1] >= 0 and len(flags) <= MAX_BOUNDARY_TENSORS
+        ok = ok and all(f in _VALID_FLAGS for f in flags) and (meta[0] == 0 or len(flags) == 1)
+        ok = ok and n_payloads == sum(f != ABSENT for f in flags)
         if not ok:
-            raise ValueError(f"{self.name}: corrupt boundary meta from rank {peer}: {fields[:8]} (ranks out of step?)")
-        return bool(fields[1]), fields[2], fields[4:]
+            raise ValueError(f"{self.name}: corrupt message meta from rank {peer}: {meta[:8]}")
+        if meta[2] != slot:
+            raise ValueError(f"{self.name}: rank {peer} sent micro-batch {meta[2]}, expected {slot} (ranks out of step)")
+        return bool(meta[0]), meta[1], flags
 
     # -- state -----------------------------------------------------------------------------
 
@@ -293,4 +306,4 @@ class Boundary:
             codec = self._codec(d, int(s), int(p))
             if not hasattr(codec, "load_state_dict"):
                 raise ValueError(f"{self.name}: codec {codec!r} has no load_state_dict for state {key!r}")
-            pass
+            codec.load_state_dict(value)

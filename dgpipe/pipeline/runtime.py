@@ -303,6 +303,9 @@ class Pipeline:
         before = self.meter.totals()
         training = direction == "forward"
         step = _Step(direction, 0, micro_in, micro_tg, keep_outputs)
+        for seg in self._segs:  # every incoming boundary brings at least one message this step
+            if seg.rank == self.rank and seg.index > 0:
+                self._bounds[seg.index - 1].expect_forward()
         if micro_in is not None:
             step.n_micro = len(micro_in)
         else:  # learn the number of micro-batches from the first message

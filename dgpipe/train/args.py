@@ -206,11 +206,22 @@ def rank_device(args: argparse.Namespace, rank: int, local_rank: int) -> torch.d
     return torch.device(devices[rank])
 
 
+def _all_cuda(args: argparse.Namespace) -> bool:
+    return all(d.startswith("cuda") for d in _parse_devices(args.devices, args.world_size))
+
+
+def _shared_gpu(args: argparse.Namespace) -> bool:
+    """Two local ranks on one GPU (NCCL refuses that)."""
+    devices = _parse_devices(args.devices, args.world_size)
+    return not dist_env(args.world_size).torchrun and len(set(devices)) < len(devices)
+
+
 def resolve_backend(args: argparse.Namespace) -> str:
-    """``--backend`` with ``auto`` resolved: nccl when the ranks use CUDA, else gloo."""
+    """``--backend`` with ``auto`` resolved: nccl when every rank has a GPU of its own,
+    else gloo (which also connects a CPU client to a GPU server)."""
     if args.backend != "auto":
         return args.backend
-    return "nccl" if _parse_devices(args.devices, args.world_size)[0].startswith("cuda") else "gloo"
+    return "nccl" if _all_cuda(args) and not _shared_gpu(args) else "gloo"
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -292,7 +303,6 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
             raise ValueError(f"{', '.join(pipeline_flags)} compress pipeline boundaries; in --mode dataparallel "
                              "use --grad-compression NAME (e.g. --grad-compression sortquant "
                              "--grad-compression-opt quant_bits=6 --grad-compression-opt split_bits=2)")
-        args.balance = _balance(args)
         args.compression = None
         args.dp_compression = grad_compression(args)
 
@@ -300,9 +310,12 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
         raise ValueError(f"--train-subset {args.train_subset} is smaller than one batch (--batch-size "
                          f"{args.batch_size}); use --train-subset >= {args.batch_size} or a smaller batch")
     _parse_devices(args.devices, args.world_size)
-    backend = resolve_backend(args)
-    if backend == "nccl" and not _parse_devices(args.devices, args.world_size)[0].startswith("cuda"):
-        raise ValueError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
+    if resolve_backend(args) == "nccl":
+        if not _all_cuda(args):
+            raise ValueError("--backend nccl needs a CUDA device on every rank; use --backend gloo with CPU ranks")
+        if _shared_gpu(args):
+            raise ValueError("NCCL cannot run two ranks on one GPU; use --backend gloo, or give each rank its own "
+                             "device, e.g. --devices cpu,cuda:0 (CPU client, GPU server)")
     if args.resume is not None:
         meta = read_meta(args.resume)
         if meta["world_size"] != args.world_size or meta["mode"] != args.mode:

@@ -5,7 +5,8 @@ Both give the training loop (:mod:`dgpipe.train.loop`) the same small interface,
 
 - ``train_step(inputs, targets) -> float`` (gradients accumulated, the caller steps
   the optimizer), ``eval_step(inputs) -> outputs or None``;
-- which ranks read training/evaluation data, which rank ends with evaluation outputs;
+- ``reads_data`` (whether this rank iterates the data loaders), ``output_rank`` (the
+  rank whose evaluation outputs are scored);
 - ``parameters()``, ``meter`` (a :class:`~dgpipe.comm.BandwidthMeter` of the traffic:
   stage boundaries, or the DDP gradient exchange), ``state_dict()``/``load_state_dict()``.
 """
@@ -68,9 +69,7 @@ class PipelineEngine:
             deferred_batchnorm=getattr(args, "deferred_batchnorm", False), compress_eval=args.compress_eval,
         )
         self.meter = self.pipe.meter
-        self.reads_train_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage
-        self.evaluates = True
-        self.reads_eval_data = self.reads_train_data
+        self.reads_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage
         self.output_rank = self.pipe.last_rank
         self.momentum_in_codec = False
 
@@ -106,7 +105,9 @@ class PipelineEngine:
 class DataParallelEngine:
     """The DDP baseline (:func:`dgpipe.baseline.build_ddp`): the whole model on every rank,
     each rank on its shard of every batch, gradients averaged by the (optionally
-    compressed) exchange hook. Evaluation runs on rank 0 over the whole evaluation set.
+    compressed) exchange hook. Every rank evaluates its (identical) replica on the whole
+    evaluation set -- no rank waits for another in a collective meanwhile -- and rank 0's
+    outputs are scored.
     """
 
     def __init__(self, job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
@@ -120,8 +121,7 @@ class DataParallelEngine:
                             seed=args.seed)
         self.model = self.dp.module.module
         self.meter = self.dp.meter
-        self.reads_train_data = True
-        self.evaluates = self.reads_eval_data = rank == 0
+        self.reads_data = True
         self.output_rank = 0
         self.momentum_in_codec = self.dp.codec_applies_momentum
         self._compression = spec

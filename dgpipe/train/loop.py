@@ -116,14 +116,13 @@ def _boundaries(meter) -> list[dict[str, Any]]:
 def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> dict[str, float]:
     """Run the evaluation set through the engine; every rank returns the metrics."""
     outputs, targets = [], []
-    if engine.evaluates:
-        batches = iter(loader) if engine.reads_eval_data else None
-        for _ in range(steps):
-            inputs, target = next(batches) if batches is not None else (None, None)
-            out = engine.eval_step(inputs)
-            if out is not None:
-                outputs.append(out.float().cpu())
-                targets.append(target)
+    batches = iter(loader) if engine.reads_data else None
+    for _ in range(steps):
+        inputs, target = next(batches) if batches is not None else (None, None)
+        out = engine.eval_step(inputs)
+        if out is not None and dist.get_rank() == engine.output_rank:
+            outputs.append(out.float().cpu())
+            targets.append(target)
     values = [0.0] * len(job.metric_names)
     if dist.get_rank() == engine.output_rank:
         metrics = job.metrics(torch.cat(outputs), torch.cat(targets))
@@ -142,7 +141,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
     engine = make_engine(job, job.build_layers(), args, rank, device)
     dp_shards = world_size if args.mode == "dataparallel" else 1
     train_loader = eval_loader = None
-    if engine.reads_train_data or engine.reads_eval_data:
+    if engine.reads_data:
         train_loader, eval_loader = job.loaders(rank if dp_shards > 1 else 0, dp_shards)
     sizes = [len(train_loader), len(eval_loader)] if rank == 0 else [0, 0]
     steps_per_epoch, eval_steps = (int(x) for x in _broadcast(sizes, 0))
@@ -175,7 +174,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         engine.meter.reset()
         engine.set_epoch(epoch)
         _start_epoch(train_loader, args.seed, epoch)
-        batches = iter(train_loader) if engine.reads_train_data else None
+        batches = iter(train_loader) if engine.reads_data else None
         n = min(steps_per_epoch, total_steps - step)
         bar = tqdm(total=n, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not (lead and args.progress),
                    unit="step", dynamic_ncols=True)

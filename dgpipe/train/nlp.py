@@ -99,10 +99,13 @@ class GlueJob(Job):
         if args.weight_decay < 0 or not 0 <= args.warmup_ratio < 1:
             raise ValueError("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
         try:
-            for split in ("train", "dev"):
-                load_glue(args.task, args.data_dir, split)
+            for flag, split, subset in (("--train-subset", "train", args.train_subset),
+                                        ("--eval-subset", "dev", args.eval_subset)):
+                load_glue(args.task, args.data_dir, split, subset, args.seed)
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
         if args.tokenizer is None:
             args.tokenizer = "offline" if args.model_config is not None else args.model
         if args.model_config is None and args.tokenizer == "offline":

@@ -18,12 +18,16 @@ from torch.utils.data import DataLoader
 
 from dgpipe.data import download_cifar, find_cifar, make_loader
 from dgpipe.data.cifar import cifar_spec
+from dgpipe.data.imagefolder import list_image_folder
 from dgpipe.models import build_mobilenet, mobilenet_layers
 
 from .job import Job, check_partition, decay_groups, metric_key
 from .metrics import TASK_METRICS, compute_metrics
 
-__all__ = ["VisionJob"]
+__all__ = ["VisionJob", "OFFICIAL_SIZES"]
+
+#: Images per split of the official CIFAR-10 and CIFAR-100 batches.
+OFFICIAL_SIZES = {"train": 50_000, "test": 10_000}
 
 
 class VisionJob(Job):
@@ -55,12 +59,17 @@ class VisionJob(Job):
         if args.momentum < 0 or args.wd < 0 or args.warmup_epochs < 0:
             raise ValueError("--momentum, --wd and --warmup-epochs must be >= 0")
         try:
-            find_cifar(args.dataset, args.data_dir)
+            kind, path = find_cifar(args.dataset, args.data_dir)
         except FileNotFoundError as missing:
             try:
-                download_cifar(args.dataset, args.data_dir)
+                kind, path = "archive", download_cifar(args.dataset, args.data_dir)
             except OSError as err:
                 raise ValueError(f"{missing}\n(download failed: {err})") from None
+        for flag, subset, split in (("--train-subset", args.train_subset, "train"),
+                                    ("--eval-subset", args.eval_subset, "test")):
+            size = len(list_image_folder(path, split)[0]) if kind == "images" else OFFICIAL_SIZES[split]
+            if subset is not None and subset > size:
+                raise ValueError(f"{flag} {subset} is more than the {size} {split} images in {path}")
         n_layers = len(mobilenet_layers(build_mobilenet(cifar_spec(args.dataset).num_classes,
                                                         depth_multiplier=args.width_mult)))
         check_partition(n_layers, args, cls.pinned)
