@@ -167,6 +167,7 @@ def main(argv=None) -> int:
         p.error("--batch must be a multiple of --chunks")
 
     samples = args.batch * args.steps
+    load_before = os.getloadavg()[0]
     t_unsplit = statistics.median(unsplit_seconds(args))
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "seconds.json")
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
             seconds = {k: statistics.median(v) for k, v in json.load(f).items()}
 
     print(f"MLP {args.layers}x{args.width}, batch {args.batch}, M={args.chunks} micro-batches, "
-          f"{args.threads} thread(s)/process, gloo loopback, {args.rounds} rounds x {args.steps} steps (median)")
+          f"{args.threads} thread(s)/process, gloo loopback, {args.rounds} rounds x {args.steps} steps (median); "
+          f"{os.cpu_count()} cores, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'contender':30s} {'samples/s':>10s} {'ranks':>6s} {'bubble pred':>12s} {'bubble meas':>12s}")
     print(f"{'unsplit (1 process)':30s} {samples / t_unsplit:10.1f} {1:6d} {'':>12s} {'':>12s}")
     chain = {"dgpipe linear": 2, "torch ScheduleGPipe": 2, "dgpipe client/server": 3, "torch ScheduleZBVZeroBubble": 4}

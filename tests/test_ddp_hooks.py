@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import io
 import os
 import socket
 import traceback
@@ -76,7 +77,9 @@ def train_steps(name, options, rank, steps, state=None):
     if state is not None:
         dp.module.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        dp.load_hook_state_dict(state["hook"])
+        buf = io.BytesIO()
+        torch.save(state["hook"], buf)  # as a checkpoint would: tensors and plain types only
+        dp.load_hook_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
         start = state["step"]
     for step in range(start, steps):
         backward(dp.module, rank, step)
@@ -147,6 +150,7 @@ def _scenarios(rank: int) -> dict:
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)  # tiny tensors; spare the busy machine the threads' spin-waits
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=60),
@@ -287,7 +291,7 @@ def test_validation_errors_before_any_process():
 
 
 def test_frame_roundtrip_and_corruption():
-    from dgpipe.baseline.hooks import frame_payloads, unframe_payloads
+    from dgpipe.baseline.framing import frame_payloads, unframe_payloads
 
     x = torch.randn(5, 4)
     payloads = [get_codec("onebit").encode(x), get_codec("none").encode(x.half()), get_codec("atomo").encode(x)]

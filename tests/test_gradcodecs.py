@@ -13,6 +13,8 @@ from dgpipe.compression import get_codec
 from dgpipe.compression.atomo import atomo_probabilities
 from dgpipe.compression.base import Payload, parse_header
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CODECS = ["onebit", "qsgd", "terngrad", "dgc", "atomo"]
 
 

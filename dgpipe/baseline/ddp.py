@@ -25,7 +25,7 @@ Usage (in every rank, after ``torch.distributed.init_process_group``)::
 - any other registered codec (``dgpipe.compression.available_codecs()``: ``topk``,
   ``randomk``, ``onebit``, ``qsgd``, ``terngrad``, ``dgc``, ``atomo``, ``quant``,
   ``sortquant``, ``lowrank`` ...): the generic
-  :class:`~dgpipe.baseline.hooks.CodecHook`; options are the codec's keyword options
+  :class:`~dgpipe.baseline.codec_hook.CodecHook`; options are the codec's keyword options
   (no ``seed``: ``build_ddp`` derives the seeds) plus ``error_feedback`` (bool) and
   ``exchange`` (``"auto"``, ``"allreduce"``, ``"allgather"``). For ``dgc``,
   ``world_size`` defaults to the group's size (local clipping threshold) and
@@ -46,7 +46,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dgpipe.compression.base import available_codecs, get_codec
 
-from .hooks import LINEAR_CODECS, POWERSGD_OPTIONS, AllReduceHook, CastHook, CodecHook, PowerSGDHook, _MeteredHook
+from .codec_hook import LINEAR_CODECS, CodecHook
+from .hooks import POWERSGD_OPTIONS, AllReduceHook, CastHook, MeteredHook, PowerSGDHook
 
 __all__ = ["DataParallel", "build_ddp", "validate_grad_compression", "grad_compression_names"]
 
@@ -142,7 +143,7 @@ class DataParallel:
             with ``momentum > 0``): build the optimizer without momentum then.
     """
 
-    def __init__(self, module: DistributedDataParallel, hook: _MeteredHook, grad_compression: str) -> None:
+    def __init__(self, module: DistributedDataParallel, hook: MeteredHook, grad_compression: str) -> None:
         self.module = module
         self.grad_compression = grad_compression
         self._hook = hook
@@ -209,7 +210,7 @@ def build_ddp(
         bucket_cap_mb=_ONE_BUCKET_MB if kind == "powersgd" else None,
     )
     if kind == "none":
-        hook: _MeteredHook = AllReduceHook(process_group)
+        hook: MeteredHook = AllReduceHook(process_group)
     elif kind == "cast":
         hook = CastHook(name, process_group)
     elif kind == "powersgd":

@@ -188,19 +188,17 @@ class Sender(_Stream):
         tensors = [t.reshape(-1) for p in payloads for t in p.tensors]
         offsets, total = _layout(fields_numel, [(t.dtype, t.numel()) for t in tensors])
         size = max(total, self.capacity) if self.exact else total
-        buf = torch.zeros(size, dtype=torch.uint8)
-        fields = torch.tensor([MAGIC, total, len(meta), len(payloads), sum(lengths), *meta, *lengths],
-                              dtype=torch.int64)  # fmt: skip
-        words = buf[: 8 * fields_numel].view(torch.int64)
-        words[: fields.numel()] = fields
+        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        fields = [MAGIC, total, len(meta), len(payloads), sum(lengths), *meta, *lengths]
+        words = torch.tensor(fields, dtype=torch.int64)
         if headers:
-            words[fields.numel() :] = torch.cat(headers)
+            words = torch.cat([words, *headers])
+        buf[: 8 * fields_numel].copy_(words.view(torch.uint8))
         for t, off in zip(tensors, offsets):
             if t.numel():
                 buf[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(torch.uint8))
         cut = self.capacity if size > self.capacity else size
         parts = [buf[:cut], buf[cut:]] if cut < size else [buf]
-        parts = [p.to(self.device) for p in parts]
         works = [dist.isend(p, self.peer, group=self.group, tag=self.tag) for p in parts]
         self.grow(total)
         return SendWork(works, parts, self.peer)
@@ -248,8 +246,7 @@ class Receiver(_Stream):
         src, action = self.peer, "receiving from"
         first, work = self._posted.popleft() if self._posted else self._irecv(self.capacity)
         _wait([work], src, action, timeout, start)
-        first = first.cpu()
-        magic, total, n_meta, n_payloads, header_numel = first[: 8 * _FIXED].view(torch.int64).tolist()
+        magic, total, n_meta, n_payloads, header_numel = first[: 8 * _FIXED].cpu().view(torch.int64).tolist()
         if magic != MAGIC or not 8 * _FIXED <= total <= max_bytes:
             raise ValueError(f"corrupt or oversized message from rank {src}: magic {magic:#x}, {total} bytes "
                              f"(max_bytes={max_bytes}); sender and receiver out of step?")  # fmt: skip
@@ -257,18 +254,17 @@ class Receiver(_Stream):
             raise ValueError(f"corrupt message from rank {src}: {n_meta} meta, {n_payloads} payloads, "
                              f"{header_numel} header values")  # fmt: skip
         if total > first.numel():
-            buf = torch.empty(total, dtype=torch.uint8)
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
             buf[: first.numel()] = first
-            rest, work = self._irecv(total - first.numel())
+            work = dist.irecv(buf[first.numel() :], src, group=self.group, tag=self.tag)
             _wait([work], src, action, timeout, start)
-            buf[first.numel() :] = rest.cpu()
         else:
             buf = first[:total]
         self.grow(total)
         fields_numel = _FIXED + n_meta + n_payloads + header_numel
         if 8 * fields_numel > total:
             raise ValueError(f"corrupt message from rank {src}: {fields_numel} fields in {total} bytes")
-        words = buf[: 8 * fields_numel].view(torch.int64)
+        words = buf[: 8 * fields_numel].cpu().view(torch.int64)
         meta = words[_FIXED : _FIXED + n_meta].tolist()
         lengths = words[_FIXED + n_meta : _FIXED + n_meta + n_payloads].tolist()
         if any(n < 1 for n in lengths) or sum(lengths) != header_numel:

@@ -43,7 +43,8 @@ def check_gradient(x: torch.Tensor, codec_name: str) -> None:
 
 
 def mix_seed(*values: int) -> int:
-    """Combine integers into one 63-bit seed (SplitMix64 finaliser, Steele et al. 2014).
+    """Combine integers into one seed in ``[0, 2**62)`` (SplitMix64 finaliser, Steele et
+    al. 2014); 62 bits, so that a seed fits a header parameter.
 
     Nearby inputs (seed, step), (seed, step + 1) give unrelated seeds.
     """
@@ -54,7 +55,7 @@ def mix_seed(*values: int) -> int:
         h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
         h ^= h >> 31
-    return h >> 1
+    return h >> 2
 
 
 class SeededCodec(Codec):

@@ -50,13 +50,14 @@ def blocks(flat: torch.Tensor) -> list[tuple[int, int]]:
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
-def encode_blocks(flat: torch.Tensor, bits: int, codes_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def encode_blocks(flat: torch.Tensor, bits: int, codes_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """Bit-packed codes of ``flat`` (1-D float32), computed and packed block by block.
 
     Args:
         flat: the values.
         bits: code width.
-        codes_of: maps a block of values to their int32 codes in ``[0, 2**bits)``.
+        codes_of: ``codes_of(i, j)`` gives the int32 codes (in ``[0, 2**bits)``) of
+            ``flat[i:j]``, for the ranges of :func:`blocks`.
 
     Returns:
         1-D uint8 of ``ceil(len(flat) * bits / 8)`` bytes (layout of :func:`.bitpack.pack_bits`).
@@ -64,7 +65,7 @@ def encode_blocks(flat: torch.Tensor, bits: int, codes_of: Callable[[torch.Tenso
     n = flat.numel()
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
     for i, j in blocks(flat):
-        pack_bits_into(out, codes_of(flat[i:j]), bits, n, i, check=False)
+        pack_bits_into(out, codes_of(i, j), bits, n, i, check=False)
     return out
 
 
@@ -190,7 +191,9 @@ class UniformQuantizer(Codec):
             div = grid_divisor(step)
             if ng == 1:
                 packed = encode_blocks(
-                    flat, self.bits, lambda v: grid_levels(v - lo[0], div[0], levels, self.stochastic).to(torch.int32)
+                    flat,
+                    self.bits,
+                    lambda i, j: grid_levels(flat[i:j] - lo[0], div[0], levels, self.stochastic).to(torch.int32),
                 )
             else:
                 codes = grid_levels(rows - lo, div, levels, self.stochastic).view(-1)[:n].to(torch.int32)

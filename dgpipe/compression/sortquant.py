@@ -90,12 +90,9 @@ def bucket_grid(
         ``(bounds, mins, maxs)``. ``bounds``: the ``buckets - 1`` non-decreasing lower
         boundaries of buckets ``1 ..``: ``s[(i * m) // buckets]``, ``s`` the sorted
         :func:`sample_size` values (each a value of ``flat``). ``mins``: per-bucket
-        min, ``(lo, *bounds)`` (exact: ``bounds[i-1]`` is in bucket ``i`` unless that is
-        empty). ``maxs``: per-bucket max for the grid -- exact for an exact split; for a
-        sampled split the next bucket's min (an upper bound off by one data gap: the
-        sample is dense at each bucket's top); ``None`` when the sample shows a gap
-        below some boundary (a bucket's top sampled value lies more than 1/8 of the
-        bucket's span below it), so the caller must compute exact maxima.
+        min, ``(lo, *bounds)`` (exact: ``bounds[i-1]`` is the smallest value of bucket
+        ``i``, unless that is empty). ``maxs``: per-bucket max (= min for an empty
+        bucket) when the split is exact (``s`` is all of ``flat``), else None.
     """
     n = flat.numel()
     m = sample_size(n, buckets)
@@ -107,34 +104,32 @@ def bucket_grid(
     s = torch.sort(sample).values
     bounds = s[torch.arange(1, buckets, device=flat.device) * m // buckets]
     mins = torch.cat((lo.view(1), bounds))
-    uppers = torch.cat((bounds, hi.view(1)))
-    # largest (sampled) value below each upper end: the exact max of a non-empty bucket when m == n
-    below = torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)
-    top = torch.cat((s[below], hi.view(1)))
-    nonempty = uppers > mins
-    if m == n:
-        return bounds, mins, torch.where(nonempty, top, mins)
-    if bool((nonempty & ((uppers - top) * 8 > uppers - mins)).any()):
+    if m < n:
         return bounds, mins, None
-    return bounds, mins, uppers
+    # bucket i's max: the largest value below the next boundary (or hi), if the bucket is not empty
+    uppers = torch.cat((bounds, hi.view(1)))
+    top = torch.cat((s[torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)], hi.view(1)))
+    return bounds, mins, torch.where(uppers > mins, top, mins)
 
 
 def bucket_index(flat: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
     """Bucket of every value: the number of ``boundaries`` that are ``<= x`` (int64, shape of ``flat``).
 
-    Whole-tensor steps, faster on CPU than ``torch.bucketize``: up to 15 boundaries
-    (S <= 4), one compare-and-add per boundary; beyond, a binary search of ``S``
-    steps (gather the middle boundary of each value's range, compare, add).
+    Whole-tensor steps, faster on CPU than ``torch.bucketize``: with up to 15 distinct
+    boundaries, one compare-and-add per distinct boundary (weighted by its
+    multiplicity); beyond, a binary search of ``log2(len(boundaries) + 1)`` steps
+    (gather the middle boundary of each value's range, compare, add).
 
     Args:
         flat: 1-D float32 values.
         boundaries: 1-D non-decreasing float32 of ``2**S - 1`` values, ``S >= 1``.
     """
-    if boundaries.numel() <= 15:
-        count = torch.ge(flat, boundaries[0], out=torch.empty_like(flat))
+    distinct, mult = torch.unique_consecutive(boundaries, return_counts=True)
+    if distinct.numel() <= 15:
+        count = torch.zeros_like(flat)
         ge = torch.empty_like(flat)
-        for t in boundaries[1:]:
-            count += torch.ge(flat, t, out=ge)
+        for t, k in zip(distinct, mult.tolist()):
+            count.add_(torch.ge(flat, t, out=ge), alpha=k)
         return count.to(torch.int32).to(torch.int64)  # via int32: faster on CPU
     half = (boundaries.numel() + 1) // 2
     b = torch.ge(flat, boundaries[half - 1]).to(torch.int32)
@@ -151,24 +146,23 @@ def bucket_index(flat: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
 
 
 def bucket_codes(
-    x: torch.Tensor, bounds: torch.Tensor | None, mins: torch.Tensor, div: torch.Tensor, levels: int, stochastic: bool
+    x: torch.Tensor, bucket: torch.Tensor | None, mins: torch.Tensor, div: torch.Tensor, levels: int, stochastic: bool
 ) -> torch.Tensor:
     """Codes ``bucket * levels + level`` of the values ``x`` (1-D float32), as int32.
 
     Args:
-        x: values within the buckets' ranges.
-        bounds: bucket boundaries (:func:`bucket_grid`), or None for one bucket.
+        x: values within their buckets' ranges.
+        bucket: int64 bucket of each value (:func:`bucket_index`), or None for one bucket.
         mins, div: per-bucket grid start and step (:func:`.quantize.grid_divisor`).
         levels: levels per bucket, ``2**quant_bits``.
         stochastic: stochastic rounding.
     """
-    if bounds is None:  # one bucket
+    if bucket is None:
         return grid_levels(x - mins, div, levels, stochastic).to(torch.int32)
-    b = bucket_index(x, bounds)
-    w = mins.index_select(0, b)
+    w = mins.index_select(0, bucket)
     torch.sub(x, w, out=w)
-    grid_levels(w, div.index_select(0, b), levels, stochastic)
-    w.add_(b, alpha=levels)  # exact in float32: codes < 2**16
+    grid_levels(w, div.index_select(0, bucket), levels, stochastic)
+    w.add_(bucket, alpha=levels)  # exact in float32: codes < 2**16
     return w.to(torch.int32)
 
 
@@ -218,15 +212,22 @@ class SortQuantizer(Codec):
             lo, hi = torch.aminmax(flat)
             finite_range(lo, hi, self.name)
             bounds, mins, maxs = (None, lo.view(1), hi.view(1)) if s == 0 else bucket_grid(flat, buckets, lo, hi)
-            if maxs is None:  # the sample showed a gap: exact per-bucket maxima
+            index = None
+            if maxs is None:  # sampled split: one pass for the buckets and their exact maxima
+                index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
                 maxs = mins.clone()
                 for i, j in blocks(flat):
-                    maxs.scatter_reduce_(0, bucket_index(flat[i:j], bounds).long(), flat[i:j], "amax")
+                    b = bucket_index(flat[i:j], bounds)
+                    index[i:j] = b
+                    maxs.scatter_reduce_(0, b, flat[i:j], "amax")
             step = grid_step(mins, maxs, levels)
             div = grid_divisor(step)
-            packed = encode_blocks(
-                flat, q + s, lambda v: bucket_codes(v, bounds, mins, div, levels, self.stochastic)
-            )
+
+            def codes_of(i: int, j: int) -> torch.Tensor:
+                b = None if bounds is None else bucket_index(flat[i:j], bounds) if index is None else index[i:j].long()
+                return bucket_codes(flat[i:j], b, mins, div, levels, self.stochastic)
+
+            packed = encode_blocks(flat, q + s, codes_of)
         return make_payload(self.codec_id, x.dtype, x.shape, (q, s), (packed, torch.cat((mins, step))))
 
     def decode(self, payload: Payload) -> torch.Tensor:

@@ -16,9 +16,12 @@ Which tensors are compressed:
   the activation codec if ``compress`` is set, others losslessly.
 
 One message (a :class:`dgpipe.comm.transport.Sender` stream per direction) carries one
-payload per present tensor and the meta ``[atomic, n_micro, slot, flag_0 ..
+payload per present tensor and the meta ``[atomic, n_micro, slot, loss, flag_0 ..
 flag_{n-1}]``, where ``flag`` = kind (0 absent, 1 lossless, 2 coded) + 4 if the tensor
-requires grad. Shapes and dtypes travel in the payload headers, so they may change
+requires grad, and ``loss`` is the step's mean loss as the bits of a float64 (backward
+messages; 0 forward). In training every forward message is answered by one backward
+message, even when no tensor needs a gradient, so the loss computed on the last stage
+reaches every rank with the gradients, without a collective. Shapes and dtypes travel in the payload headers, so they may change
 from step to step. Forward messages of boundary i use tag ``2i``, backward ones
 ``2i+1``. The receiving side posts the receive of each message it knows will come
 before it is needed: the first forward message of a step when the step starts
@@ -32,6 +35,7 @@ evaluation uses its own instances and never touches training state.
 
 from __future__ import annotations
 
+import struct
 import time
 from typing import Callable, Sequence, Union
 
@@ -98,6 +102,15 @@ def codec_factories(spec: CodecSpec | list, n_boundaries: int, what: str) -> lis
         return [codec_factory(s) for s in spec]
     factory = codec_factory(spec)
     return [factory] * n_boundaries
+
+
+def _float_bits(x: float) -> int:
+    """The IEEE float64 bits of ``x`` as a signed int64 (to travel in int64 meta)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _now(device: torch.device) -> float:
@@ -189,11 +202,10 @@ class Boundary:
             else:
                 flags.append(CODED if compress and t.is_floating_point() else LOSSLESS)
         works = self._send(direction, slot, tensors, flags, atomic, n_micro)
-        need_grad = [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
-        if need_grad:  # their gradients will come back: have the receive ready
+        if direction == "forward":  # a backward message will answer it: have the receive ready
             self._grads_due += 1
             self._stream("backward", sending=False).post()
-        return works, need_grad
+        return works, [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
 
     def expect_forward(self) -> None:
         """Post the receive of the next forward message (this rank is ``dst``; one will come)."""
@@ -207,7 +219,7 @@ class Boundary:
             require grad (pass their ``.grad`` to :meth:`send_backward`), and the
             sender's number of micro-batches in this step.
         """
-        atomic, n_micro, tensors, flags = self._recv(direction, slot, self.src)
+        atomic, n_micro, _, tensors, flags = self._recv(direction, slot, self.src)
         if slot + 1 < n_micro:
             self.expect_forward()
         if any(t is None for t in tensors):
@@ -221,24 +233,29 @@ class Boundary:
 
     # -- backward --------------------------------------------------------------------------
 
-    def send_backward(self, slot: int, grads: Sequence[torch.Tensor | None]) -> list[SendWork]:
-        """Send the gradients of the leaves :meth:`recv_forward` returned for ``slot`` to ``src``."""
+    def send_backward(self, slot: int, grads: Sequence[torch.Tensor | None], loss: float) -> list[SendWork]:
+        """Send the gradients of the leaves :meth:`recv_forward` returned for ``slot`` (maybe
+        none) and the step's mean ``loss`` to ``src``."""
         flags = [ABSENT if g is None else CODED for g in grads]
-        return self._send("backward", slot, list(grads), flags, False, 0)
+        return self._send("backward", slot, list(grads), flags, False, 0, loss)
 
-    def recv_backward(self, slot: int, n_expected: int) -> list[torch.Tensor | None]:
-        """Receive the gradients for the ``n_expected`` tensors :meth:`send_forward` returned."""
-        _, _, grads, _ = self._recv("backward", slot, self.dst)
+    def recv_backward(self, slot: int, n_expected: int) -> tuple[list[torch.Tensor | None], float]:
+        """Receive the gradients for the ``n_expected`` tensors :meth:`send_forward` returned.
+
+        Returns:
+            ``(grads, loss)``: one gradient or ``None`` per tensor, and the step's mean loss.
+        """
+        _, _, loss, grads, _ = self._recv("backward", slot, self.dst)
         self._grads_due -= 1
         if self._grads_due > 0:
             self._stream("backward", sending=False).post()
         if len(grads) != n_expected:
             raise ValueError(f"{self.name}: rank {self.dst} sent {len(grads)} gradients, expected {n_expected}")
-        return grads
+        return grads, loss
 
     # -- wire ------------------------------------------------------------------------------
 
-    def _send(self, direction, slot, tensors, flags, atomic, n_micro) -> list[SendWork]:
+    def _send(self, direction, slot, tensors, flags, atomic, n_micro, loss: float = 0.0) -> list[SendWork]:
         start = _now(self._device)
         payloads: list[Payload] = []
         raw = 0
@@ -250,7 +267,8 @@ class Boundary:
                 payloads.append(codec.encode(t.detach()))
                 raw += t.numel() * t.element_size()
         encode_seconds = _now(self._device) - start
-        work = self._stream(direction, sending=True).send(payloads, meta=[int(atomic), n_micro, slot, *flags])
+        meta = [int(atomic), n_micro, slot, _float_bits(loss), *flags]
+        work = self._stream(direction, sending=True).send(payloads, meta=meta)
         wire = sum(p.nbytes for p in payloads)
         self._meter.record_send(self.name, direction, raw_bytes=raw, wire_bytes=wire,
                                 frame_bytes=work.nbytes - wire, encode_seconds=encode_seconds)  # fmt: skip
@@ -263,7 +281,7 @@ class Boundary:
         except TransportError as err:
             raise TransportError(f"{self.name} {direction}, micro-batch {slot}: {err}", err.peer) from err
         recv_seconds = time.perf_counter() - start
-        atomic, n_micro, flags = self._parse_meta(meta, len(payloads), slot, peer)
+        atomic, n_micro, loss, flags = self._parse_meta(meta, len(payloads), slot, peer)
         start = _now(self._device)
         tensors, it = [], iter(payloads)
         for pos, f in enumerate(flags):
@@ -275,11 +293,11 @@ class Boundary:
         decode_seconds = _now(self._device) - start
         self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
-        return atomic, n_micro, tensors, flags
+        return atomic, n_micro, loss, tensors, flags
 
-    def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int) -> tuple[bool, int, list[int]]:
-        """Check ``[atomic, n_micro, slot, *flags]`` against what this rank expects."""
-        flags = meta[3:]
+    def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int):
+        """Check ``[atomic, n_micro, slot, loss, *flags]``; returns (atomic, n_micro, loss, flags)."""
+        flags = meta[4:]
         ok = len(meta) >= 4 and meta[0] in (0, 1) and meta[1] >= 0 and len(flags) <= MAX_BOUNDARY_TENSORS
         ok = ok and all(f in _VALID_FLAGS for f in flags) and (meta[0] == 0 or len(flags) == 1)
         ok = ok and n_payloads == sum(f != ABSENT for f in flags)
@@ -287,7 +305,7 @@ class Boundary:
             raise ValueError(f"{self.name}: corrupt message meta from rank {peer}: {meta[:8]}")
         if meta[2] != slot:
             raise ValueError(f"{self.name}: rank {peer} sent micro-batch {meta[2]}, expected {slot} (ranks out of step)")
-        return bool(meta[0]), meta[1], flags
+        return bool(meta[0]), meta[1], _bits_float(meta[3]), flags
 
     # -- state -----------------------------------------------------------------------------
 

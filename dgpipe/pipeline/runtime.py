@@ -19,7 +19,6 @@ micro-batch but updates the running statistics once per mini-batch.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -29,7 +28,7 @@ from torch import nn
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import Batch, gather
 
-from dgpipe.comm import BandwidthMeter, TransportError, wire_device
+from dgpipe.comm import BandwidthMeter
 
 from .boundary import Boundary, CodecSpec, codec_factories
 from .partition import validate_placement
@@ -71,7 +70,8 @@ class _Step:
     keep_outputs: bool
     received: dict = field(default_factory=dict)  # (micro, segment) -> (value, leaves), received ahead
     saved: dict = field(default_factory=dict)  # (micro, segment) -> (leaves, loss, outputs needing grad)
-    losses: list = field(default_factory=list)
+    losses: list = field(default_factory=list)  # per micro-batch, detached (last-stage rank)
+    loss: float | None = None  # mean over micro-batches: computed or received with the gradients
     outputs: list = field(default_factory=list)
     works: list = field(default_factory=list)  # SendWork handles to wait for at the end
 
@@ -161,7 +161,6 @@ class Pipeline:
                 self._bounds[a.index] = Boundary(
                     a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout
                 )
-        self.last_rank = self._placement[-1]
         self.last_step_totals: dict = self.meter.totals()
 
     # -- properties ------------------------------------------------------------------------
@@ -262,11 +261,10 @@ class Pipeline:
         for s in self._stages.values():
             s.train()
         with torch.enable_grad():
-            losses, outputs = self._run("forward", micro_in, micro_tg, return_outputs)
-        loss = self._broadcast_loss(torch.stack(losses).mean() if losses else None)
+            step = self._run("forward", micro_in, micro_tg, return_outputs)
         if return_outputs:
-            return loss, gather([Batch(o) for o in outputs]) if outputs else None
-        return loss
+            return step.loss, gather([Batch(o) for o in step.outputs]) if step.outputs else None
+        return step.loss
 
     def eval_step(self, inputs=None):
         """Forward only, without gradients, in eval mode (BatchNorm uses running statistics).
@@ -293,13 +291,13 @@ class Pipeline:
         for s in self._stages.values():
             s.eval()
         with torch.no_grad():
-            _, outputs = self._run("eval", micro_in, None, True)
-        return gather([Batch(o) for o in outputs]) if self.holds_last_stage else None
+            step = self._run("eval", micro_in, None, True)
+        return gather([Batch(o) for o in step.outputs]) if self.holds_last_stage else None
 
     # -- execution -------------------------------------------------------------------------
 
-    def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool):
-        """Run this rank's tasks of one step; returns (per-micro-batch losses, last-stage outputs)."""
+    def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool) -> "_Step":
+        """Run this rank's tasks of one step."""
         before = self.meter.totals()
         training = direction == "forward"
         step = _Step(direction, 0, micro_in, micro_tg, keep_outputs)
@@ -323,7 +321,7 @@ class Pipeline:
             work.wait(self.timeout)
         after = self.meter.totals()
         self.last_step_totals = {k: after[k] - before[k] for k in after if k not in ("ratio", "recv_bytes_per_s")}
-        return step.losses, step.outputs
+        return step
 
     def _forward(self, step: "_Step", task: Task) -> None:
         seg, m = self._segs[task.segment], task.micro
@@ -358,27 +356,13 @@ class Pipeline:
         seg, m = self._segs[task.segment], task.micro
         leaves, loss, out_rg = step.saved.pop((m, seg.index))
         if loss is not None:
+            if step.loss is None:  # every forward is done: the step's loss is known
+                step.loss = float(torch.stack(step.losses).mean())
             (loss / step.n_micro).backward()
-        elif out_rg:
-            grads = self._bounds[seg.index].recv_backward(m, len(out_rg))
+        else:
+            grads, step.loss = self._bounds[seg.index].recv_backward(m, len(out_rg))
             pairs = [(t, g) for t, g in zip(out_rg, grads) if g is not None]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        if leaves:
-            step.works.extend(self._bounds[seg.index - 1].send_backward(m, [x.grad for x in leaves]))
-
-    def _broadcast_loss(self, loss: torch.Tensor | None) -> float:
-        if self.world_size == 1:
-            return float(loss)
-        buf = torch.zeros(1, dtype=torch.float64, device=wire_device())
-        if loss is not None:
-            buf.fill_(float(loss))
-        work = dist.broadcast(buf, src=self.last_rank, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as err:
-            raise TransportError(
-                f"rank {self.rank}: broadcasting the loss from rank {self.last_rank} failed ({err}); "
-                f"a rank has failed or stalled", self.last_rank
-            ) from err
-        return float(buf.item())
+        if seg.first > 0:  # answer the forward message, with the gradients it needs (if any) and the loss
+            step.works.extend(self._bounds[seg.index - 1].send_backward(m, [x.grad for x in leaves], step.loss))
