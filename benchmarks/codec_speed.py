@@ -5,8 +5,9 @@ For a 64x32x56x56 float32 tensor of two kinds -- ``randn`` and activation-like d
 (sort quantization at Q:S = 3:1, i.e. 12+4, 9+3, 6+2, 3+1, and uniform ``quant`` at the
 same bits), print a markdown table of:
 
-- MB/s: float32 input megabytes (1e6 bytes) per second of encode + decode (median of
-  ``--reps`` runs after one warm-up);
+- MB/s: float32 input megabytes (1e6 bytes) per second of encode + decode (median over
+  ``--reps`` rounds after one warm-up; each round runs the original once and each
+  dgpipe codec three times, interleaved so that load from other processes hits all alike);
 - MSE of the decoded tensor;
 - wire ratio: measured ``payload.nbytes / raw bytes`` (header included);
 - for sortquant: speedup and MSE ratio against the *original formulation* (below).
@@ -80,15 +81,22 @@ def roundtrip(codec, x: torch.Tensor):
     return payload, codec.decode(payload)
 
 
-def timed(fn, reps: int) -> tuple[float, object]:
-    """Median wall seconds of ``fn()`` over ``reps`` runs after one warm-up, and its last result."""
-    out = fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+def timed(fns: dict, rounds: int, inner: int) -> dict:
+    """Median wall seconds and last result of each function, measured interleaved.
+
+    After one warm-up call each, ``rounds`` rounds run the first function once and the
+    others ``inner`` times each, so that load from other processes hits all alike.
+    Returns ``{name: (median seconds, last result)}``.
+    """
+    results = {name: fn() for name, fn in fns.items()}
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for k, (name, fn) in enumerate(fns.items()):
+            for _ in range(1 if k == 0 else inner):
+                t0 = time.process_time()
+                results[name] = fn()
+                times[name].append(time.process_time() - t0)
+    return {name: (statistics.median(times[name]), results[name]) for name in fns}
 
 
 def make_data(kind: str) -> torch.Tensor:
@@ -101,7 +109,13 @@ def make_data(kind: str) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the original's sort runs on one core anyway, and one thread "
+        "keeps timings stable on a shared machine; 0: torch's default)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,19 +126,23 @@ def main() -> None:
         x = make_data(kind)
         for q, s in WIDTHS:
             bits = q + s
-            t_orig, ((codes, mins, steps), y) = timed(lambda: original_roundtrip(x, q, s), args.reps)
+            codecs = {
+                f"sortquant {q}+{s}": get_codec("sortquant", quant_bits=q, split_bits=s),
+                f"quant {bits}": get_codec("quant", bits=bits),
+            }
+            fns = {"original": lambda: original_roundtrip(x, q, s)}
+            fns.update({label: (lambda c=c: roundtrip(c, x)) for label, c in codecs.items()})
+            measured = timed(fns, args.reps, inner=3)
+            t_orig, ((codes, mins, _), y) = measured.pop("original")
             mse_orig = float(((y - x.reshape(-1)) ** 2).mean())
             wire_orig = (codes.numel() * codes.element_size() + 8 * mins.numel()) / raw
             rows.append((kind, bits, f"original {q}+{s}", raw / t_orig / 1e6, mse_orig, wire_orig, "1.0", "1.00"))
-            for name, opts in (("sortquant", dict(quant_bits=q, split_bits=s)), ("quant", dict(bits=bits))):
-                codec = get_codec(name, **opts)
-                t, (p, y) = timed(lambda: roundtrip(codec, x), args.reps)
+            for label, (t, (p, y)) in measured.items():
                 mse = float(((y - x) ** 2).mean())
                 wire = p.nbytes / raw
                 speedup, mse_ratio = t_orig / t, mse / mse_orig
-                label = f"sortquant {q}+{s}" if name == "sortquant" else f"quant {bits}"
                 rows.append((kind, bits, label, raw / t / 1e6, mse, wire, f"{speedup:.1f}", f"{mse_ratio:.2f}"))
-                if name == "sortquant":
+                if label.startswith("sortquant"):
                     if speedup < 10:
                         fails.append(f"{kind} {label}: speedup {speedup:.1f} < 10")
                     if mse_ratio > 1.1:
@@ -132,8 +150,10 @@ def main() -> None:
                     if abs(wire / (bits / 32) - 1) > 0.01:
                         fails.append(f"{kind} {label}: wire ratio {wire:.5f} not within 1% of {bits / 32}")
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, tensor {'x'.join(map(str, SHAPE))} float32, "
-          f"median of {args.reps}\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), tensor {'x'.join(map(str, SHAPE))} float32; "
+        f"median of {args.reps} runs of the original, {3 * args.reps} of each dgpipe codec, interleaved\n"
+    )
     print("| data | bits | codec | MB/s | MSE | wire ratio | speedup vs original | MSE / original |")
     print("|---|---|---|---|---|---|---|---|")
     for kind, bits, label, mbs, mse, wire, sp, mr in rows:

@@ -2,7 +2,8 @@
 
 Same model (an MLP), same stages, same micro-batches, one machine, measured side by
 side in one run (rounds interleave the contenders so that load from other processes
-hits them alike; the median round is reported):
+hits them alike; medians over rounds are reported, ratios as the median of the
+per-round ratios):
 
 - ``unsplit``: the whole model in one process, micro-batch by micro-batch with
   gradient accumulation (what a pipeline of S stages can at best make S times faster);
@@ -157,8 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8, help="Linear+ReLU blocks (multiple of 4)")
     p.add_argument("--batch", type=int, default=256, help="mini-batch size")
     p.add_argument("--chunks", type=int, default=8, help="micro-batches per mini-batch (M)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds; medians are reported")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     args = p.parse_args(argv)
     if args.layers % 4 or args.layers < 4:
@@ -173,10 +174,15 @@ def main(argv=None) -> int:
         out_path = os.path.join(tmp, "seconds.json")
         spawn(worker, 2, args=(args, out_path), timeout=600)
         with open(out_path) as f:
-            seconds = {k: statistics.median(v) for k, v in json.load(f).items()}
+            rounds = json.load(f)
+    seconds = {k: statistics.median(v) for k, v in rounds.items()}
+
+    def paired(ours: str, theirs: str) -> float:
+        """Median over rounds of theirs/ours time: both ran back to back in each round."""
+        return statistics.median(t / o for o, t in zip(rounds[ours], rounds[theirs]))
 
     print(f"MLP {args.layers}x{args.width}, batch {args.batch}, M={args.chunks} micro-batches, "
-          f"{args.threads} thread(s)/process, gloo loopback, {args.rounds} rounds x {args.steps} steps (median); "
+          f"{args.threads} thread(s)/process, gloo loopback, {args.rounds} rounds x {args.steps} steps; "
           f"{os.cpu_count()} cores, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'contender':30s} {'samples/s':>10s} {'ranks':>6s} {'bubble pred':>12s} {'bubble meas':>12s}")
     print(f"{'unsplit (1 process)':30s} {samples / t_unsplit:10.1f} {1:6d} {'':>12s} {'':>12s}")
@@ -185,8 +191,9 @@ def main(argv=None) -> int:
         pred = bubble_fraction(chain[name], args.chunks)
         meas = 1 - t_unsplit / (2 * t)
         print(f"{name:30s} {samples / t:10.1f} {2:6d} {pred:12.3f} {meas:12.3f}")
-    gpipe_ratio = seconds["torch ScheduleGPipe"] / seconds["dgpipe linear"]
-    v_ratio = seconds["torch ScheduleZBVZeroBubble"] / seconds["dgpipe client/server"]
+    gpipe_ratio = paired("dgpipe linear", "torch ScheduleGPipe")
+    v_ratio = paired("dgpipe client/server", "torch ScheduleZBVZeroBubble")
+    print("throughput ratios, median over rounds of the paired ratio:")
     print(f"dgpipe linear / torch ScheduleGPipe:             {gpipe_ratio:.3f}x (target >= 0.95x)")
     print(f"dgpipe client/server / torch ScheduleZBVZeroBubble: {v_ratio:.3f}x")
     print(f"dgpipe linear / unsplit:                         {t_unsplit / seconds['dgpipe linear']:.3f}x")

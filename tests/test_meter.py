@@ -24,7 +24,8 @@ def test_records_sum_and_derive():
     m.record_recv("stage0->stage1", "forward", recv_bytes=2100, recv_seconds=0.5, decode_seconds=0.125)
     m.record_send("stage0->stage1", "backward", raw_bytes=100, wire_bytes=100)
     recs = m.records()
-    assert [(r["name"], r["direction"]) for r in recs] == [("stage0->stage1", "backward"), ("stage0->stage1", "forward")]
+    keys = [(r["name"], r["direction"]) for r in recs]
+    assert keys == [("stage0->stage1", "backward"), ("stage0->stage1", "forward")]
     fwd = recs[1]
     assert fwd["raw_bytes"] == 8000 and fwd["wire_bytes"] == 2100 and fwd["frame_bytes"] == 64
     assert fwd["count"] == 2 and fwd["recv_count"] == 1

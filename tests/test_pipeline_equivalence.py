@@ -250,6 +250,29 @@ def run_state_dict_round_trip(rank):
         restored.load_state_dict({"stages": {"0": {}, "1": {}}})
 
 
+def run_frozen_first_stage(rank):
+    """No gradient crosses the boundary (stage 0 is frozen): rank 0 still gets the loss,
+    carried by the gradient-less backward messages, and the rest trains as unsplit."""
+    model = mlp()
+    for p in model[:2].parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(split_layers(model, [2, 3]), [0, 1], chunks=CHUNKS, loss_fn=F.cross_entropy, timeout=30)
+    x, y = data("mlp", 8, seed=0)
+    loss = pipe.train_step(x, y)
+    assert loss == pytest.approx(reference_step(ref, x, y, CHUNKS), rel=RTOL)
+    ref_params = dict(ref.named_parameters())
+    for stage in pipe.stages.values():
+        for name, p in stage.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=RTOL, atol=ATOL)
+            else:
+                assert p.grad is None
+    records = {(r["name"], r["direction"]): r for r in pipe.meter.records()}
+    backward = records[("stage0->stage1", "backward")]
+    assert backward["wire_bytes"] == 0 and backward["count" if rank == 1 else "recv_count"] == CHUNKS
+
+
 def _scenarios(world):
     if world == 2:
         out = {}
@@ -261,6 +284,7 @@ def _scenarios(world):
         out["tuple-clientserver-none"] = lambda r: run_tuple_boundary(r, [0, 1, 0], "none")
         out["tuple-clientserver-fp16"] = lambda r: run_tuple_boundary(r, [0, 1, 0], "fp16")
         out["state-dict-round-trip"] = run_state_dict_round_trip
+        out["frozen-first-stage-linear2"] = run_frozen_first_stage
         return out
     return {
         "mlp-linear3": lambda r: run_equivalence(r, "mlp", [0, 1, 2]),

@@ -158,12 +158,6 @@ def test_split_bits_zero_is_uniform_quantization():
     assert torch.equal(sq0.decode(sq0.encode(x)), uq.decode(uq.encode(x)))
 
 
-def test_better_than_uniform_on_a_skewed_tensor():
-    x = torch.randn(20_000, generator=torch.Generator().manual_seed(3)).exp()  # lognormal
-    sqc, uq = get_codec("sortquant", quant_bits=6, split_bits=2), get_codec("quant", bits=8)
-    mse = lambda c: float(((c.decode(c.encode(x)) - x) ** 2).mean())  # noqa: E731
-    assert mse(sqc) < mse(uq) / 2
-
 
 def test_stochastic_rounding():
     x = torch.randn(64, generator=torch.Generator().manual_seed(4))
@@ -226,7 +220,7 @@ def test_bucket_index_matches_bucketize():
         bounds[len(bounds) // 2 :] = bounds[len(bounds) // 2]  # ties among boundaries
         x[:10] = bounds[:10] if len(bounds) >= 10 else x[:10]  # values equal to boundaries
         expect = torch.bucketize(x, bounds, right=True)
-        assert torch.equal(sq.bucket_index(x, bounds), expect)
+        assert torch.equal(sq.BucketIndex(bounds)(x), expect)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -73,7 +73,7 @@ def decode_table(packed: torch.Tensor, bits: int, n: int, table: torch.Tensor) -
     """``table[code]`` for the ``n`` codes of ``bits`` bits in ``packed``, block by block (1-D float32)."""
     y = torch.empty(n, dtype=torch.float32, device=packed.device)
     for i, j in blocks(y):
-        torch.index_select(table, 0, unpack_bits(packed, bits, n, start=i, stop=j), out=y[i:j])
+        torch.index_select(table, 0, unpack_bits(packed, bits, n, start=i, stop=j, dtype=torch.int32), out=y[i:j])
     return y
 
 

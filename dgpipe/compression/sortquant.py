@@ -17,7 +17,7 @@ has no Python loop over buckets or values:
    tensor -- exactly (a sort) for small tensors, else of a fixed-seed uniform sample of
    ``max(16384, 64 * B)`` values (the MSE stays within a few percent of the exact
    split's; ``benchmarks/codec_speed.py`` measures it);
-2. the bucket of ``x`` is the number of boundaries ``<= x`` (:func:`bucket_index`);
+2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
    the bucket; the global min for bucket 0); its max is exact for an exact split and,
    for a sampled one, the next boundary ``b_{i+1}`` -- off by one data gap where the
@@ -56,7 +56,7 @@ from .quantize import (
     grid_table,
 )
 
-__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "bucket_index", "bucket_codes"]
+__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes"]
 
 SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
@@ -112,37 +112,45 @@ def bucket_grid(
     return bounds, mins, torch.where(uppers > mins, top, mins)
 
 
-def bucket_index(flat: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
-    """Bucket of every value: the number of ``boundaries`` that are ``<= x`` (int64, shape of ``flat``).
+class BucketIndex:
+    """Bucket of every value: ``BucketIndex(boundaries)(x)`` is the number of boundaries ``<= x``.
 
-    Whole-tensor steps, faster on CPU than ``torch.bucketize``: with up to 15 distinct
-    boundaries, one compare-and-add per distinct boundary (weighted by its
-    multiplicity); beyond, a binary search of ``log2(len(boundaries) + 1)`` steps
-    (gather the middle boundary of each value's range, compare, add).
+    Built once per tensor, applied block by block; whole-tensor steps, faster on CPU
+    than ``torch.bucketize``: with up to 15 distinct boundaries, one compare-and-add
+    per distinct boundary (weighted by its multiplicity); beyond, a binary search of
+    ``log2(len(boundaries) + 1)`` steps (gather the middle boundary of each value's
+    range, compare, add).
 
     Args:
-        flat: 1-D float32 values.
         boundaries: 1-D non-decreasing float32 of ``2**S - 1`` values, ``S >= 1``.
     """
-    distinct, mult = torch.unique_consecutive(boundaries, return_counts=True)
-    if distinct.numel() <= 15:
-        count = torch.zeros_like(flat)
-        ge = torch.empty_like(flat)
-        for t, k in zip(distinct, mult.tolist()):
-            count.add_(torch.ge(flat, t, out=ge), alpha=k)
-        return count.to(torch.int32).to(torch.int64)  # via int32: faster on CPU
-    half = (boundaries.numel() + 1) // 2
-    b = torch.ge(flat, boundaries[half - 1]).to(torch.int32)
-    b *= half
-    t = torch.empty_like(flat)
-    ge = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
-    half //= 2
-    while half:
-        # b is a multiple of 2 * half; boundary b + half - 1 splits [b, b + 2 * half) in two.
-        torch.index_select(boundaries[half - 1 :], 0, b.to(torch.int64), out=t)
-        b.add_(torch.ge(flat, t, out=ge), alpha=half)
+
+    def __init__(self, boundaries: torch.Tensor) -> None:
+        self.boundaries = boundaries
+        distinct, mult = torch.unique_consecutive(boundaries, return_counts=True)
+        self._compares = list(zip(distinct, mult.tolist())) if distinct.numel() <= 15 else None
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        """Buckets of the 1-D float32 ``flat``: int64, same shape."""
+        if self._compares is not None:
+            count = torch.zeros_like(flat)
+            ge = torch.empty_like(flat)
+            for t, k in self._compares:
+                count.add_(torch.ge(flat, t, out=ge), alpha=k)
+            return count.to(torch.int32).to(torch.int64)  # via int32: faster on CPU
+        bounds = self.boundaries
+        half = (bounds.numel() + 1) // 2
+        b = torch.ge(flat, bounds[half - 1]).to(torch.int32)
+        b *= half
+        t = torch.empty_like(flat)
+        ge = torch.empty(flat.shape, dtype=torch.int32, device=flat.device)
         half //= 2
-    return b.to(torch.int64)
+        while half:
+            # b is a multiple of 2 * half; boundary b + half - 1 splits [b, b + 2 * half) in two.
+            torch.index_select(bounds[half - 1 :], 0, b.to(torch.int64), out=t)
+            b.add_(torch.ge(flat, t, out=ge), alpha=half)
+            half //= 2
+        return b.to(torch.int64)
 
 
 def bucket_codes(
@@ -152,7 +160,7 @@ def bucket_codes(
 
     Args:
         x: values within their buckets' ranges.
-        bucket: int64 bucket of each value (:func:`bucket_index`), or None for one bucket.
+        bucket: int64 bucket of each value (:class:`BucketIndex`), or None for one bucket.
         mins, div: per-bucket grid start and step (:func:`.quantize.grid_divisor`).
         levels: levels per bucket, ``2**quant_bits``.
         stochastic: stochastic rounding.
@@ -161,9 +169,8 @@ def bucket_codes(
         return grid_levels(x - mins, div, levels, stochastic).to(torch.int32)
     w = mins.index_select(0, bucket)
     torch.sub(x, w, out=w)
-    grid_levels(w, div.index_select(0, bucket), levels, stochastic)
-    w.add_(bucket, alpha=levels)  # exact in float32: codes < 2**16
-    return w.to(torch.int32)
+    codes = grid_levels(w, div.index_select(0, bucket), levels, stochastic).to(torch.int32)
+    return codes.add_(bucket.to(torch.int32), alpha=levels)
 
 
 @register_codec("sortquant", 4)
@@ -212,19 +219,19 @@ class SortQuantizer(Codec):
             lo, hi = torch.aminmax(flat)
             finite_range(lo, hi, self.name)
             bounds, mins, maxs = (None, lo.view(1), hi.view(1)) if s == 0 else bucket_grid(flat, buckets, lo, hi)
-            index = None
+            index, search = None, None if bounds is None else BucketIndex(bounds)
             if maxs is None:  # sampled split: one pass for the buckets and their exact maxima
                 index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
                 maxs = mins.clone()
                 for i, j in blocks(flat):
-                    b = bucket_index(flat[i:j], bounds)
+                    b = search(flat[i:j])
                     index[i:j] = b
                     maxs.scatter_reduce_(0, b, flat[i:j], "amax")
             step = grid_step(mins, maxs, levels)
             div = grid_divisor(step)
 
             def codes_of(i: int, j: int) -> torch.Tensor:
-                b = None if bounds is None else bucket_index(flat[i:j], bounds) if index is None else index[i:j].long()
+                b = None if search is None else search(flat[i:j]) if index is None else index[i:j].long()
                 return bucket_codes(flat[i:j], b, mins, div, levels, self.stochastic)
 
             packed = encode_blocks(flat, q + s, codes_of)

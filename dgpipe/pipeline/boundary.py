@@ -21,12 +21,12 @@ flag_{n-1}]``, where ``flag`` = kind (0 absent, 1 lossless, 2 coded) + 4 if the 
 requires grad, and ``loss`` is the step's mean loss as the bits of a float64 (backward
 messages; 0 forward). In training every forward message is answered by one backward
 message, even when no tensor needs a gradient, so the loss computed on the last stage
-reaches every rank with the gradients, without a collective. Shapes and dtypes travel in the payload headers, so they may change
-from step to step. Forward messages of boundary i use tag ``2i``, backward ones
-``2i+1``. The receiving side posts the receive of each message it knows will come
-before it is needed: the first forward message of a step when the step starts
-(:meth:`Boundary.expect_forward`), the next one as soon as one arrives, and the
-gradients of a forward message whose tensors need them when it is sent.
+reaches every rank with the gradients, without a collective. Shapes and dtypes travel
+in the payload headers, so they may change from step to step. Forward messages of
+boundary i use tag ``2i``, backward ones ``2i+1``. The receiving side posts the
+receive of each message it knows will come before it is needed: the first forward
+message of a step when the step starts (:meth:`Boundary.expect_forward`), the next
+one as soon as one arrives, and the answer to each forward message when it is sent.
 
 Codec instances are made per (direction, micro-batch slot, tuple position), so a
 stateful codec (error feedback) keeps one state per boundary, direction and slot;
@@ -304,7 +304,8 @@ class Boundary:
         if not ok:
             raise ValueError(f"{self.name}: corrupt message meta from rank {peer}: {meta[:8]}")
         if meta[2] != slot:
-            raise ValueError(f"{self.name}: rank {peer} sent micro-batch {meta[2]}, expected {slot} (ranks out of step)")
+            raise ValueError(f"{self.name}: rank {peer} sent micro-batch {meta[2]}, expected {slot} "
+                             f"(ranks out of step)")  # fmt: skip
         return bool(meta[0]), meta[1], _bits_float(meta[3]), flags
 
     # -- state -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from multiprocessing import connection
 from typing import Callable
@@ -34,6 +35,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dgpipe.comm.transport import TransportError
 
 __all__ = ["SpawnError", "free_port", "resolve_backend", "init_distributed", "spawn"]
 
@@ -44,7 +47,7 @@ class SpawnError(RuntimeError):
     """A rank started by :func:`spawn` failed.
 
     Attributes:
-        rank: the first rank that failed.
+        rank: the rank that failed first on its own (not because a peer had failed).
         text: its traceback, or how it died.
     """
 
@@ -52,7 +55,7 @@ class SpawnError(RuntimeError):
         last = text.strip().splitlines()[-1] if text.strip() else "no message"
         msg = f"rank {rank} failed: {last}\n\n--- rank {rank} ---\n{text.rstrip()}"
         for r, t in sorted(others.items()):
-            msg += f"\n--- rank {r} (failed afterwards) ---\n{t.strip().splitlines()[-1] if t.strip() else t}"
+            msg += f"\n--- rank {r} (also failed) ---\n{t.strip().splitlines()[-1] if t.strip() else t}"
         super().__init__(msg)
         self.rank, self.text = rank, text
 
@@ -129,7 +132,8 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
         sys.stderr.write(f"[rank {rank}] {text}")
         sys.stderr.flush()
         sys.stdout.flush()
-        err_conn.send_bytes(text.encode("utf-8", "replace")[-_MAX_ERROR_BYTES:])
+        kind = b"P" if isinstance(err, TransportError) else b"E"  # P: failed because a peer did
+        err_conn.send_bytes(kind + text.encode("utf-8", "replace")[-_MAX_ERROR_BYTES:])
         err_conn.close()
         os._exit(130 if isinstance(err, KeyboardInterrupt) else 1)  # skip teardown that could block on dead peers
     dist.destroy_process_group()
@@ -176,7 +180,8 @@ def spawn(
 
     Raises:
         ValueError: bad ``world_size``, ``backend`` or ``timeout`` (before anything starts).
-        SpawnError: a rank raised or died; the others were terminated.
+        SpawnError: a rank raised or died; the others were terminated. It names the
+            first rank that failed on its own (rather than because a peer had failed).
         KeyboardInterrupt: Ctrl-C; every rank was terminated.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -195,44 +200,60 @@ def spawn(
         w.close()
         readers.append(r)
         procs.append(p)
-    errors: dict[int, str] = {}
-    first: int | None = None
     try:
-        live = {p.sentinel: i for i, p in enumerate(procs)}
-        open_readers = {r: i for i, r in enumerate(readers)}
-        while live and first is None:
-            for obj in connection.wait(list(live) + list(open_readers)):
-                if obj in open_readers:
-                    i = open_readers[obj]
-                    try:
-                        errors[i] = obj.recv_bytes().decode("utf-8", "replace")
-                        first = i if first is None else first
-                    except EOFError:
-                        del open_readers[obj]
-                elif obj in live:
-                    i = live.pop(obj)
-                    procs[i].join()
-                    if procs[i].exitcode != 0 and first is None:
-                        if readers[i].poll(1.0):
-                            try:
-                                errors[i] = readers[i].recv_bytes().decode("utf-8", "replace")
-                            except EOFError:
-                                pass
-                        first = i
+        order, texts, by_peer = _monitor(procs, readers)
     except KeyboardInterrupt:
         _stop(procs)
         raise
-    if first is None:
+    if not order:
         return
     _stop(procs)
-    for i, r in enumerate(readers):  # collect what the others said before they were stopped
-        while i not in errors and r.poll(0):
-            try:
-                errors[i] = r.recv_bytes().decode("utf-8", "replace")
-            except EOFError:
-                break
-    code = procs[first].exitcode
-    if first not in errors:
-        how = f"killed by signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
-        errors[first] = f"rank {first} died without a Python exception ({how})"
-    raise SpawnError(first, errors.pop(first), errors)
+    for i in order:
+        if i not in texts:
+            code = procs[i].exitcode
+            how = f"killed by signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+            texts[i] = f"rank {i} died without a Python exception ({how})"
+    # Blame the first rank that failed on its own; ranks that only saw a peer fail come after.
+    first = next((i for i in order if i not in by_peer), order[0])
+    raise SpawnError(first, texts[first], {i: texts[i] for i in order if i != first})
+
+
+def _monitor(procs: list, readers: list, grace: float = 1.0) -> tuple[list[int], dict[int, str], set[int]]:
+    """Watch the ranks until all exit cleanly, or until ``grace`` seconds after the first failure.
+
+    Returns:
+        The failed ranks in the order their failure was seen, their reported
+        tracebacks, and the ranks whose failure was a peer's (a ``TransportError``).
+    """
+    order: list[int] = []
+    texts: dict[int, str] = {}
+    by_peer: set[int] = set()
+    live = {p.sentinel: i for i, p in enumerate(procs)}
+    open_readers = {r: i for i, r in enumerate(readers)}
+    deadline = None
+    while live or open_readers:
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = connection.wait(list(live) + list(open_readers), wait_s)
+        if not ready:
+            break
+        for obj in ready:
+            if obj in open_readers:
+                i = open_readers[obj]
+                try:
+                    data = obj.recv_bytes()
+                except EOFError:
+                    del open_readers[obj]
+                    continue
+                texts[i] = data[1:].decode("utf-8", "replace")
+                if data[:1] == b"P":
+                    by_peer.add(i)
+            else:
+                i = live.pop(obj)
+                procs[i].join()
+                if procs[i].exitcode == 0:
+                    continue
+            if i not in order:
+                order.append(i)
+        if order and deadline is None:
+            deadline = time.monotonic() + grace
+    return order, texts, by_peer

@@ -67,7 +67,9 @@ def split_layers(layers: nn.Sequential | Iterable[nn.Module], balance: Sequence[
     if not balance or any(not isinstance(b, int) or b < 1 for b in balance):
         raise ValueError(f"balance must be a non-empty list of positive layer counts, got {balance}")
     if sum(balance) != len(named):
-        raise ValueError(f"balance {balance} covers {sum(balance)} layers but there are {len(named)}; make it sum to {len(named)}")
+        raise ValueError(
+            f"balance {balance} covers {sum(balance)} layers but there are {len(named)}; make it sum to {len(named)}"
+        )
     stages, start = [], 0
     for count in balance:
         stages.append(nn.Sequential(OrderedDict(named[start : start + count])))

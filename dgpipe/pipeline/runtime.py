@@ -12,9 +12,11 @@ Semantics (GPipe, Huang et al. 2019): the loss is the mean over micro-batches of
 ``loss_fn(output_m, target_m)``, so with equal micro-batches and a mean-reduced loss
 it equals the loss of the whole mini-batch, and -- uncompressed -- the gradients
 equal those of the unsplit model run micro-batch by micro-batch with gradient
-accumulation. Plain BatchNorm normalises and tracks statistics per micro-batch;
-``deferred_batchnorm=True`` (torchgpipe's ``DeferredBatchNorm``) still normalises per
-micro-batch but updates the running statistics once per mini-batch.
+accumulation. The loss travels from the last stage to every other rank inside the
+backward messages (no collective). Plain BatchNorm normalises and tracks statistics
+per micro-batch; ``deferred_batchnorm=True`` (torchgpipe's ``DeferredBatchNorm``)
+still normalises per micro-batch but updates the running statistics once per
+mini-batch.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class PipelineEngine:
         )
         self.meter = self.pipe.meter
         self.reads_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage
-        self.output_rank = self.pipe.last_rank
+        self.output_rank = placement[-1]
         self.momentum_in_codec = False
 
     def describe(self) -> str:

@@ -24,8 +24,10 @@ from dgpipe.models import build_mobilenet, mobilenet_layers
 from .job import Job, check_partition, decay_groups, metric_key
 from .metrics import TASK_METRICS, compute_metrics
 
-__all__ = ["VisionJob", "OFFICIAL_SIZES"]
+__all__ = ["VisionJob", "DEFAULT_DROPOUT", "OFFICIAL_SIZES"]
 
+#: Classifier dropout of a randomly initialised model unless ``--dropout`` says otherwise.
+DEFAULT_DROPOUT = 0.2
 #: Images per split of the official CIFAR-10 and CIFAR-100 batches.
 OFFICIAL_SIZES = {"train": 50_000, "test": 10_000}
 
@@ -54,8 +56,10 @@ class VisionJob(Job):
             raise ValueError(f"--image-size {args.image_size} is too small; use 32 (native) or more, e.g. 224")
         if args.width_mult <= 0:
             raise ValueError(f"--width-mult must be positive, got {args.width_mult}")
-        if args.pretrained is not None and args.width_mult != 1.0:
-            raise ValueError("--width-mult changes a randomly initialised model; drop it with --pretrained")
+        if args.pretrained is not None and (args.width_mult != 1.0 or args.dropout is not None):
+            raise ValueError("--width-mult and --dropout change a randomly initialised model; drop them with --pretrained")
+        if args.dropout is not None and not 0 <= args.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
         if args.momentum < 0 or args.wd < 0 or args.warmup_epochs < 0:
             raise ValueError("--momentum, --wd and --warmup-epochs must be >= 0")
         try:
@@ -79,7 +83,8 @@ class VisionJob(Job):
         if a.pretrained is not None:
             model = build_mobilenet(self.num_classes, pretrained=a.pretrained)
         else:
-            model = build_mobilenet(self.num_classes, depth_multiplier=a.width_mult, image_size=a.image_size)
+            model = build_mobilenet(self.num_classes, depth_multiplier=a.width_mult, image_size=a.image_size,
+                                    classifier_dropout_prob=DEFAULT_DROPOUT if a.dropout is None else a.dropout)
         return mobilenet_layers(model)
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
