@@ -93,9 +93,9 @@ def timed(fns: dict, rounds: int, inner: int) -> dict:
     for _ in range(rounds):
         for k, (name, fn) in enumerate(fns.items()):
             for _ in range(1 if k == 0 else inner):
-                t0 = time.process_time()
+                t0 = time.perf_counter()
                 results[name] = fn()
-                times[name].append(time.process_time() - t0)
+                times[name].append(time.perf_counter() - t0)
     return {name: (statistics.median(times[name]), results[name]) for name in fns}
 
 

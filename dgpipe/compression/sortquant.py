@@ -133,9 +133,12 @@ class BucketIndex:
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
         """Buckets of the 1-D float32 ``flat``: int64, same shape."""
         if self._compares is not None:
-            count = torch.zeros_like(flat)
+            (t, k), *rest = self._compares
+            count = torch.ge(flat, t, out=torch.empty_like(flat))
+            if k > 1:
+                count *= k
             ge = torch.empty_like(flat)
-            for t, k in self._compares:
+            for t, k in rest:
                 count.add_(torch.ge(flat, t, out=ge), alpha=k)
             return count.to(torch.int32).to(torch.int64)  # via int32: faster on CPU
         bounds = self.boundaries

@@ -130,6 +130,39 @@ def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> dict[s
     return dict(zip(job.metric_names, _broadcast(values, engine.output_rank)))
 
 
+def _train_epoch(engine, optimizer, scheduler, loader: DataLoader | None, steps: int, batch_size: int, desc: str,
+                 progress: bool) -> tuple[float, float]:
+    """``steps`` optimizer steps; returns (sum of the step losses, seconds)."""
+    batches = iter(loader) if engine.reads_data else None
+    bar = tqdm(total=steps, desc=desc, disable=not progress, unit="step", dynamic_ncols=True)
+    loss_sum, start = 0.0, time.perf_counter()
+    for i in range(steps):
+        inputs, targets = next(batches) if batches is not None else (None, None)
+        optimizer.zero_grad(set_to_none=True)
+        loss = engine.train_step(inputs, targets)
+        optimizer.step()
+        scheduler.step()
+        loss_sum += loss
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{(i + 1) * batch_size / (time.perf_counter() - start):.1f}")
+    bar.close()
+    return loss_sum, time.perf_counter() - start
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """Torch's CPU (and this rank's CUDA) random state, for dropout after a resume."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
 def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namespace, local_rank: int) -> None:
     """Body of one rank (torch.distributed initialised); see the module docstring."""
     device = rank_device(args, rank, local_rank)
@@ -156,7 +189,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         engine.load_state_dict(state["engine"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
+        _set_rng_state(state["rng"], device)
         start_epoch, step = state["epoch"], state["step"]
 
     lead = rank == 0
@@ -174,24 +207,10 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         engine.meter.reset()
         engine.set_epoch(epoch)
         _start_epoch(train_loader, args.seed, epoch)
-        batches = iter(train_loader) if engine.reads_data else None
         n = min(steps_per_epoch, total_steps - step)
-        bar = tqdm(total=n, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not (lead and args.progress),
-                   unit="step", dynamic_ncols=True)
-        loss_sum, start = 0.0, time.perf_counter()
-        for i in range(n):
-            inputs, targets = next(batches) if batches is not None else (None, None)
-            optimizer.zero_grad(set_to_none=True)
-            loss = engine.train_step(inputs, targets)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            loss_sum += loss
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}",
-                            samples_s=f"{(i + 1) * args.batch_size / (time.perf_counter() - start):.1f}")
-        seconds = time.perf_counter() - start
-        bar.close()
+        loss_sum, seconds = _train_epoch(engine, optimizer, scheduler, train_loader, n, args.batch_size,
+                                         f"epoch {epoch + 1}/{args.epochs}", lead and args.progress)
+        step += n
         train_seconds += seconds
         samples += n * args.batch_size
         train_loss = engine.mean_loss(loss_sum, n)
@@ -212,7 +231,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         if args.save:
             checkpoint.save_rank(args.save, rank, {
                 "engine": engine.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch + 1, "step": step,
+                "scheduler": scheduler.state_dict(), "rng": _rng_state(device), "epoch": epoch + 1, "step": step,
             })
             dist.barrier()
             if lead:
