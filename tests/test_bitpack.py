@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgpipe.compression import bitpack
-from dgpipe.compression.bitpack import CHUNK, MAX_BITS, index_bits, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
+from dgpipe.compression.bitpack import (
+    CHUNK,
+    MAX_BITS,
+    index_bits,
+    pack_bits,
+    pack_bits_into,
+    packed_nbytes,
+    unpack_bits,
+)
 
 
 def reference_pack(codes: list[int], bits: int, chunk: int = CHUNK) -> bytes:

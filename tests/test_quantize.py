@@ -55,7 +55,9 @@ def test_decode_of_encode_is_idempotent(bits):
     assert float((y2 - y).abs().max()) <= 1e-3 * step + 1e-6
 
 
-@pytest.mark.parametrize("bits,group_size,shape", [(8, 0, (3, 5, 7)), (3, 16, (100,)), (16, 7, (10, 10)), (5, 1000, (9,))])
+@pytest.mark.parametrize(
+    "bits,group_size,shape", [(8, 0, (3, 5, 7)), (3, 16, (100,)), (16, 7, (10, 10)), (5, 1000, (9,))]
+)
 def test_exact_nbytes(bits, group_size, shape):
     x = torch.randn(shape)
     n = x.numel()

@@ -90,8 +90,8 @@ def test_half_step_and_idempotence_sampled_or_not(q, s, n, kind, seed):
 def test_sampled_boundaries_keep_the_error_of_the_exact_split():
     n = 200_000  # > 2 * 16384: boundaries from a sample
     gen = torch.Generator().manual_seed(0)
-    data = {"normal": torch.randn(n, generator=gen), "relu6": torch.nn.functional.relu6(torch.randn(n, generator=gen) * 2 - 0.5)}
-    for x in data.values():
+    normal = torch.randn(n, generator=gen)
+    for x in (normal, torch.nn.functional.relu6(normal * 2 - 0.5)):
         for q, s in ((6, 2), (3, 1), (9, 3)):
             assert sq.sample_size(n, 1 << s) < n
             codec = get_codec("sortquant", quant_bits=q, split_bits=s)
@@ -146,7 +146,8 @@ def test_ties_zeros_stay_exact_and_counts_follow_values():
 
 def test_fewer_values_than_buckets_and_constants_are_exact():
     codec = get_codec("sortquant", quant_bits=3, split_bits=4)
-    for x in (torch.tensor([3.0, -1.0, 2.0]), torch.full((5, 4), -7.25), torch.tensor(4.5), torch.tensor([1e-30, 2e-30])):
+    cases = (torch.tensor([3.0, -1.0, 2.0]), torch.full((5, 4), -7.25), torch.tensor(4.5), torch.tensor([1e-30, 2e-30]))
+    for x in cases:
         y = codec.decode(codec.encode(x))
         assert y.shape == x.shape and torch.equal(y, x)
 

@@ -143,10 +143,12 @@ POWERSGD_OPTIONS = {
     "min_compression_rate": 2,
     "use_error_feedback": True,
     "warm_start": True,
-    "orthogonalization_epsilon": 0,
+    "orthogonalization_epsilon": 1e-8,
 }
 """PowerSGD options and dgpipe's defaults (PyTorch's, except ``start_powerSGD_iter``:
-2, the smallest it allows, instead of 1000, so that short runs are compressed)."""
+2, the smallest it allows, instead of 1000, so that short runs are compressed, and
+``orthogonalization_epsilon``: 1e-8 instead of 0, since Gram-Schmidt on an all-zero
+column gave NaN losses on MobileNetV2 at rank 2)."""
 
 
 class CastHook(MeteredHook):

@@ -209,7 +209,10 @@ def pack_bits_into(
         torch.bitwise_and(codes >> (8 * p) if p else codes, 0xFF, out=out[p * n + start : p * n + start + m])
     o = k * n + start * r // 8
     if r == 8:  # the top byte is a plane too
-        torch.bitwise_right_shift(codes, 8 * k, out=out[o : o + m]) if k else out[o : o + m].copy_(codes)
+        if k:
+            torch.bitwise_right_shift(codes, 8 * k, out=out[o : o + m])
+        else:
+            out[o : o + m].copy_(codes)
         return
     rest = codes >> (8 * k) if k else codes
     full = m - m % CHUNK if start + m == n else m  # codes in whole chunks

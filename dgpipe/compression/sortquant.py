@@ -5,9 +5,10 @@ buckets of (nearly) equal count by rank -- bucket ``i`` holds the values between
 ``i/B`` and ``(i+1)/B`` quantiles -- and each bucket is quantized uniformly with
 ``L = 2**Q`` levels between its min and max. A value is sent as the code
 ``bucket * L + level`` in ``S + Q`` bits (bit-packed, :mod:`.bitpack`); a bucket as its
-min and step (float32). Dense regions of the distribution get narrow buckets and so
-fine steps, which is what makes it better than uniform quantization at equal bits for
-bell-shaped or skewed tensors (activations, gradients).
+min and step (float32). Dense regions of the distribution get narrow buckets and fine
+steps, sparse tails wide buckets and coarse steps: every equal share of the values gets
+the same number of levels. In mean squared error it can lose to uniform quantization
+at equal bits (``benchmarks/codec_speed.py`` prints both).
 
 The original formulation sorts the whole tensor and loops over the ``B`` chunks of the
 sorted values. This one never sorts the tensor (above :func:`sample_size` values) and
@@ -19,13 +20,13 @@ has no Python loop over buckets or values:
    split's; ``benchmarks/codec_speed.py`` measures it);
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
-   the bucket; the global min for bucket 0); its max is exact for an exact split and,
-   for a sampled one, the next boundary ``b_{i+1}`` -- off by one data gap where the
-   sample is dense at the bucket's top, and replaced by exact maxima (one
-   ``scatter_reduce``) when the sample shows a gap there;
+   the bucket; the global min for bucket 0); its max comes with the sort for small
+   tensors, else from one ``scatter_reduce`` over the bucket indices;
 4. levels, codes and bit-packing run block by block (:func:`.quantize.blocks`: cache-
    sized blocks on CPU, the whole tensor on a GPU); decoding is a lookup in the
    ``B * L``-entry table of grid values.
+
+On distinct values this gives exactly the codes of the original formulation (tested).
 
 Ties: values equal to a boundary all go to the upper bucket, so with many equal values
 (e.g. the zeros of a ReLU) the counts are unequal and some buckets stay empty (min =
@@ -222,7 +223,8 @@ class SortQuantizer(Codec):
             lo, hi = torch.aminmax(flat)
             finite_range(lo, hi, self.name)
             bounds, mins, maxs = (None, lo.view(1), hi.view(1)) if s == 0 else bucket_grid(flat, buckets, lo, hi)
-            index, search = None, None if bounds is None else BucketIndex(bounds)
+            search = None if bounds is None else BucketIndex(bounds)
+            index = None  # buckets found in a first pass, reused by the second
             if maxs is None:  # sampled split: one pass for the buckets and their exact maxima
                 index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
                 maxs = mins.clone()
@@ -234,7 +236,10 @@ class SortQuantizer(Codec):
             div = grid_divisor(step)
 
             def codes_of(i: int, j: int) -> torch.Tensor:
-                b = None if search is None else search(flat[i:j]) if index is None else index[i:j].long()
+                if search is None:
+                    b = None
+                else:
+                    b = search(flat[i:j]) if index is None else index[i:j].long()
                 return bucket_codes(flat[i:j], b, mins, div, levels, self.stochastic)
 
             packed = encode_blocks(flat, q + s, codes_of)

@@ -1,0 +1,15 @@
+"""What the main-job CLIs share: flags, the training loop, logs, checkpoints, metrics.
+
+Modules (one idea each):
+
+- :mod:`.args` -- the common flags (:func:`~.args.common_parser`) and their validation
+  (:func:`~.args.validate_common`), run before any process starts.
+- :mod:`.codecs` -- compression flags -> codec specs (boundaries, DDP gradients).
+- :mod:`.job` -- the :class:`~.job.Job` interface; :mod:`.vision` (MobileNetV2 on
+  CIFAR) and :mod:`.nlp` (encoders on GLUE) implement it.
+- :mod:`.engine` -- one rank's training step: the compressed pipeline or DDP.
+- :mod:`.loop` -- :func:`~.loop.run`: launch (local spawn or torchrun), epochs,
+  evaluation, logs, checkpoints.
+- :mod:`.runlog` -- JSON-lines records and their readable form; :mod:`.checkpoint`;
+  :mod:`.metrics` (GLUE/CIFAR metrics).
+"""
