@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dgpipe.pipeline import SpawnError
-from dgpipe.train.args import common_parser, validate_common
-from dgpipe.train.loop import run
+from dgpipe.train import loop
+from dgpipe.train.args import common_parser
 from dgpipe.train.vision import VisionJob
 
 
@@ -47,19 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate (errors exit with status 2 before any process starts), train."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        validate_common(args)
-        VisionJob.check(args)
-    except ValueError as e:
-        parser.error(str(e))
-    try:
-        run(VisionJob, args)
-    except SpawnError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return loop.main(VisionJob, build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ Usage (root; about 5 minutes with the defaults)::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -135,20 +136,27 @@ def predict_step_seconds(compute: Mapping[str, float], message_bytes: Mapping[st
 
 def report(res: Mapping[str, Any]) -> tuple[str, bool]:
     """The printed table and target lines from the ranks' results; and whether targets are met."""
-    cfg, link, comp = res["config"], res["link"], res["compute"]
+    cfg, link, comps = res["config"], res["link"], res["compute"]
     batch, micro = cfg["batch_size"], cfg["chunk"]
     lat, bw = link["latency_s"], link["bandwidth_Bps"]
-    rows, base = [], res["settings"]["none"]
-    pred_none = predict_step_seconds(comp, base["message_bytes"], lat, bw, micro)
+    base = res["settings"]["none"]
+
+    def pred(comp, label, bandwidth=bw, latency=lat):
+        return predict_step_seconds(comp, res["settings"][label]["message_bytes"], latency, bandwidth, micro)
+
+    rows = []  # per setting: medians over rounds (each round with its own compute measurement)
     for label, s in res["settings"].items():
-        rounds = s["rounds"]
-        thr = statistics.median(batch * r["steps"] / r["seconds"] for r in rounds)
-        speedup = statistics.median(b["seconds"] / r["seconds"] for r, b in zip(rounds, base["rounds"]))
-        pred = predict_step_seconds(comp, s["message_bytes"], lat, bw, micro)
-        codec = statistics.median(sum(r["codec_seconds"]) / r["seconds"] for r in rounds)
-        wire = sum(s["message_bytes"].values()) * micro
-        rows.append((label, wire, thr, batch / pred, speedup, pred_none / pred, codec))
-    free = batch / predict_step_seconds(comp, base["message_bytes"], 0.0, math.inf, micro)
+        rounds = list(zip(s["rounds"], base["rounds"], comps))
+        speedups = [b["seconds"] / r["seconds"] for r, b, _ in rounds]
+        ideals = [pred(c, "none") / pred(c, label) for _, _, c in rounds]
+        rows.append((label, sum(s["message_bytes"].values()) * micro,
+                     statistics.median(batch * r["steps"] / r["seconds"] for r, _, _ in rounds),
+                     statistics.median(batch / pred(c, label) for _, _, c in rounds),
+                     statistics.median(speedups), statistics.median(ideals),
+                     statistics.median(m / i for m, i in zip(speedups, ideals)),
+                     statistics.median(sum(r["codec_seconds"]) / r["seconds"] for r, _, _ in rounds)))
+    comp = {k: statistics.median(c[k] for c in comps) for k in PIECES}
+    free = batch / pred(comp, "none", math.inf, 0.0)
     lines = [
         f"MobileNetV2 client/server, CIFAR-10 {cfg['image_size']} px, batch {batch} in {micro} micro-batches, "
         f"client layers {cfg['client_layers']}, {cfg['threads']} thread(s)/rank; {cfg['rounds']} rounds x "
@@ -156,7 +164,7 @@ def report(res: Mapping[str, Any]) -> tuple[str, bool]:
         f"{cfg['load_before']:.1f} before, {cfg['load_after']:.1f} after",
         f"link: tc rate {cfg['rate_bps'] / 1e6:g} Mbit/s each way; probed bandwidth {bw / 1e6:.3f} MB/s "
         f"({bw * 8 / 1e6:.2f} Mbit/s goodput), latency {lat * 1e6:.0f} us, R^2 {link['r2']:.4f}",
-        "compute ms per micro-batch: client f1 {f1:.1f} f2 {f2:.1f} b2 {b2:.1f} b1 {b1:.1f}; server s {s:.1f} "
+        "compute ms per micro-batch (median over rounds): client f1 {f1:.1f} f2 {f2:.1f} b2 {b2:.1f} b1 {b1:.1f}; server s {s:.1f} "
         "sb {sb:.1f}; optimizer client {client_opt:.1f} server {server_opt:.1f}".format(
             **{k: v * 1e3 for k, v in comp.items()}),
         f"compute-only bound (free link): {free:.1f} samples/s",
@@ -164,30 +172,28 @@ def report(res: Mapping[str, Any]) -> tuple[str, bool]:
         "| setting | wire MB/step | samples/s | predicted | model | speedup | ideal | efficiency | codec % step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for label, wire, thr, pred_thr, speedup, ideal, codec in rows:
+    for label, wire, thr, pred_thr, speedup, ideal, eff, codec in rows:
         lines.append(f"| {label} | {wire / 1e6:.3f} | {thr:.1f} | {pred_thr:.1f} | {thr / pred_thr:.2f} | "
-                     f"{speedup:.2f}x | {ideal:.2f}x | {speedup / ideal:.2f} | {codec:.1%} |")
+                     f"{speedup:.2f}x | {ideal:.2f}x | {eff:.2f} | {codec:.1%} |")
     by = {r[0]: r for r in rows}
     ok = True
     if "sortquant8" in by:
-        _, _, _, _, speedup, ideal, _ = by["sortquant8"]
+        _, _, _, _, speedup, ideal, eff, _ = by["sortquant8"]
         scale = bw / (cfg["rate_bps"] / 8)  # goodput per wire rate, as probed
         bw100 = scale * 100e6 / 8
-        sq8 = res["settings"]["sortquant8"]["message_bytes"]
-        ideal100 = (predict_step_seconds(comp, base["message_bytes"], lat, bw100, micro)
-                    / predict_step_seconds(comp, sq8, lat, bw100, micro))
-        eff_ok = speedup / ideal >= TARGET_EFFICIENCY
+        ideal100 = pred(comp, "none", bw100) / pred(comp, "sortquant8", bw100)
+        eff_ok = eff >= TARGET_EFFICIENCY
         at_100 = abs(cfg["rate_bps"] - 100e6) < 1
         fast_ok = at_100 and speedup >= TARGET_SPEEDUP_100M
         measured = f"measured {speedup:.2f}x: {'met' if fast_ok else 'MISSED'}" if at_100 else "not this run's rate"
-        lines += ["", f"sortquant8 speedup {speedup:.2f}x, ideal {ideal:.2f}x, efficiency {speedup / ideal:.2f} "
+        lines += ["", f"sortquant8 speedup {speedup:.2f}x, ideal {ideal:.2f}x, efficiency {eff:.2f} "
                       f"(target >= {TARGET_EFFICIENCY:.2f} at the chosen rate): {'met' if eff_ok else 'MISSED'}",
                   f"at 100 Mbit/s ({bw100 / 1e6:.2f} MB/s goodput) the model predicts sortquant8 / uncompressed = "
                   f"{ideal100:.2f}x with this compute (target {TARGET_SPEEDUP_100M}x there; {measured})"]
         ok = eff_ok or fast_ok
-    worst = max(rows, key=lambda r: r[6])
-    codec_ok = worst[6] < TARGET_CODEC
-    lines.append(f"encode + decode (both ranks) at most {worst[6]:.1%} of step time ({worst[0]}; target "
+    worst = max(rows, key=lambda r: r[7])
+    codec_ok = worst[7] < TARGET_CODEC
+    lines.append(f"encode + decode (both ranks) at most {worst[7]:.1%} of step time ({worst[0]}; target "
                  f"< {TARGET_CODEC:.0%}): {'met' if codec_ok else 'MISSED'}")
     return "\n".join(lines), ok and codec_ok
 
@@ -316,7 +322,15 @@ def rank_main(args: argparse.Namespace) -> None:
                                      args.client_layers)
         placement = client_server_placement()
         mine = [p for s, r in zip(stages, placement) if r == rank for p in s.parameters()]
-        optimizer = torch.optim.SGD(mine, lr=0.01, momentum=0.9)
+        initial = copy.deepcopy([s.state_dict() for s in stages])
+
+        def fresh_optimizer() -> torch.optim.Optimizer:
+            """Initial weights and a new optimizer: every setting trains from the same start
+            (and never long enough to diverge into values a codec refuses)."""
+            for stage, state in zip(stages, initial):
+                stage.load_state_dict(state)
+            return torch.optim.SGD(mine, lr=0.01, momentum=0.9)
+
         batches = None
         if rank == 0:
             n = min(args.warmup + args.steps, 8)
@@ -325,14 +339,15 @@ def rank_main(args: argparse.Namespace) -> None:
             batches = list(loader)
         for s in stages:
             s.train()
-        compute = measure_compute(stages, rank, optimizer, batches[0] if batches else None, args)
         results: dict[str, dict[str, Any]] = {label: {"rounds": []} for label in args.settings}
+        compute = []  # per round, measured just before that round's settings
         for r in range(args.rounds):
+            compute.append(measure_compute(stages, rank, fresh_optimizer(), batches[0] if batches else None, args))
             for label in args.settings:
                 spec = SETTINGS[label]
                 pipe = Pipeline(stages, placement, chunks=args.chunk, loss_fn=F.cross_entropy,
                                 act_codec=(spec.name, dict(spec.options)), timeout=args.timeout)
-                out = time_setting(pipe, optimizer, batches, rank, args.steps, args.warmup)
+                out = time_setting(pipe, fresh_optimizer(), batches, rank, args.steps, args.warmup)
                 if rank == 0:
                     results[label]["rounds"].append({k: out[k] for k in ("seconds", "steps", "codec_seconds")})
                     results[label]["message_bytes"] = message_bytes(out["records"])
@@ -362,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-layers", type=int, default=1, help="layers the client holds at each end")
     p.add_argument("--steps", type=int, default=6, help="timed steps per setting and round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--settings", default=",".join(LABELS), help=f"codecs to compare (first: the baseline "
                                                                   f"'none'); out of {', '.join(SETTINGS)}")

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from dgpipe.train.args import TORCHRUN_VARS
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -16,3 +18,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    """Remove torchrun's variables (RANK, WORLD_SIZE, ...) from the environment, so that a
+    main-job CLI run in-process spawns its own ranks instead of joining a torchrun world.
+    Use with ``pytestmark = pytest.mark.usefixtures("no_torchrun")``."""
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)

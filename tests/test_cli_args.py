@@ -5,36 +5,21 @@ starts, with a message that says what to change. The CLIs are loaded from the re
 root by path and run in-process; nothing here spawns a rank.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from dgpipe.train import args as targs
-from dgpipe.train import vision
+from dgpipe.train import loop, vision
 from dgpipe.train.codecs import CodecSpec, parse_options
+from helpers import load_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 RTE_ROWS = [("The cat sat on the mat.", "A cat sat.", "entailment"), ("It rained.", "It was dry.", "not_entailment")]
 
 
-def _cli(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-VISION = _cli("test_vision_dgpipe")
-NLP = _cli("test_nlp_dgpipe")
-
-
-@pytest.fixture(autouse=True)
-def _no_torchrun(monkeypatch):
-    for var in targs.TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
+VISION = load_cli("test_vision_dgpipe")
+NLP = load_cli("test_nlp_dgpipe")
+pytestmark = pytest.mark.usefixtures("no_torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +96,7 @@ def test_errors_come_before_any_process(monkeypatch, cifar, capsys):
     def no_spawn(*a, **k):
         raise AssertionError("a process was started")
 
-    monkeypatch.setattr(VISION, "run", no_spawn)
+    monkeypatch.setattr(loop, "run", no_spawn)
     _error(VISION, ["--data-dir", str(cifar), "--batch-size", "6", "--chunk", "4"], capsys)
     _error(VISION, ["--data-dir", str(cifar), "--eval-subset", "11", "--batch-size", "4"], capsys)
 

@@ -3,37 +3,24 @@
 Vision: a tiny MobileNetV2 (width 0.25) through the client/server pipeline with sort
 quantization (6+2 bits) on a small image folder written here. NLP: a tiny random
 RoBERTa with the offline tokenizer on real RTE rows, as the data-parallel baseline
-with fp16 gradient exchange. Both check the JSON-lines log the run leaves.
+with fp16 gradient exchange. Both check the JSON-lines log the run leaves. Resume: for
+both jobs, an interrupted and resumed run ends with the state of an uninterrupted one,
+bit for bit (vision: including the random augmentation, with and without a worker).
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from dgpipe.train import args as targs
 from dgpipe.train.runlog import BOUNDARY_FIELDS, read_records
+from helpers import ROOT, load_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 RTE = ROOT.parent / "shared" / "data" / "glue" / "RTE"
 SUMMARY_FIELDS = {"event", "metric", "value", "samples_per_s", "raw_bytes", "wire_bytes", "wall_seconds", "args"}
 
-
-def _cli(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _no_torchrun(monkeypatch):
-    for var in targs.TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_torchrun")
 
 
 def _image_folder(root: Path, per_class: dict[str, int]) -> Path:
@@ -65,7 +52,7 @@ def _check_log(path: Path, metric: str) -> tuple[dict, dict]:
 def test_vision_pipeline_sortquant(tmp_path, capfd):
     data = _image_folder(tmp_path / "images", {"train": 4, "test": 2})
     log = tmp_path / "runs" / "sq8.jsonl"
-    code = _cli("test_vision_dgpipe").main([
+    code = load_cli("test_vision_dgpipe").main([
         "--data-dir", str(data), "--sortquant", "--quant", "6", "--split", "2", "--chunk", "2",
         "--batch-size", "8", "--epochs", "1", "--max-steps", "2", "--width-mult", "0.25", "--num-workers", "0",
         "--eval-subset", "10", "--log", str(log), "--bandwidth", "--save", str(tmp_path / "ckpt"), "--no-progress",
@@ -98,7 +85,7 @@ needs_rte = pytest.mark.skipif(not RTE.is_dir(), reason=f"real RTE data not foun
 @needs_rte
 def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
     log = tmp_path / "rte.jsonl"
-    code = _cli("test_nlp_dgpipe").main([
+    code = load_cli("test_nlp_dgpipe").main([
         "--task", "rte", "--data-dir", str(_tiny_rte(tmp_path / "glue", 64, 16)), "--model-config", "tiny-roberta",
         "--max-length", "48", "--mode", "dataparallel", "--grad-compression", "fp16", "--batch-size", "8",
         "--epochs", "1", "--max-steps", "2", "--lr", "1e-4", "--log", str(log), "--no-progress",
@@ -110,23 +97,20 @@ def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
     assert summary["wire_bytes"] * 2 == summary["raw_bytes"]  # fp16 halves every float32 gradient
 
 
-def _in_process(argv: list[str]) -> None:
-    """Run the NLP job's loop as one in-process rank (no process spawned)."""
+def _in_process(cli: str, job_cls, argv: list[str]) -> None:
+    """Run a job's loop as one in-process rank (no process spawned)."""
     import time
 
     import torch.distributed as dist
 
     from dgpipe.pipeline import free_port
     from dgpipe.train import loop
-    from dgpipe.train.nlp import GlueJob
 
-    args = _cli("test_nlp_dgpipe").build_parser().parse_args(argv)
-    targs.validate_common(args, environ={})
-    GlueJob.check(args)
+    args = loop.parse_args(job_cls, load_cli(cli).build_parser(), argv, environ={})
     args.launch_time = time.time()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        loop.worker(0, 1, GlueJob, args, 0)
+        loop.worker(0, 1, job_cls, args, 0)
     finally:
         dist.destroy_process_group()
 
@@ -144,26 +128,15 @@ def _leaves(state, prefix: str = "") -> list:
     return []
 
 
-@needs_rte
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("mode", [["--partition", "linear", "--stages", "3"],
-                                  ["--mode", "dataparallel", "--grad-compression", "topk",
-                                   "--grad-compression-opt", "ratio=0.1", "--grad-compression-opt", "error_feedback=true"]])
-def test_resume_continues_exactly(tmp_path, monkeypatch, mode):
+def _check_resume(tmp_path: Path, monkeypatch, cli: str, job_cls, common: list[str], steps: int) -> None:
     """Two epochs in one go == one epoch, a crash after its checkpoint, then --resume: same
-    weights, optimizer state (and error-feedback residuals) to the bit, and one log.
-
-    One in-process rank (``--world-size 1``: a linear pipeline then keeps its stages on
-    rank 0; dropout draws from the restored RNG)."""
+    weights, buffers and optimizer state (and error-feedback residuals) to the bit, and one
+    log. ``common``: the flags of all three runs (two epochs, one in-process rank)."""
     import torch
 
     from dgpipe.train import checkpoint
 
-    data = _tiny_rte(tmp_path / "glue", 24, 8)
-    common = ["--task", "rte", "--data-dir", str(data), "--model-config", "tiny-roberta", "--max-length", "32",
-              "--batch-size", "4", "--chunk", "2", "--epochs", "2", "--lr", "1e-3", "--world-size", "1",
-              "--no-progress", *mode]
-    _in_process([*common, "--save", str(tmp_path / "a")])
+    _in_process(cli, job_cls, [*common, "--save", str(tmp_path / "a")])
 
     real_meta = checkpoint.write_meta
 
@@ -173,17 +146,49 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, mode):
 
     monkeypatch.setattr(checkpoint, "write_meta", crash_after_meta)
     with pytest.raises(KeyboardInterrupt):
-        _in_process([*common, "--save", str(tmp_path / "b"), "--log", str(tmp_path / "b.jsonl")])
+        _in_process(cli, job_cls, [*common, "--save", str(tmp_path / "b"), "--log", str(tmp_path / "b.jsonl")])
     monkeypatch.setattr(checkpoint, "write_meta", real_meta)
     assert checkpoint.read_meta(tmp_path / "b")["epoch"] == 1
-    _in_process([*common, "--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b"),
-                 "--log", str(tmp_path / "b.jsonl")])
+    _in_process(cli, job_cls, [*common, "--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b"),
+                               "--log", str(tmp_path / "b.jsonl")])
 
     a, b = checkpoint.load_rank(tmp_path / "a", 0), checkpoint.load_rank(tmp_path / "b", 0)
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 12)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, steps)
     for part in ("engine", "optimizer"):
         flat_a, flat_b = _leaves(a[part]), _leaves(b[part])
         assert [k for k, _ in flat_a] == [k for k, _ in flat_b] and flat_a
         for (key, x), (_, y) in zip(flat_a, flat_b):
             assert torch.equal(x, y), key
     assert [r["event"] for r in read_records(tmp_path / "b.jsonl")] == ["epoch", "epoch", "summary"]
+
+
+@needs_rte
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", [["--partition", "linear", "--stages", "3"],
+                                  ["--mode", "dataparallel", "--grad-compression", "topk",
+                                   "--grad-compression-opt", "ratio=0.1", "--grad-compression-opt", "error_feedback=true"]])
+def test_resume_continues_exactly(tmp_path, monkeypatch, mode):
+    """NLP: a linear pipeline (its stages all on rank 0 with ``--world-size 1``) and the DDP
+    baseline with error feedback; dropout draws from the restored RNG."""
+    from dgpipe.train.nlp import GlueJob
+
+    data = _tiny_rte(tmp_path / "glue", 24, 8)
+    common = ["--task", "rte", "--data-dir", str(data), "--model-config", "tiny-roberta", "--max-length", "32",
+              "--batch-size", "4", "--chunk", "2", "--epochs", "2", "--lr", "1e-3", "--world-size", "1",
+              "--no-progress", *mode]
+    _check_resume(tmp_path, monkeypatch, "test_nlp_dgpipe", GlueJob, common, steps=12)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("workers", [0, 1])
+def test_vision_resume_continues_exactly(tmp_path, monkeypatch, workers):
+    """Vision: the random crops and flips of a resumed epoch are those of the uninterrupted
+    run, with the augmentation in this process or in a DataLoader worker kept alive across
+    epochs (BatchNorm statistics and SGD momentum in the compared state)."""
+    from dgpipe.train.vision import VisionJob
+
+    data = _image_folder(tmp_path / "images", {"train": 1, "test": 1})
+    common = ["--data-dir", str(data), "--width-mult", "0.25", "--batch-size", "4", "--chunk", "2", "--epochs", "2",
+              "--lr", "0.05", "--partition", "linear", "--stages", "2", "--world-size", "1",
+              "--num-workers", str(workers), "--no-progress"]
+    _check_resume(tmp_path, monkeypatch, "test_vision_dgpipe", VisionJob, common, steps=4)

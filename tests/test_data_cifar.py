@@ -21,6 +21,7 @@ from dgpipe.data.cifar import find_cifar, load_cifar, read_cifar_archive, read_c
 from dgpipe.data.imagefolder import load_image_folder
 from dgpipe.data.subset import choose_subset
 from dgpipe.data.transforms import CIFAR_STATS, ImageTransform, normalize, random_crop, random_hflip, resize
+from dgpipe.data.loading import batch_seed
 from dgpipe.data.vision import make_loader
 
 REAL_IMAGES = Path("/work/shared/data/cifar10-images")
@@ -347,3 +348,32 @@ def test_make_loader_on_image_folder(tmp_path):
     assert [len(g) for g in got] == [4, 4, 2] and torch.cat(got).tolist() == list(range(10))  # in order, kept
     shard = make_loader("cifar10", tmp_path, "train", batch_size=5, num_workers=0, rank=1, world_size=2)
     assert sum(len(lab) for _, lab in shard) == 10
+
+
+def test_training_batches_depend_only_on_seed_and_epoch(tmp_path):
+    """An epoch's order and augmentation are the same whether earlier epochs ran in this
+    loader (its worker process kept alive) or not, with or without workers -- what a
+    resumed run needs -- and are the documented function of (seed, epoch, batch index)."""
+    _image_folder(tmp_path, NAMES10, {"train": 2, "test": 1})
+
+    def epoch(loader, e):
+        loader.batch_sampler.set_epoch(e)
+        return list(loader)
+
+    running = make_loader("cifar10", tmp_path, "train", batch_size=8, seed=3, num_workers=1)
+    first, second = epoch(running, 0), epoch(running, 1)
+    for workers in (0, 1):
+        fresh = epoch(make_loader("cifar10", tmp_path, "train", batch_size=8, seed=3, num_workers=workers), 1)
+        assert len(fresh) == len(second) == 2
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(fresh, second))
+    assert not torch.equal(first[0][0], second[0][0])
+    # Independently: DistributedSampler's permutation seeded with seed + epoch, cut into
+    # batches; each batch transformed with a generator seeded with its batch seed.
+    dataset = running.dataset
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(3 + 1))
+    transform = ImageTransform(True, 32, *CIFAR_STATS["cifar10"])
+    for b, (images, labels) in enumerate(second):
+        idx = order[8 * b : 8 * (b + 1)]
+        assert torch.equal(labels, dataset.labels[idx])
+        want = transform(dataset.images[idx], torch.Generator().manual_seed(batch_seed(3, 1, 0, b)))
+        assert torch.equal(images, want)

@@ -1,18 +1,15 @@
 """BandwidthMeter: sums, derived fields, gathering across ranks, and exact wire bytes of a
 2-rank pipeline with sort-quantized boundaries."""
 
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.compression import available_codecs, get_codec
-from dgpipe.pipeline import Pipeline, spawn, split_layers
+from dgpipe.pipeline import Pipeline, split_layers
+from helpers import assert_ranks_ok, spawn_checks
 
 HAS_SORTQUANT = "sortquant" in available_codecs()
 
@@ -86,12 +83,15 @@ def check_sortquant_8bit_wire_bytes(rank):
     x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 3, (batch,), generator=g)
     for _ in range(steps):
         pipe.train_step(x, y)
-    merged = pipe.meter.gather(dst=0)
-    if rank != 0:
-        return
     micro = torch.randn(batch // chunks, 1024)  # activation and its gradient: float32[16, 1024]
     payload_bytes = get_codec(spec[0], **spec[1]).encode(micro).nbytes
     raw = micro.numel() * 4
+    # This rank's last step: it sent `chunks` payloads one way and received `chunks` the other.
+    last = pipe.last_step_totals
+    assert (last["raw_bytes"], last["wire_bytes"], last["recv_bytes"]) == (chunks * raw, *[chunks * payload_bytes] * 2)
+    merged = pipe.meter.gather(dst=0)
+    if rank != 0:
+        return
     recs = {r["direction"]: r for r in merged.records()}
     assert set(recs) == {"forward", "backward"}
     for direction, r in recs.items():
@@ -107,23 +107,9 @@ def check_sortquant_8bit_wire_bytes(rank):
 CHECKS = [check_gather_merges_ranks, check_empty_meter_gathers, check_sortquant_8bit_wire_bytes]
 
 
-def _worker(rank, world_size, out_dir):
-    torch.set_num_threads(1)
-    for check in CHECKS:
-        try:
-            check(rank)
-            result = "ok"
-        except BaseException:  # recorded for the test that owns this check
-            result = traceback.format_exc()
-        Path(out_dir, f"{check.__name__}.{rank}").write_text(result)
-        dist.barrier()
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("meter")
-    spawn(_worker, 2, args=(str(out),), timeout=60, start_method="fork")  # ranks inherit the imported torch
-    return out
+    return spawn_checks({c.__name__: c for c in CHECKS}, 2, tmp_path_factory.mktemp("meter"))
 
 
 @pytest.mark.parametrize(
@@ -138,6 +124,4 @@ def outcomes(tmp_path_factory):
     ],
 )
 def test_meter_across_ranks(outcomes, check):
-    for rank in range(2):
-        result = (outcomes / f"{check}.{rank}").read_text()
-        assert result == "ok", f"rank {rank}:\n{result}"
+    assert_ranks_ok(outcomes, check, 2)

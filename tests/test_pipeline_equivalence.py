@@ -12,17 +12,15 @@ its outcome to a file that the scenario's test reads.
 """
 
 import copy
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.compression import get_codec
-from dgpipe.pipeline import Pipeline, spawn, split_layers
+from dgpipe.pipeline import Pipeline, split_layers
+from helpers import assert_ranks_ok, spawn_checks
 
 RTOL, ATOL = 1e-5, 1e-6
 CHUNKS = 4
@@ -294,29 +292,12 @@ def _scenarios(world):
     }
 
 
-def _worker(rank, world_size, out_dir):
-    torch.set_num_threads(1)
-    for name, scenario in _scenarios(world_size).items():
-        try:
-            scenario(rank)
-            result = "ok"
-        except BaseException:  # recorded for the test that owns this scenario
-            result = traceback.format_exc()
-        Path(out_dir, f"{name}.{rank}").write_text(result)
-        dist.barrier()
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    dirs = {}
-    for world in (2, 3):
-        dirs[world] = tmp_path_factory.mktemp(f"world{world}")
-        spawn(_worker, world, args=(str(dirs[world]),), timeout=60, start_method="fork")
-    return dirs
+    return {world: spawn_checks(_scenarios(world), world, tmp_path_factory.mktemp(f"world{world}"))
+            for world in (2, 3)}
 
 
 @pytest.mark.parametrize("world, name", [(w, n) for w in (2, 3) for n in _scenarios(w)])
 def test_pipeline_matches_unsplit_model(outcomes, world, name):
-    for rank in range(world):
-        result = (outcomes[world] / f"{name}.{rank}").read_text()
-        assert result == "ok", f"rank {rank}:\n{result}"
+    assert_ranks_ok(outcomes[world], name, world)

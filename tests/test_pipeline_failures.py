@@ -39,24 +39,15 @@ def _pipeline(timeout, fail_at=0):
     return Pipeline([nn.Linear(4, 4), Boom(fail_at)], [0, 1], chunks=4, loss_fn=F.mse_loss, timeout=timeout)
 
 
-def _raise_in_step(rank, world_size):
+def _step(rank, world_size, fault):
+    """One training step in which rank 1 misbehaves: ``"raise"`` (its stage raises in the
+    middle of the step), ``"die"`` (exits at once) or ``"stall"`` (sleeps; the pipeline's
+    timeout is 2 s)."""
     torch.set_num_threads(1)
-    pipe = _pipeline(timeout=60, fail_at=3)
-    pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
-
-
-def _die(rank, world_size):
-    torch.set_num_threads(1)
-    pipe = _pipeline(timeout=60)
-    if rank == 1:
+    pipe = _pipeline(timeout=2 if fault == "stall" else 60, fail_at=3 if fault == "raise" else 0)
+    if rank == 1 and fault == "die":
         os._exit(3)
-    pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
-
-
-def _stall(rank, world_size):
-    torch.set_num_threads(1)
-    pipe = _pipeline(timeout=2)
-    if rank == 1:
+    if rank == 1 and fault == "stall":
         time.sleep(120)
     pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
 
@@ -64,7 +55,7 @@ def _stall(rank, world_size):
 def test_spawn_names_the_rank_that_raised():
     start = time.monotonic()
     with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: injected failure in call 3") as info:
-        spawn(_raise_in_step, 2, timeout=60, start_method="fork")
+        spawn(_step, 2, ("raise",), timeout=60, start_method="fork")
     assert info.value.rank == 1
     assert "Traceback" in info.value.text
     assert time.monotonic() - start < 30  # not the 60 s timeouts: the others were stopped at once
@@ -72,13 +63,13 @@ def test_spawn_names_the_rank_that_raised():
 
 def test_spawn_names_a_rank_that_died_without_an_exception():
     with pytest.raises(SpawnError, match=r"rank 1 failed: rank 1 died without a Python exception \(exit code 3\)"):
-        spawn(_die, 2, timeout=60, start_method="fork")
+        spawn(_step, 2, ("die",), timeout=60, start_method="fork")
 
 
 def test_stalled_peer_times_out_with_its_rank_named():
     start = time.monotonic()
     with pytest.raises(SpawnError, match=r"rank 0 failed: .*timed out after 2 s: rank 1 is stalled") as info:
-        spawn(_stall, 2, timeout=60, start_method="fork")
+        spawn(_step, 2, ("stall",), timeout=60, start_method="fork")
     assert info.value.rank == 0
     assert time.monotonic() - start < 30
 

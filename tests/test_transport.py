@@ -5,8 +5,6 @@ each rank writes its outcome per check to a file, and every test reads its own c
 """
 
 import time
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch.distributed as dist
 from dgpipe.comm.transport import MAGIC, Receiver, Sender, TransportError, recv_payload, send_payload
 from dgpipe.compression import Payload, get_codec
 from dgpipe.compression.base import make_payload
-from dgpipe.pipeline import spawn
+from helpers import assert_ranks_ok, spawn_checks
 
 
 def _tensors():
@@ -173,27 +171,13 @@ CHECKS = [
 ]
 
 
-def _worker(rank, world_size, out_dir):
-    torch.set_num_threads(1)
-    for check in CHECKS:
-        try:
-            check(rank)
-            result = "ok"
-        except BaseException:  # recorded for the test that owns this check
-            result = traceback.format_exc()
-        Path(out_dir, f"{check.__name__}.{rank}").write_text(result)
-        dist.barrier() if check is not CHECKS[-1] else None
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("transport")
-    spawn(_worker, 2, args=(str(out),), timeout=60, start_method="fork")  # ranks inherit the imported torch
-    return out
+    # No barrier after the last check: its timed-out gloo pair is closed.
+    return spawn_checks({c.__name__: c for c in CHECKS}, 2, tmp_path_factory.mktemp("transport"),
+                        barrier_after_last=False)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
 def test_transport(outcomes, check):
-    for rank in range(2):
-        result = (outcomes / f"{check}.{rank}").read_text()
-        assert result == "ok", f"rank {rank}:\n{result}"
+    assert_ranks_ok(outcomes, check, 2)

@@ -95,6 +95,9 @@ class MeteredHook:
             m.record_recv(METER_NAME, direction, **recv)
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Exchange one DDP bucket (DDP's comm-hook contract): returns a future of the
+        flat gradient buffer averaged over the ranks (``bucket.buffer()``'s shape and
+        dtype), recording the traffic in ``meter`` and ``step_meter``."""
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:

@@ -13,20 +13,9 @@ import torch
 
 from .base import Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .gradbase import SeededCodec, check_gradient
+from .lowrank import matrix_view_shape
 
-__all__ = ["Atomo", "atomo_probabilities", "matrix_view_shape"]
-
-
-def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """2-D view ATOMO factorises: first dimension kept, the rest flattened.
-
-    ``()`` -> ``(1, 1)``; ``(n,)`` -> ``(n, 1)``; ``(a, b, c, ...)`` -> ``(a, b*c*...)``.
-    """
-    rows = shape[0] if shape else 1
-    numel = 1
-    for d in shape:
-        numel *= d
-    return rows, (numel // rows if rows else 0)
+__all__ = ["Atomo", "atomo_probabilities"]
 
 
 def atomo_probabilities(weights: torch.Tensor, budget: int) -> torch.Tensor:
@@ -72,7 +61,7 @@ class Atomo(SeededCodec):
         budget: expected atoms ``s >= 1`` per tensor.
         seed: seed of the sampling (see :class:`~.gradbase.SeededCodec`).
 
-    Input: floating tensor, any shape (factorised as :func:`matrix_view_shape`, ``m x n``),
+    Input: floating tensor, any shape (factorised as :func:`~.lowrank.matrix_view_shape`, ``m x n``),
     CPU or CUDA; inf/NaN raise ``ValueError``. Output: same shape, dtype and device.
     The SVD runs in float32.
 

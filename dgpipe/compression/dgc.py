@@ -14,22 +14,14 @@ import math
 
 import torch
 
-from .base import Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, unpack_bits
+from .base import Payload, register_codec
 from .gradbase import SeededCodec, check_gradient
+from .sparsify import decode_sparse, sparse_payload
 
-__all__ = ["DGC", "index_bits"]
+__all__ = ["DGC"]
 
 MIN_SAMPLE_HITS = 32
 """The threshold sample is large enough to hold this many values above it on average."""
-
-
-def index_bits(n: int) -> int:
-    """Bits of one index into ``n`` values: ``max(1, ceil(log2(n)))``; ``ValueError`` over 32."""
-    bits = max(1, (n - 1).bit_length())
-    if bits > 32:
-        raise ValueError(f"dgc: {n} values need {bits}-bit indices; at most 2**32 values per tensor are supported")
-    return bits
 
 
 @register_codec("dgc", 11)
@@ -44,7 +36,8 @@ class DGC(SeededCodec):
         sent = the k = ceil(density * n) entries of v largest in magnitude
         v[sent] = 0; u[sent] = 0      # momentum-factor masking
 
-    and sends ``v[sent]`` with its indices. With ``momentum = 0`` it is plain
+    and sends ``v[sent]`` with its indices (the ``topk`` wire format,
+    :func:`~.sparsify.sparse_payload`). With ``momentum = 0`` it is plain
     sparsification with local accumulation. When ``momentum > 0`` the momentum is
     applied here, so the optimizer must run **without** momentum (as in the paper).
 
@@ -180,7 +173,6 @@ class DGC(SeededCodec):
             self._v.add_(self._u)
         else:
             self._v.add_(g)
-        bits = index_bits(n)
         if n == 0:
             idx = torch.zeros(0, dtype=torch.int64, device=g.device)
         else:
@@ -189,21 +181,10 @@ class DGC(SeededCodec):
         self._v[idx] = 0
         if self._u is not None:
             self._u[idx] = 0
-        packed = pack_bits(idx, bits, check=False)
-        return make_payload(self.codec_id, x.dtype, x.shape, (idx.numel(), bits), (values, packed))
+        return sparse_payload(self.codec_id, x, idx, values)
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        h = self.parse(payload)
-        n = h.numel
-        k, bits = check_params(h, ("k", 0, n), ("index_bits", index_bits(n), index_bits(n)))
-        check_tensor_specs(h, ("values", h.dtype, k), ("indices", torch.uint8, math.ceil(k * bits / 8)))
-        values, packed = payload.tensors
-        idx = unpack_bits(packed, bits, k)
-        if k and int(idx.max()) >= n:
-            raise ValueError(f"corrupt payload: an index is >= {n}")
-        out = torch.zeros(n, dtype=h.dtype, device=values.device)
-        out[idx] = values
-        return out.view(h.shape)
+        return decode_sparse(self.parse(payload), payload)
 
     def state_dict(self) -> dict:
         """``{"step", "epoch", "u", "v"}``: counters and the float32 momentum/accumulator

@@ -20,25 +20,27 @@ rounding), whatever ``power_iters``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 
-__all__ = ["LowRank"]
+__all__ = ["LowRank", "matrix_view_shape"]
 
 SKETCH_SEED = 0x10F7
 """Seed of the Gaussian sketch ``G`` (encode is deterministic)."""
 
 
-def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """``(rows, cols)`` of the matrix view: first dimension kept; ``(1, 1)`` for a 0-d tensor."""
+def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, cols)`` of the 2-D view that ``lowrank`` and ``atomo`` factorise: the first
+    dimension kept, the rest flattened.
+
+    ``()`` -> ``(1, 1)``; ``(n,)`` -> ``(n, 1)``; ``(a, b, c, ...)`` -> ``(a, b*c*...)``.
+    """
     if not shape:
         return 1, 1
-    n0 = shape[0]
-    rest = 1
-    for d in shape[1:]:
-        rest *= d
-    return n0, rest
+    return shape[0], math.prod(shape[1:])
 
 
 @register_codec("lowrank", 7)
@@ -71,7 +73,7 @@ class LowRank(Codec):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"lowrank codec needs a floating tensor (float32/float16/bfloat16/float64), got {got}")
-        n0, m = _matrix_shape(tuple(x.shape))
+        n0, m = matrix_view_shape(tuple(x.shape))
         mat = x.detach().reshape(n0, m).to(torch.float32)
         if mat.numel() and not bool(torch.isfinite(mat).all()):
             raise ValueError(
@@ -89,7 +91,7 @@ class LowRank(Codec):
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
-        n0, m = _matrix_shape(h.shape)
+        n0, m = matrix_view_shape(h.shape)
         (r,) = check_params(h, ("rank", 0, min(n0, m)))
         check_tensor_specs(h, ("P", torch.float32, n0 * r), ("Q", torch.float32, m * r))
         p, q = payload.tensors

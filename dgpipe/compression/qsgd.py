@@ -77,7 +77,8 @@ class QSGD(SeededCodec):
         rows = torch.nn.functional.pad(flat, (0, n_buckets * width - n)).view(n_buckets, width)
         mag = rows.abs()
         norms = mag.amax(dim=1) if self.norm == "max" else torch.linalg.vector_norm(rows, dim=1)
-        scaled = mag * (s / torch.where(norms > 0, norms, torch.ones_like(norms))).unsqueeze(1)
+        # |x| / N first (in [0, 1]), then times s: s / N overflows to inf for a subnormal N.
+        scaled = mag / torch.where(norms > 0, norms, torch.ones_like(norms)).unsqueeze(1) * s
         low = scaled.floor()
         noise = torch.rand(scaled.shape, generator=self._next_generator(flat.device), device=flat.device)
         level = (low + (noise < scaled - low).float()).clamp_(max=s).reshape(-1)[:n]

@@ -22,11 +22,11 @@ import math
 
 import torch
 
-from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from .base import Codec, Header, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import index_bits, pack_bits, packed_nbytes, unpack_bits
 from .gradbase import SeededCodec, mix_seed
 
-__all__ = ["TopK", "RandomK", "kept_count", "random_positions"]
+__all__ = ["TopK", "RandomK", "kept_count", "random_positions", "sparse_payload", "decode_sparse"]
 
 
 def _check_ratio(name: str, ratio: float) -> float:
@@ -63,6 +63,46 @@ def random_positions(seed: int, step: int, n: int, k: int, device: torch.device 
     return (start + torch.minimum(offset, size - 1)).to(device)
 
 
+def sparse_payload(codec_id: int, x: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> Payload:
+    """The payload of ``values`` kept at flat positions ``idx`` of ``x`` (``topk``, ``dgc``).
+
+    Args:
+        codec_id: the sending codec's id.
+        x: the encoded tensor (its shape and dtype go in the header).
+        idx: int64 ``(k,)`` distinct positions in ``[0, x.numel())``.
+        values: ``(k,)`` in ``x.dtype``, the values at ``idx``.
+
+    Header parameters ``(k, b)`` with ``b = index_bits(n)``; tensors ``(values, positions
+    bit-packed at b bits)``, ``k * itemsize + ceil(k * b / 8)`` bytes.
+    """
+    bits = index_bits(x.numel())
+    packed = pack_bits(idx, bits, check=False)
+    return make_payload(codec_id, x.dtype, x.shape, (idx.numel(), bits), (values, packed))
+
+
+def decode_sparse(header: Header, payload: Payload) -> torch.Tensor:
+    """Decode a :func:`sparse_payload`: zeros of ``header``'s shape and dtype, ``values`` at the positions.
+
+    Args:
+        header: ``payload``'s parsed header (:meth:`Codec.parse`).
+        payload: tensors ``(values, packed positions)``.
+
+    Raises:
+        ValueError: parameters or tensors that do not fit the header, or a position ``>= n``.
+    """
+    n = header.numel
+    bits = index_bits(n)
+    k, _ = check_params(header, ("k", 0, n), ("index_bits", bits, bits))
+    check_tensor_specs(header, ("values", header.dtype, k), ("indices", torch.uint8, packed_nbytes(k, bits)))
+    values, packed = payload.tensors
+    idx = unpack_bits(packed, bits, k)
+    if k and int(idx.max()) >= n:
+        raise ValueError(f"corrupt payload: field 'tensors[1]' (indices) holds a position >= {n}")
+    out = torch.zeros(n, dtype=header.dtype, device=values.device)
+    out[idx] = values
+    return out.view(header.shape)
+
+
 @register_codec("topk", 5)
 class TopK(Codec):
     """Keep the ``k = max(1, ceil(ratio * n))`` values of largest magnitude, with their positions.
@@ -86,23 +126,10 @@ class TopK(Codec):
         k = kept_count(n, self.ratio)
         idx = torch.topk(flat.abs(), k, sorted=False).indices if k else torch.zeros(0, dtype=torch.int64)
         idx = idx.to(flat.device)
-        bits = index_bits(n)
-        values = flat.index_select(0, idx)
-        return make_payload(self.codec_id, x.dtype, x.shape, (k, bits), (values, pack_bits(idx, bits, check=False)))
+        return sparse_payload(self.codec_id, x, idx, flat.index_select(0, idx))
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        h = self.parse(payload)
-        n = h.numel
-        bits = index_bits(n)
-        k, _ = check_params(h, ("k", 0, n), ("index_bits", bits, bits))
-        check_tensor_specs(h, ("values", h.dtype, k), ("indices", torch.uint8, packed_nbytes(k, bits)))
-        values, packed = payload.tensors
-        idx = unpack_bits(packed, bits, k)
-        if k and int(idx.max()) >= n:
-            raise ValueError(f"corrupt payload: field 'tensors[1]' (indices) holds a position >= {n}")
-        out = torch.zeros(n, dtype=h.dtype, device=values.device)
-        out[idx] = values
-        return out.view(h.shape)
+        return decode_sparse(self.parse(payload), payload)
 
 
 @register_codec("randomk", 6)

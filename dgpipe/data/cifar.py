@@ -46,29 +46,28 @@ class CifarSpec:
     """Where and how one CIFAR variant is stored (official names and md5 sums)."""
 
     title: str
-    archive: str
-    archive_md5: str
-    folder: str
-    splits: dict  # split -> batch file names
-    meta: str
-    names_key: bytes
-    labels_key: bytes
-    md5: dict  # batch or meta file name -> official md5
-    images_folder: str
     num_classes: int
-    url: str
+    archive: str  # the official python tarball, downloaded from ``url``
+    archive_md5: str
+    folder: str  # the tarball's top folder
+    splits: dict  # split -> batch file names
+    meta: str  # meta file name
+    names_key: bytes  # class names in the meta file
+    labels_key: bytes  # labels in a batch file
+    md5: dict  # batch or meta file name -> official md5
+    images_folder: str  # name of an image-folder copy (``shared/data/cifar10-images``)
+    url: str = ""  # default: BASE_URL + archive
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            object.__setattr__(self, "url", BASE_URL + self.archive)
 
 
 CIFAR = {
     "cifar10": CifarSpec(
-        title="CIFAR-10",
-        archive="cifar-10-python.tar.gz",
-        archive_md5="c58f30108f718f92721af3b95e74349a",
-        folder="cifar-10-batches-py",
+        "CIFAR-10", 10, "cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a", "cifar-10-batches-py",
         splits={"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]},
-        meta="batches.meta",
-        names_key=b"label_names",
-        labels_key=b"labels",
+        meta="batches.meta", names_key=b"label_names", labels_key=b"labels",
         md5={
             "data_batch_1": "c99cafc152244af753f735de768cd75f",
             "data_batch_2": "d4bba439e000b95fd0a9bffe97cbabec",
@@ -79,26 +78,17 @@ CIFAR = {
             "batches.meta": "5ff9c542aee3614f3951f8cda6e48888",
         },
         images_folder="cifar10-images",
-        num_classes=10,
-        url=BASE_URL + "cifar-10-python.tar.gz",
     ),
     "cifar100": CifarSpec(
-        title="CIFAR-100",
-        archive="cifar-100-python.tar.gz",
-        archive_md5="eb9058c3a382ffc7106e4002c42a8d85",
-        folder="cifar-100-python",
+        "CIFAR-100", 100, "cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85", "cifar-100-python",
         splits={"train": ["train"], "test": ["test"]},
-        meta="meta",
-        names_key=b"fine_label_names",
-        labels_key=b"fine_labels",
+        meta="meta", names_key=b"fine_label_names", labels_key=b"fine_labels",
         md5={
             "train": "16019d7e3df5f24257cddd939b257f8d",
             "test": "f0ef6b0ae62326f3e7ffdfab6717acfc",
             "meta": "7973b15100ade9c7d40fb424638fde48",
         },
         images_folder="cifar100-images",
-        num_classes=100,
-        url=BASE_URL + "cifar-100-python.tar.gz",
     ),
 }
 

@@ -56,6 +56,7 @@ class GlueTask:
 
     @property
     def is_regression(self) -> bool:
+        """True for a regression task (STS-B: a float score in [0, 5], no class labels)."""
         return self.tsv_labels is None
 
     @property
@@ -321,13 +322,5 @@ def make_glue_loader(
     examples = load_glue(task, data_dir, split, subset, seed)
     dataset = TokenizedDataset(tokenize_glue(examples, tokenizer, max_length))
     train = _split_file(glue_task(task), split)[0] == "train"
-    return make_dataloader(
-        dataset,
-        batch_size,
-        shuffle=train,
-        seed=seed,
-        drop_last=train if drop_last is None else drop_last,
-        num_workers=num_workers,
-        rank=rank,
-        world_size=world_size,
-    )
+    return make_dataloader(dataset, batch_size, shuffle=train, seed=seed, drop_last=drop_last, num_workers=num_workers,
+                           rank=rank, world_size=world_size)

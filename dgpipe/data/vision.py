@@ -1,5 +1,11 @@
 """Image classification batches for training: a Dataset over a decoded uint8 array and
-a DataLoader that augments whole batches inside its worker processes."""
+a DataLoader that augments whole batches inside its worker processes.
+
+A training batch's augmentation draws from a generator seeded with its batch seed
+(:func:`~dgpipe.data.loading.batch_seed` of seed, epoch, rank and batch index), which
+travels with the indices from the loader's sampler to the dataset items and on to the
+collate function -- so it is the same in any worker process and after a resume.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import os
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 
 from .cifar import cifar_key, load_cifar
 from .loading import make_dataloader
@@ -22,7 +28,9 @@ class ImageArrayDataset(Dataset):
         labels: int64 ``(N,)``.
         classes: class names, ``labels`` index into them.
 
-    Items are ``(uint8 tensor (H, W, 3), int64 label)``; the loader's collate function turns
+    Items are ``(uint8 tensor (H, W, 3), int64 label)``; read with an ``(index, seed)`` pair
+    (:class:`~dgpipe.data.loading.EpochBatchSampler` with ``batch_seeds``) they are
+    ``(image, label, seed)``. The loader's collate function (:class:`AugmentCollate`) turns
     a batch into float32 ``(B, 3, S, S)`` with :class:`~dgpipe.data.transforms.ImageTransform`.
     """
 
@@ -37,33 +45,30 @@ class ImageArrayDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int | tuple[int, int]) -> tuple:
+        if isinstance(index, tuple):
+            index, seed = index
+            return self.images[index], self.labels[index], seed
         return self.images[index], self.labels[index]
 
 
 class AugmentCollate:
     """Collate function: stack uint8 images and labels, then apply ``transform`` to the batch.
 
-    Returns ``(float32 (B, 3, S, S), int64 (B,))``. Picklable, so it runs in the workers.
-    Randomness: inside a DataLoader worker, torch's global generator (which the loader
-    seeds differently per worker from its own generator); in the main process
-    (``num_workers=0``), a generator of its own seeded with ``seed``. Either way the
-    augmentation is reproducible.
+    Items ``(image uint8 (H, W, 3), label int64[, seed int])``; returns ``(float32
+    (B, 3, S, S), int64 (B,))``. Stateless and picklable, so it runs in the workers.
+    Randomness: a generator seeded with the items' seed (the batch seed, equal for all
+    items of a batch), so a batch's augmentation depends on nothing but that seed;
+    items without a seed draw from torch's global generator.
     """
 
-    def __init__(self, transform: ImageTransform, seed: int = 0) -> None:
+    def __init__(self, transform: ImageTransform) -> None:
         self.transform = transform
-        self.seed = seed
-        self._generator: torch.Generator | None = None
 
-    def __call__(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        images = torch.stack([image for image, _ in items])
-        labels = torch.stack([label for _, label in items])
-        generator = None
-        if get_worker_info() is None:
-            if self._generator is None:
-                self._generator = torch.Generator().manual_seed(self.seed)
-            generator = self._generator
+    def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.stack([item[0] for item in items])
+        labels = torch.stack([item[1] for item in items])
+        generator = torch.Generator().manual_seed(items[0][2]) if len(items[0]) > 2 else None
         return self.transform(images, generator), labels
 
 
@@ -97,9 +102,10 @@ def make_loader(
             needs batches divisible by its micro-batch count).
         rank, world_size: data parallelism, see :func:`~dgpipe.data.loading.make_dataloader`.
 
-    The training order is shuffled by a generator seeded with ``seed`` (so it does not depend
-    on the model's initialisation), and each worker's augmentation RNG derives from it.
-    ``loader.dataset.classes`` holds the class names.
+    The training order and the augmentation of every batch are functions of ``seed``, the
+    epoch (``loader.batch_sampler.set_epoch(epoch)``), ``rank`` and the batch index only
+    (see :mod:`dgpipe.data.loading`), not of the model's initialisation or of the worker
+    processes. ``loader.dataset.classes`` holds the class names.
 
     Raises:
         FileNotFoundError / ValueError: as ``load_cifar``; ``batch_size < 1``.
@@ -108,14 +114,6 @@ def make_loader(
     dataset = ImageArrayDataset(*load_cifar(name, data_dir, split, subset, seed, cache_dir, download))
     mean, std = CIFAR_STATS[cifar_key(name)]
     transform = ImageTransform(train if augment is None else augment, image_size, mean, std)
-    return make_dataloader(
-        dataset,
-        batch_size,
-        shuffle=train,
-        seed=seed,
-        drop_last=train if drop_last is None else drop_last,
-        num_workers=num_workers,
-        collate_fn=AugmentCollate(transform, seed),
-        rank=rank,
-        world_size=world_size,
-    )
+    return make_dataloader(dataset, batch_size, shuffle=train, seed=seed, drop_last=drop_last, num_workers=num_workers,
+                           collate_fn=AugmentCollate(transform), rank=rank, world_size=world_size,
+                           batch_seeds=transform.train)

@@ -8,8 +8,9 @@ Modules (one idea each):
 - :mod:`.job` -- the :class:`~.job.Job` interface; :mod:`.vision` (MobileNetV2 on
   CIFAR) and :mod:`.nlp` (encoders on GLUE) implement it.
 - :mod:`.engine` -- one rank's training step: the compressed pipeline or DDP.
-- :mod:`.loop` -- :func:`~.loop.run`: launch (local spawn or torchrun), epochs,
-  evaluation, logs, checkpoints.
+- :mod:`.loop` -- :func:`~.loop.main` (a main-job CLI's body: parse, validate, run) and
+  :func:`~.loop.run`: launch (local spawn or torchrun), epochs, evaluation, logs,
+  checkpoints.
 - :mod:`.runlog` -- JSON-lines records and their readable form; :mod:`.checkpoint`;
   :mod:`.metrics` (GLUE/CIFAR metrics).
 """

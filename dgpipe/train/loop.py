@@ -1,8 +1,9 @@
 """The training loop shared by the main jobs: launch, epochs, evaluation, logs, checkpoints.
 
-:func:`run` starts the ranks -- in this process under ``torchrun`` (its environment
-variables are set), else ``--world-size`` local processes through
-:func:`dgpipe.pipeline.spawn` -- and each rank runs :func:`worker`:
+:func:`main` is a main-job CLI's body (parse, validate, :func:`run`). :func:`run` starts
+the ranks -- in this process under ``torchrun`` (its environment variables are set), else
+``--world-size`` local processes through :func:`dgpipe.pipeline.spawn` -- and each rank
+runs :func:`worker`:
 
 1. seed torch, build the job's layers (identical on every rank) and its engine
    (:mod:`dgpipe.train.engine`: the compressed pipeline or the DDP baseline);
@@ -13,34 +14,71 @@ variables are set), else ``--world-size`` local processes through
    file with ``--save``;
 3. rank 0 writes the ``summary`` record and prints it.
 
-The data order of an epoch depends only on ``--seed`` and the epoch, so a resumed run
-(``--resume``) sees the same batches as an uninterrupted one.
+The batches of an epoch -- order and augmentation -- depend only on ``--seed`` and the
+epoch (:mod:`dgpipe.data.loading`), and the checkpoint holds the torch RNG state (dropout),
+so a resumed run (``--resume``) trains exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from dgpipe.comm import wire_device
-from dgpipe.pipeline import init_distributed, spawn
+from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from . import checkpoint, runlog
-from .args import dist_env, rank_device, resolve_backend
+from .args import dist_env, rank_device, resolve_backend, validate_common
 from .engine import make_engine
 from .job import Job
 
-__all__ = ["run", "worker", "json_args"]
+__all__ = ["main", "parse_args", "run", "worker", "json_args"]
 
 #: Meter directions that are evaluation traffic (not counted in the summary's bytes).
 EVAL_DIRECTIONS = ("eval",)
+
+
+def parse_args(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+               environ: dict | None = None) -> argparse.Namespace:
+    """Parse ``argv`` with the job's ``parser`` and validate it (:func:`~.args.validate_common`,
+    ``job_cls.check``; ``environ``: the torchrun variables, default ``os.environ``).
+
+    Raises:
+        SystemExit: status 2 through ``parser.error``, with the message of the first
+            problem found -- before any process starts.
+    """
+    args = parser.parse_args(argv)
+    try:
+        validate_common(args, environ)
+        job_cls.check(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def main(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """A main-job CLI: :func:`parse_args`, then :func:`run`.
+
+    Returns:
+        the exit status: 0, or 1 when a rank failed (the error is printed on stderr).
+    Raises:
+        SystemExit: status 2 for bad flags (see :func:`parse_args`).
+    """
+    args = parse_args(job_cls, parser, argv)
+    try:
+        run(job_cls, args)
+    except SpawnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run(job_cls: type[Job], args: argparse.Namespace) -> None:
@@ -97,14 +135,15 @@ def _broadcast(values: list[float], src: int) -> list[float]:
     return buf.tolist()
 
 
-def _start_epoch(loader: DataLoader | None, seed: int, epoch: int) -> None:
-    """Make the epoch's order (and augmentation draws) a function of ``(seed, epoch)``."""
+def _start_epoch(loader: DataLoader | None, epoch: int) -> None:
+    """Select the epoch's batches: order and augmentation draws are a function of the
+    loader's seed and ``epoch`` (:class:`dgpipe.data.EpochBatchSampler`, or a
+    ``DistributedSampler`` in a job's own loader)."""
     if loader is None:
         return
-    if loader.generator is not None:
-        loader.generator.manual_seed(seed * 1_000_003 + epoch)
-    if isinstance(loader.sampler, DistributedSampler):
-        loader.sampler.set_epoch(epoch)
+    for part in (loader.batch_sampler, loader.sampler):
+        if hasattr(part, "set_epoch"):
+            part.set_epoch(epoch)
 
 
 def _boundaries(meter) -> list[dict[str, Any]]:
@@ -206,7 +245,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
             break
         engine.meter.reset()
         engine.set_epoch(epoch)
-        _start_epoch(train_loader, args.seed, epoch)
+        _start_epoch(train_loader, epoch)
         n = min(steps_per_epoch, total_steps - step)
         loss_sum, seconds = _train_epoch(engine, optimizer, scheduler, train_loader, n, args.batch_size,
                                          f"epoch {epoch + 1}/{args.epochs}", lead and args.progress)

@@ -1,0 +1,68 @@
+"""Helpers shared by the test modules (no ``test_`` prefix: pytest does not collect it).
+
+- :func:`load_cli`: import a script of the repository root (a main-job CLI) by path.
+- :func:`spawn_checks` / :func:`assert_ranks_ok`: run named checks on every rank of one
+  spawned gloo world (one process-group start for a whole module), each rank writing
+  its outcome per check to a file, and let every test read the outcome of its own check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+from dgpipe.pipeline import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_cli(name: str) -> ModuleType:
+    """Import the repository-root script ``<name>.py`` as the module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_checks(rank: int, world_size: int, checks: Mapping[str, Callable[[int], None]], out_dir: str,
+                barrier_after_last: bool) -> None:
+    """Rank body: every check in order, its outcome ("ok" or the traceback) to ``<name>.<rank>``."""
+    torch.set_num_threads(1)
+    last = list(checks)[-1]
+    for name, check in checks.items():
+        try:
+            check(rank)
+            result = "ok"
+        except BaseException:  # recorded for the test that owns this check
+            result = traceback.format_exc()
+        Path(out_dir, f"{name}.{rank}").write_text(result)
+        if name != last or barrier_after_last:
+            dist.barrier()
+
+
+def spawn_checks(checks: Mapping[str, Callable[[int], None]], world_size: int, out_dir: str | Path,
+                 barrier_after_last: bool = True) -> Path:
+    """Run ``check(rank)`` of every named check on each rank of a ``world_size`` gloo world.
+
+    The ranks are forked (they inherit the imported torch and the checks, which need not
+    be picklable); a barrier follows every check (not the last one without
+    ``barrier_after_last``: e.g. after a check that leaves the group timed out).
+    Returns ``out_dir`` for :func:`assert_ranks_ok`.
+    """
+    spawn(_run_checks, world_size, args=(checks, str(out_dir), barrier_after_last), timeout=60, start_method="fork")
+    return Path(out_dir)
+
+
+def assert_ranks_ok(out_dir: Path, name: str, world_size: int) -> None:
+    """Fail with the rank's traceback unless check ``name`` passed on every rank."""
+    for rank in range(world_size):
+        result = (out_dir / f"{name}.{rank}").read_text()
+        assert result == "ok", f"rank {rank}:\n{result}"

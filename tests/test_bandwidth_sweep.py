@@ -1,0 +1,156 @@
+"""The compression sweep's table (dgpipe/train/sweep.py) from synthetic run logs, its argument
+handling (nothing is spawned), and the ideal model of benchmarks/slow_link_speedup.py."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from dgpipe.train import args as targs
+from dgpipe.train.runlog import boundary_record, epoch_record, summary_record
+from dgpipe.train.sweep import SETTINGS, add_sweep_flags, format_table, prepare_runs, table_rows
+from dgpipe.train.vision import VisionJob
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _log(samples_per_s: float, epochs: list[list[tuple]]) -> list[dict]:
+    """Records of a run: one epoch record per list of (name, direction, raw, wire, recv s), then a summary."""
+    recs = [epoch_record(i + 1, 1.0, {"val_acc": 0.5}, 999.0,
+                         [boundary_record(n, d, raw, wire, wire, secs) for n, d, raw, wire, secs in bounds])
+            for i, bounds in enumerate(epochs)]
+    recs.append(summary_record("val_acc", 0.5, samples_per_s, 0, 0, 1.0, {}))
+    return recs
+
+
+A, B = "stage0->stage1", "stage1->stage2"
+RECORDS = {
+    "none": _log(40.0, [[(A, "forward", 1000, 1010, 0.5), (A, "backward", 1000, 1010, 0.25),
+                         (A, "eval", 500, 505, 9.0)],
+                        [(A, "forward", 1000, 1010, 1.5), (A, "backward", 1000, 1010, 0.75)]]),
+    "sortquant8": _log(120.0, [[(B, "forward", 400, 100, 0.0), (A, "forward", 2000, 510, 0.5)]]),
+}
+
+
+def test_rows_sum_epochs_per_boundary_and_leave_out_eval():
+    rows = table_rows(RECORDS)
+    assert [(r["setting"], r["boundary"], r["direction"]) for r in rows] == [
+        ("none", A, "backward"), ("none", A, "forward"), ("sortquant8", A, "forward"), ("sortquant8", B, "forward")]
+    fwd = rows[1]
+    assert (fwd["raw_bytes"], fwd["wire_bytes"], fwd["recv_bytes"]) == (2000, 2020, 2020)
+    assert fwd["recv_seconds"] == pytest.approx(2.0)
+    assert fwd["ratio"] == pytest.approx(1.01)
+    assert fwd["recv_bytes_per_s"] == pytest.approx(1010.0)
+    assert fwd["samples_per_s"] == 40.0  # the summary's, not an epoch's
+    assert rows[3]["recv_bytes_per_s"] is None  # no receive time measured
+    assert rows[2]["ratio"] == pytest.approx(0.255)
+
+
+def test_rows_per_setting_total_all_boundaries():
+    rows = table_rows(RECORDS, per_boundary=False)
+    assert [(r["setting"], r["boundary"], r["direction"]) for r in rows] == [("none", "all", "all"),
+                                                                              ("sortquant8", "all", "all")]
+    assert (rows[0]["raw_bytes"], rows[0]["wire_bytes"]) == (4000, 4040)
+    assert rows[0]["recv_bytes_per_s"] == pytest.approx(4040 / 3.0)
+    assert (rows[1]["raw_bytes"], rows[1]["wire_bytes"], rows[1]["ratio"]) == (2400, 610, pytest.approx(610 / 2400))
+    assert rows[1]["samples_per_s"] == 120.0
+
+
+def test_unfinished_run_is_an_error():
+    with pytest.raises(ValueError, match="sortquant8.*no summary"):
+        table_rows({"sortquant8": RECORDS["sortquant8"][:-1]})
+
+
+def test_format_table_shows_exact_bytes_and_dashes():
+    lines = format_table(table_rows(RECORDS)).splitlines()
+    assert lines[0].split() == ["setting", "boundary", "direction", "raw", "bytes", "wire", "bytes", "wire/raw",
+                                "recv", "s", "recv", "MB/s", "samples/s"]
+    assert lines[2].split() == ["none", A, "forward", "2000", "2020", "1.0100", "2.000", "0.001", "40.0"]
+    assert lines[4].split() == ["sortquant8", B, "forward", "400", "100", "0.2500", "0.000", "-", "120.0"]
+    assert len(lines) == 5 and len({len(line) for line in lines}) == 1  # fixed width
+
+
+@pytest.fixture()
+def vision_parser(tmp_path, monkeypatch):
+    """The vision CLI's parser with the sweep flags, and a CIFAR-10-shaped folder (20 train images)."""
+    from PIL import Image
+
+    for var in targs.TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for split, count in (("train", 2), ("test", 1)):
+        for c in range(10):
+            (tmp_path / split / f"c{c}").mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (32, 32), (c * 20, i * 50, 0)).save(tmp_path / split / f"c{c}" / f"{i}.png")
+    cli = _load("test_vision_dgpipe", ROOT / "test_vision_dgpipe.py")
+    return add_sweep_flags(cli.build_parser(), steps=2), tmp_path
+
+
+def test_prepare_runs_one_codec_and_log_per_setting(vision_parser):
+    parser, data = vision_parser
+    argv = ["--data-dir", str(data), "--batch-size", "4", "--chunk", "2", "--settings", "sortquant8,none"]
+    base, runs = prepare_runs(parser, VisionJob, argv, data / "logs")
+    assert [label for label, _ in runs] == ["sortquant8", "none"]
+    for label, args in runs:
+        assert args.compression.forward == args.compression.backward == SETTINGS[label]
+        assert Path(args.log) == data / "logs" / f"{label}.jsonl"
+        assert (args.max_steps, args.train_subset, args.eval_subset, args.chunk) == (2, 8, 4, 2)
+        assert not args.bandwidth and not args.progress
+    assert runs[0][1].compression.forward.options == {"quant_bits": 6, "split_bits": 2}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--sortquant", "--quant", "6", "--split", "2"], "--sortquant, --quant, --split: the sweep sets"),
+    (["--log", "x.jsonl"], "--log: the sweep sets"),
+    (["--mode", "dataparallel"], "drop --mode dataparallel"),
+    (["--settings", "none,bogus"], "give distinct labels"),
+    (["--chunk", "3"], "not divisible by --chunk 3"),
+])
+def test_prepare_runs_rejects_flags_before_any_process(vision_parser, extra, message, capsys):
+    parser, data = vision_parser
+    with pytest.raises(SystemExit) as exc:
+        prepare_runs(parser, VisionJob, ["--data-dir", str(data), "--batch-size", "4", *extra], data / "logs")
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# -- the ideal model of benchmarks/slow_link_speedup.py -------------------------------------
+
+SPEEDUP = _load("slow_link_speedup", ROOT / "benchmarks" / "slow_link_speedup.py")
+
+
+def _flow_shop(times: list[float], jobs: int) -> float:
+    """Makespan of identical jobs through machines in order (unlimited buffers), by recurrence."""
+    done = [0.0] * len(times)
+    for _ in range(jobs):
+        for i, t in enumerate(times):
+            done[i] = max(done[i], done[i - 1] if i else 0.0) + t
+    return done[-1]
+
+
+@pytest.mark.parametrize("times", [[0.0, 3.0, 1.0, 2.0, 0.5], [0.0, 0.1, 0.2, 0.1, 0.3], [0.0, 1.0, 5.0, 1.0, 0.0]])
+@pytest.mark.parametrize("micro", [1, 4, 7])
+def test_phase_formula_is_the_flow_shop_makespan(times, micro):
+    # with the first client task free, the client's CPU is no shared resource: a plain flow shop
+    assert SPEEDUP.phase_seconds(*times, micro) == pytest.approx(_flow_shop(times, micro))
+
+
+def test_ideal_speedup_is_the_byte_ratio_on_a_link_bound_run():
+    comp = dict.fromkeys(SPEEDUP.PIECES, 0.0)
+    keys = (SPEEDUP.UP_FWD, SPEEDUP.DOWN_FWD, SPEEDUP.UP_BWD, SPEEDUP.DOWN_BWD)
+    raw = dict(zip(keys, (4000.0, 1000.0, 1000.0, 4000.0)))
+    eighth = {k: v / 8 for k, v in raw.items()}
+    t_raw = SPEEDUP.predict_step_seconds(comp, raw, 0.0, 1000.0, 4)
+    assert t_raw == pytest.approx(2 * (4 + 1 + 3 * 4))  # per phase: both transfers once, then 3 more big ones
+    assert t_raw / SPEEDUP.predict_step_seconds(comp, eighth, 0.0, 1000.0, 4) == pytest.approx(8.0)
+    assert SPEEDUP.predict_step_seconds(dict(comp, s=1.0, sb=2.0), raw, 0.0, math.inf, 4) == pytest.approx(12.0)
