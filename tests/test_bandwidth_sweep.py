@@ -7,19 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, load_cli
 
-from dgpipe.train import args as targs
 from dgpipe.train.runlog import boundary_record, epoch_record, summary_record
 from dgpipe.train.sweep import SETTINGS, add_sweep_flags, format_table, prepare_runs, table_rows
 from dgpipe.train.vision import VisionJob
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
+def _load_benchmark():
+    """benchmarks/slow_link_speedup.py as a module (importing it starts nothing)."""
+    spec = importlib.util.spec_from_file_location("slow_link_speedup", ROOT / "benchmarks" / "slow_link_speedup.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules["slow_link_speedup"] = module
     spec.loader.exec_module(module)
     return module
 
@@ -81,18 +80,16 @@ def test_format_table_shows_exact_bytes_and_dashes():
 
 
 @pytest.fixture()
-def vision_parser(tmp_path, monkeypatch):
+def vision_parser(tmp_path, no_torchrun):
     """The vision CLI's parser with the sweep flags, and a CIFAR-10-shaped folder (20 train images)."""
     from PIL import Image
 
-    for var in targs.TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
     for split, count in (("train", 2), ("test", 1)):
         for c in range(10):
             (tmp_path / split / f"c{c}").mkdir(parents=True)
             for i in range(count):
                 Image.new("RGB", (32, 32), (c * 20, i * 50, 0)).save(tmp_path / split / f"c{c}" / f"{i}.png")
-    cli = _load("test_vision_dgpipe", ROOT / "test_vision_dgpipe.py")
+    cli = load_cli("test_vision_dgpipe")
     return add_sweep_flags(cli.build_parser(), steps=2), tmp_path
 
 
@@ -126,7 +123,7 @@ def test_prepare_runs_rejects_flags_before_any_process(vision_parser, extra, mes
 
 # -- the ideal model of benchmarks/slow_link_speedup.py -------------------------------------
 
-SPEEDUP = _load("slow_link_speedup", ROOT / "benchmarks" / "slow_link_speedup.py")
+SPEEDUP = _load_benchmark()
 
 
 def _flow_shop(times: list[float], jobs: int) -> float:

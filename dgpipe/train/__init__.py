@@ -13,4 +13,6 @@ Modules (one idea each):
   checkpoints.
 - :mod:`.runlog` -- JSON-lines records and their readable form; :mod:`.checkpoint`;
   :mod:`.metrics` (GLUE/CIFAR metrics).
+- :mod:`.sweep` -- a main job run for a few steps under each boundary codec, one
+  traffic table (``bandwidth/test_cv_bandwidth.py``, ``bandwidth/test_nlp_bandwidth.py``).
 """

@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
-from .args import dist_env, resolve_backend, validate_common
+from .args import dist_env, resolve_backend
 from .codecs import BoundaryCompression, CodecSpec
 from .job import Job
-from .loop import EVAL_DIRECTIONS, worker
+from .loop import EVAL_DIRECTIONS, parse_args, worker
 from .runlog import read_records
 
 __all__ = ["SETTINGS", "add_sweep_flags", "prepare_runs", "table_rows", "format_table", "main"]
@@ -120,15 +120,8 @@ def prepare_runs(parser: argparse.ArgumentParser, job_cls: type[Job], argv: Sequ
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         parser.error(f"--keep-logs {base.keep_logs}: {e}")
-    if base.train_subset is None:
-        base.train_subset = base.batch_size * base.max_steps
-    if base.eval_subset is None:
-        base.eval_subset = base.batch_size
-    try:
-        validate_common(base)
-        job_cls.check(base)
-    except ValueError as e:
-        parser.error(str(e))
+    parser.set_defaults(train_subset=base.batch_size * base.max_steps, eval_subset=base.batch_size)
+    base = parse_args(job_cls, parser, argv)  # the main job's validation
     runs = []
     for label in labels:
         args = copy.copy(base)
