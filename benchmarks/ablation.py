@@ -55,7 +55,7 @@ DDP_SETTINGS: dict[str, list[str]] = {
     "ddp_onebit_ef": _DP + ["onebit", "--grad-compression-opt", "error_feedback=true"],
     "ddp_qsgd4": _DP + ["qsgd", "--grad-compression-opt", "levels=4"],
     "ddp_terngrad": _DP + ["terngrad"],
-    "ddp_dgc": _DP + ["dgc"],
+    "ddp_dgc": _DP + ["dgc", "--grad-compression-opt", "warmup_epochs=2"],
     "ddp_atomo4": _DP + ["atomo", "--grad-compression-opt", "budget=4"],
 }
 
