@@ -15,6 +15,8 @@ import traceback
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -111,7 +113,7 @@ def _scenarios(rank: int) -> dict:
     res["onebit_reference"] = mean_of_own_decodes("onebit", {}, rank)
     local = tiny_model()
     backward(local, rank, 0)
-    res["onebit_payload_bytes"] = sum(get_codec("onebit").encode(g).nbytes for g in grads_of(local))
+    res["onebit_payload_bytes"] = framed_bytes([get_codec("onebit").encode(g) for g in grads_of(local)])
 
     # rank 1's input is zero: its first weight gradient is 0 and ATOMO sends 0 atoms
     # for it, rank 0 sends several -- payloads of different sizes.
@@ -290,22 +292,77 @@ def test_validation_errors_before_any_process():
             validate_grad_compression(name, options)
 
 
-def test_frame_roundtrip_and_corruption():
-    from dgpipe.baseline.framing import frame_payloads, unframe_payloads
+def _leb128_zigzag_size(v: int) -> int:
+    """Bytes of one zigzag LEB128 varint, from the definition (Python ints, no torch)."""
+    z = 2 * v if v >= 0 else -2 * v - 1
+    return max(1, -(-z.bit_length() // 7))
+
+
+def framed_bytes(payloads) -> int:
+    """Frame bytes beyond the fixed prefix: each header's length and fields as varints,
+    plus the payload tensors' bytes (``Payload.nbytes`` less the int64 header)."""
+    return sum(sum(_leb128_zigzag_size(v) for v in [p.header.numel(), *p.header.tolist()])
+               + p.nbytes - 8 * p.header.numel() for p in payloads)
+
+
+def test_varint_matches_protobuf_sint64_bytes():
+    from dgpipe.baseline.framing import varint_encode
+
+    # Protocol Buffers' sint64 encodings (zigzag, then base-128 varint)
+    cases = {0: [0x00], -1: [0x01], 1: [0x02], -2: [0x03], 63: [0x7E], -64: [0x7F], 64: [0x80, 0x01], 300: [0xD8, 0x04],
+             2**63 - 1: [0xFE] + [0xFF] * 8 + [0x01], -(2**63): [0xFF] * 9 + [0x01]}
+    got = varint_encode(torch.tensor(list(cases), dtype=torch.int64)).tolist()
+    assert got == [b for enc in cases.values() for b in enc]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40))
+def test_varint_roundtrip_and_size(values):
+    from dgpipe.baseline.framing import varint_decode, varint_encode
+
+    data = varint_encode(torch.tensor(values, dtype=torch.int64))
+    assert data.dtype == torch.uint8 and data.numel() == sum(_leb128_zigzag_size(v) for v in values)
+    assert varint_decode(data).tolist() == values
+
+
+def test_varint_rejects_truncated_and_overlong_values():
+    from dgpipe.baseline.framing import varint_decode
+
+    with pytest.raises(ValueError, match="end inside a value"):
+        varint_decode(torch.tensor([0x80], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="over 64 bits"):
+        varint_decode(torch.tensor([0xFF] * 9 + [0x02], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="over 64 bits"):
+        varint_decode(torch.tensor([0x80] * 10 + [0x00], dtype=torch.uint8))
+
+
+def test_frame_roundtrip_exact_bytes_and_corruption():
+    from dgpipe.baseline.framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
 
     x = torch.randn(5, 4)
     payloads = [get_codec("onebit").encode(x), get_codec("none").encode(x.half()), get_codec("atomo").encode(x)]
     blob = frame_payloads(payloads, torch.device("cpu"))
-    assert blob.dtype == torch.uint8 and blob.numel() == 8 * (2 + 3) + sum(p.nbytes for p in payloads)
+    assert blob.dtype == torch.uint8 and blob.numel() == FRAME_PREFIX_BYTES + framed_bytes(payloads)
+    # 12-13 header fields, 96-104 bytes each as int64: well under half of that as varints
+    assert blob.numel() - FRAME_PREFIX_BYTES < sum(p.nbytes for p in payloads) - 150
     back = unframe_payloads(blob, 3, torch.device("cpu"))
     for p, q in zip(payloads, back):
         assert torch.equal(p.header, q.header)
         assert all(torch.equal(s, t) for s, t in zip(p.tensors, q.tensors))
+    assert unframe_payloads(frame_payloads([], torch.device("cpu")), 0, torch.device("cpu")) == []
     with pytest.raises(ValueError, match="magic/count"):
         unframe_payloads(blob, 2, torch.device("cpu"))
     with pytest.raises(ValueError, match="total"):
         unframe_payloads(blob[:-1], 3, torch.device("cpu"))
     bad = blob.clone()
-    bad[40] ^= 0xFF  # inside the first header: its magic
+    bad[FRAME_PREFIX_BYTES + 1] ^= 0x04  # the first header's magic (its first varint byte)
     with pytest.raises(ValueError, match="corrupt header"):
+        unframe_payloads(bad, 3, torch.device("cpu"))
+    bad = blob.clone()
+    bad[16:24] = torch.tensor([10**6], dtype=torch.int64).view(torch.uint8)  # header_bytes past the end
+    with pytest.raises(ValueError, match="header_bytes"):
+        unframe_payloads(bad, 3, torch.device("cpu"))
+    bad = blob.clone()
+    bad[FRAME_PREFIX_BYTES] = 2  # first header length 1 (zigzag 2): too short
+    with pytest.raises(ValueError, match="header_numel"):
         unframe_payloads(bad, 3, torch.device("cpu"))

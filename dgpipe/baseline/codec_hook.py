@@ -18,7 +18,7 @@ from dgpipe.compression.base import Codec, Payload, get_codec
 from dgpipe.compression.feedback import ErrorFeedback
 from dgpipe.compression.gradbase import mix_seed
 
-from .framing import frame_overhead, frame_payloads, unframe_payloads
+from .framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
 from .hooks import MeteredHook
 
 __all__ = ["LINEAR_CODECS", "CodecHook"]
@@ -151,7 +151,7 @@ class CodecHook(MeteredHook):
         for g, acc in zip(grads, sums):
             g.copy_(acc.div_(n))
         t3 = _now(device)
-        fixed = frame_overhead(len(grads))
+        fixed = FRAME_PREFIX_BYTES
         wire = sizes[self.rank] - fixed
         self._record(
             "allgather",
