@@ -2,6 +2,7 @@
 handling (nothing is spawned), and the ideal model of benchmarks/slow_link_speedup.py."""
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -151,3 +152,60 @@ def test_ideal_speedup_is_the_byte_ratio_on_a_link_bound_run():
     assert t_raw == pytest.approx(2 * (4 + 1 + 3 * 4))  # per phase: both transfers once, then 3 more big ones
     assert t_raw / SPEEDUP.predict_step_seconds(comp, eighth, 0.0, 1000.0, 4) == pytest.approx(8.0)
     assert SPEEDUP.predict_step_seconds(dict(comp, s=1.0, sb=2.0), raw, 0.0, math.inf, 4) == pytest.approx(12.0)
+
+
+# -- benchmarks/ddp_slow_link.py: the epoch-2 measurement and its table -----------------------
+
+def _load_ddp_benchmark():
+    """benchmarks/ddp_slow_link.py (it imports its sibling ablation.py, as when run as a script)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("ddp_slow_link", ROOT / "benchmarks" / "ddp_slow_link.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+DDP = _load_ddp_benchmark()
+
+
+def _ddp_log(path: Path, epoch2_samples_per_s: float, wire_per_step: int, steps: int = 5) -> Path:
+    """A DDP run log: epoch 1 (warm-up, different numbers) and epoch 2, wire bytes summed over 2 ranks."""
+    recs = [epoch_record(e, 1.0, {"val_acc": 0.1}, s, [boundary_record("ddp", "allgather", 8 * w, w, w, 0.1)],
+                         steps=steps)
+            for e, s, w in ((1, 1.0, 999_999), (2, epoch2_samples_per_s, wire_per_step * steps * 2))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_ddp_slow_link_reads_epoch_two_per_step_per_rank(tmp_path):
+    got = DDP.measured_epoch(_ddp_log(tmp_path / "a.jsonl", 40.0, 3_000_000))
+    assert got == {"samples_per_s": 40.0, "wire_mb": pytest.approx(3.0)}
+    (tmp_path / "b.jsonl").write_text(json.dumps(epoch_record(1, 1.0, {}, 5.0, [])) + "\n")
+    with pytest.raises(ValueError, match="no epoch-2 record; see .*b.out"):
+        DDP.measured_epoch(tmp_path / "b.jsonl")
+
+
+def test_ddp_slow_link_table_speedup_is_the_median_of_per_round_ratios():
+    def entry(slow, free, wire=1.0):
+        return {"slow": {"samples_per_s": slow, "wire_mb": wire}, "free": {"samples_per_s": free, "wire_mb": wire}}
+
+    results = {"ddp_none": [entry(10, 100), entry(20, 100), entry(30, 100)],
+               "ddp_fp16": [entry(40, 80, 0.5), entry(20, 80, 0.5), entry(90, 80, 0.5)]}
+    rows = DDP.table(results, ["ddp_none", "ddp_fp16"], "8mbit").splitlines()
+    assert rows[2] == "| ddp_none | 1.000 | 20.0 | 1.00x | 100.0 | 0.20 |"
+    # per-round ratios 4, 1, 3 -> median 3 (not 40/20 = 2, the ratio of the medians)
+    assert rows[3] == "| ddp_fp16 | 0.500 | 40.0 | 3.00x | 80.0 | 0.50 |"
+
+
+def test_ddp_slow_link_runs_the_main_job_with_the_ablation_flags(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(data_dir="D", batch_size=32, steps=3)
+    cmd = DDP.job_command("ddp_topk_ef", args, ["--world-size", "2"], tmp_path / "x.jsonl")
+    assert cmd[1] == str(ROOT / "test_vision_dgpipe.py")
+    joined = " ".join(cmd)
+    assert " ".join(DDP.DDP_SETTINGS["ddp_topk_ef"]) in joined
+    assert "--train-subset 96 " in joined and "--epochs 2 " in joined and joined.endswith("x.jsonl --no-progress")

@@ -1,0 +1,174 @@
+"""Data-parallel gradient compression on a slow link: 2-process DDP training of MobileNetV2
+on real CIFAR-10 images across a real throttled TCP link, per DDP communication hook.
+
+What gradient compression buys in wall-clock time when the link between data-parallel
+workers is the bottleneck (issue 7's slow-link comparison). For each setting (labels of
+:data:`ablation.DDP_SETTINGS`, default ``ddp_none,ddp_fp16,ddp_powersgd1,ddp_topk_ef``)
+the vision main job runs in data-parallel mode twice per round:
+
+* **slow**: through ``bandwidth/slow_link.py --rate RATE`` (network namespace + veth +
+  ``tc tbf`` at ``RATE`` each way; rank 0 on the host, rank 1 in the namespace, so every
+  gradient byte crosses the shaped link; needs root);
+* **free**: the same command on this machine's loopback, unthrottled -- the compute
+  bound of that setting (its own encode/decode and all).
+
+Each run trains ``--epochs 2`` epochs of ``--steps`` optimizer steps (global batch
+``--batch-size``, split over the 2 ranks). Epoch 1 is warm-up: DDP rebuilds its buckets
+after the first step and PowerSGD sends plain all-reduces for its first
+``start_powerSGD_iter`` steps. The measurement is epoch 2's training samples/s (its
+``samples_per_s`` record: examples per second of training wall time, evaluation
+excluded) and epoch 2's wire bytes per step per rank (the meter's ``wire_bytes`` summed
+over ranks, divided by steps and ranks). Settings take turns in ``--rounds``
+interleaved rounds, so load from other processes hits them alike; the table gives the
+median over rounds, and ``speedup`` is the median of the per-round ratios to
+``ddp_none`` of the same round (the first label is the reference). ``of free`` is slow /
+free samples/s: 1.0 means the link no longer costs anything.
+
+Usage (root; a few minutes per round on this machine)::
+
+    python benchmarks/ddp_slow_link.py [--rate 100mbit] [--steps 12] [--rounds 2]
+        [--settings ddp_none,ddp_fp16,ddp_powersgd1,ddp_topk_ef] [--out DIR] [-- extra main-job flags]
+
+Logs (``<label>_<slow|free>_r<round>.jsonl`` and ``.out``) and ``table.md`` go to ``--out``.
+The exit status is 0 when every run produced its epoch-2 record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ablation import DDP_SETTINGS
+
+from dgpipe.comm.slow_link import parse_rate
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOW_LINK = ROOT / "bandwidth" / "slow_link.py"
+VISION_CLI = ROOT / "test_vision_dgpipe.py"
+DEFAULT_LABELS = ("ddp_none", "ddp_fp16", "ddp_powersgd1", "ddp_topk_ef")
+WORLD_SIZE = 2
+
+
+def job_command(label: str, args: argparse.Namespace, extra: list[str], log: Path) -> list[str]:
+    """The vision main job's command line for one setting (2 epochs of ``args.steps`` steps)."""
+    return [sys.executable, str(VISION_CLI), "--data-dir", args.data_dir, "--batch-size", str(args.batch_size),
+            "--train-subset", str(args.batch_size * args.steps), "--eval-subset", str(args.batch_size),
+            "--epochs", "2", "--lr", "0.02", "--seed", "0", *DDP_SETTINGS[label], *extra,
+            "--log", str(log), "--no-progress"]
+
+
+def measured_epoch(log: Path) -> dict:
+    """Epoch 2's record of ``log``: ``samples_per_s`` and ``wire_mb`` (per step per rank, MB).
+
+    Raises:
+        ValueError: the log has no epoch-2 record (the run failed; see its ``.out``).
+    """
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    epochs = [r for r in records if r.get("event") == "epoch" and r.get("epoch") == 2]
+    if not epochs:
+        raise ValueError(f"{log}: no epoch-2 record; see {log.with_suffix('.out')}")
+    rec = epochs[0]
+    wire = sum(b["wire_bytes"] for b in rec["boundaries"])
+    return {"samples_per_s": rec["samples_per_s"], "wire_mb": wire / rec["steps"] / WORLD_SIZE / 1e6}
+
+
+def run(cmd: list[str], out: Path, timeout_s: float) -> int:
+    """Run ``cmd`` with stdout/stderr to ``out``; its exit status (124 on timeout)."""
+    with open(out, "w") as stdout:
+        try:
+            return subprocess.call(cmd, stdout=stdout, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def table(results: dict[str, list[dict]], labels: list[str], rate: str) -> str:
+    """Markdown table of the medians over rounds (see the module docstring)."""
+    ref = labels[0]
+    rows = [f"| setting | wire MB/step/rank | samples/s at {rate} | speedup vs {ref} | samples/s free link | of free |",
+            "|---|---|---|---|---|---|"]
+    for label in labels:
+        rounds = results[label]
+        slow = statistics.median(r["slow"]["samples_per_s"] for r in rounds)
+        free = statistics.median(r["free"]["samples_per_s"] for r in rounds)
+        speedup = statistics.median(r["slow"]["samples_per_s"] / b["slow"]["samples_per_s"]
+                                    for r, b in zip(rounds, results[ref]))
+        wire = statistics.median(r["slow"]["wire_mb"] for r in rounds)
+        rows.append(f"| {label} | {wire:.3f} | {slow:.1f} | {speedup:.2f}x | {free:.1f} | {slow / free:.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; see the module docstring."""
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="100mbit", help="tc rate each way (default 100mbit)")
+    parser.add_argument("--settings", default=",".join(DEFAULT_LABELS),
+                        help=f"comma-separated labels, the first is the reference; from {', '.join(DDP_SETTINGS)}")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per epoch (default 12)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "cifar10-images"))
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
+    parser.add_argument("--out", default="benchmarks/results/ddp_slow_link", help="folder for logs and table.md")
+    args = parser.parse_args(argv)
+    labels = args.settings.split(",")
+    unknown = [lab for lab in labels if lab not in DDP_SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; choose from {list(DDP_SETTINGS)}")
+    for name in ("steps", "rounds", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        parse_rate(args.rate)
+    except ValueError as err:
+        parser.error(str(err))
+    if not Path(args.data_dir).is_dir():
+        parser.error(f"--data-dir {args.data_dir} is not a folder (the CIFAR-10 images; see ../shared/data/README)")
+    if os.geteuid() != 0:
+        parser.error("needs root: the slow link is a network namespace with tc shaping")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, list[dict]] = {lab: [] for lab in labels}
+    failed = []
+    for rnd in range(args.rounds):
+        for label in labels:
+            entry = {}
+            for where in ("slow", "free"):
+                log = out / f"{label}_{where}_r{rnd}.jsonl"
+                log.unlink(missing_ok=True)
+                cmd = job_command(label, args, extra, log)
+                if where == "slow":
+                    cmd = [sys.executable, str(SLOW_LINK), "--rate", args.rate, "--", *cmd]
+                rc = run(cmd, log.with_suffix(".out"), args.timeout)
+                try:
+                    entry[where] = measured_epoch(log)
+                except ValueError as err:
+                    failed.append(f"{err} (exit {rc})")
+                    break
+                print(f"round {rnd} {label} {where}: {entry[where]['samples_per_s']:.1f} samples/s, "
+                      f"{entry[where]['wire_mb']:.3f} MB/step/rank", flush=True)
+            if len(entry) == 2:
+                results[label].append(entry)
+    if failed:
+        print("\n".join(["failed runs:", *failed]), file=sys.stderr)
+        return 1
+    text = (f"2-process DDP, MobileNetV2 on CIFAR-10 (32 px), global batch {args.batch_size}, "
+            f"{args.steps} steps measured after {args.steps} warm-up, {args.rounds} rounds, tc rate {args.rate}; "
+            f"load average {os.getloadavg()[0]:.1f} at the end\n\n" + table(results, labels, args.rate))
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
