@@ -54,6 +54,7 @@ DDP_SETTINGS: dict[str, list[str]] = {
     "ddp_randomk": _DP + ["randomk", "--grad-compression-opt", "ratio=0.01"],
     "ddp_onebit_ef": _DP + ["onebit", "--grad-compression-opt", "error_feedback=true"],
     "ddp_qsgd4": _DP + ["qsgd", "--grad-compression-opt", "levels=4"],
+    "ddp_qsgd4_b512": _DP + ["qsgd", "--grad-compression-opt", "levels=4", "--grad-compression-opt", "bucket_size=512"],
     "ddp_terngrad": _DP + ["terngrad"],
     "ddp_dgc": _DP + ["dgc", "--grad-compression-opt", "warmup_epochs=2"],
     "ddp_atomo4": _DP + ["atomo", "--grad-compression-opt", "budget=4"],
