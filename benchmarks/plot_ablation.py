@@ -59,14 +59,37 @@ def ablation_points(paths: list[str | Path], labels: list[str] | None = None) ->
     return points
 
 
+#: Label placements tried in turn: (offset in points, horizontal alignment).
+_PLACEMENTS = (((4, 4), "left"), ((4, -11), "left"), ((-4, 4), "right"), ((-4, -11), "right"))
+
+
+def _annotate(fig, ax, points: list[Point]) -> None:
+    """Label every point at the first of :data:`_PLACEMENTS` whose text box lies inside the
+    axes and overlaps no label drawn before it (the first placement if none is free)."""
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    boxes = []
+    for p in points:
+        for offset, ha in _PLACEMENTS:
+            text = ax.annotate(p.label, (p.wire_ratio, p.value), textcoords="offset points", xytext=offset,
+                               fontsize=8, ha=ha)
+            box = text.get_window_extent(renderer)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(b) for b in boxes):
+                break
+            text.remove()
+        else:
+            text = ax.annotate(p.label, (p.wire_ratio, p.value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            box = text.get_window_extent(renderer)
+        boxes.append(box)
+
+
 def plot(points: list[Point], out: str | Path, title: str | None = None) -> Path:
     """Draw ``points`` (metric vs wire ratio, log x) into the PNG ``out``; returns its path."""
     if not points:
         raise ValueError("no points to plot")
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     ax.scatter([p.wire_ratio for p in points], [p.value for p in points], zorder=3)
-    for p in points:
-        ax.annotate(p.label, (p.wire_ratio, p.value), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("measured wire ratio (wire bytes / raw bytes)")
     ax.set_ylabel(points[0].metric)
@@ -74,6 +97,7 @@ def plot(points: list[Point], out: str | Path, title: str | None = None) -> Path
     if title:
         ax.set_title(title)
     fig.tight_layout()
+    _annotate(fig, ax, points)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
