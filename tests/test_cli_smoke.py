@@ -64,6 +64,8 @@ def test_vision_pipeline_sortquant(tmp_path, capfd):
     # Activations (forward) and gradients (backward) cross both boundaries of [client, server, client].
     assert {(b["name"], b["direction"]) for b in epoch["boundaries"]} == {
         (f"stage{i}->stage{i + 1}", d) for i in (0, 1) for d in ("forward", "backward", "eval")}
+    # the seconds spent in the codec are logged per boundary (summed over ranks)
+    assert all(b["encode_seconds"] > 0 and b["decode_seconds"] > 0 for b in epoch["boundaries"])
     # 8 bits per float32 value plus per-bucket parameters and headers: a bit over 1/4.
     assert 0.25 < summary["wire_bytes"] / summary["raw_bytes"] < 0.27
     assert summary["args"]["quant"] == 6 and summary["args"]["compression"]["forward"]["name"] == "sortquant"
@@ -95,6 +97,8 @@ def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
     epoch, summary = _check_log(log, "val_acc")
     assert {b["name"] for b in epoch["boundaries"]} == {"ddp"}
     assert summary["wire_bytes"] * 2 == summary["raw_bytes"]  # fp16 halves every float32 gradient
+    (ddp,) = epoch["boundaries"]
+    assert ddp["recv_seconds"] > 0 and {"frame_bytes", "encode_seconds", "decode_seconds"} <= set(ddp)
 
 
 def _in_process(cli: str, job_cls, argv: list[str]) -> None:

@@ -146,9 +146,15 @@ def _start_epoch(loader: DataLoader | None, epoch: int) -> None:
             part.set_epoch(epoch)
 
 
+#: Meter fields logged with each boundary entry besides :data:`~dgpipe.train.runlog.BOUNDARY_FIELDS`:
+#: framing bytes and the seconds spent in the codec (for DDP: in the communication hook),
+#: each summed over the ranks.
+_METER_EXTRAS = ("frame_bytes", "encode_seconds", "decode_seconds")
+
+
 def _boundaries(meter) -> list[dict[str, Any]]:
     return [runlog.boundary_record(r["name"], r["direction"], r["raw_bytes"], r["wire_bytes"], r["recv_bytes"],
-                                   r["recv_seconds"]) | {"frame_bytes": r["frame_bytes"]}
+                                   r["recv_seconds"]) | {k: r[k] for k in _METER_EXTRAS}
             for r in meter.records()]
 
 

@@ -6,12 +6,16 @@ Record schema (other tools, e.g. ``benchmarks/plot_ablation.py``, read these fie
      "samples_per_s": 210.5,
      "boundaries": [{"name": "0->1", "direction": "forward", "raw_bytes": 1048576,
                      "wire_bytes": 263168, "recv_bytes": 263168, "recv_seconds": 0.21,
-                     "recv_bytes_per_s": 1253180.9}, ...]}
+                     "recv_bytes_per_s": 1253180.9, "frame_bytes": 640,
+                     "encode_seconds": 0.05, "decode_seconds": 0.04}, ...]}
     {"event": "summary", "metric": "val_acc", "value": 0.52, "samples_per_s": 208.1,
      "raw_bytes": 5242880, "wire_bytes": 1315840, "wall_seconds": 61.3, "args": {...}}
 
 Bytes are bytes; seconds are wall-clock seconds; ``raw_bytes`` is what the tensors
-would take uncompressed, ``wire_bytes`` what was sent (headers included).
+would take uncompressed, ``wire_bytes`` what was sent (headers included). The main
+jobs sum each boundary entry over the ranks and add ``frame_bytes`` (transport
+framing) and ``encode_seconds``/``decode_seconds`` (time in the codec; for the
+data-parallel baseline, the time in its DDP communication hook).
 """
 
 from __future__ import annotations
