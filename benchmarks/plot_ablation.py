@@ -60,7 +60,7 @@ def ablation_points(paths: list[str | Path], labels: list[str] | None = None) ->
 
 
 #: Label placements tried in turn: (offset in points, horizontal alignment).
-_PLACEMENTS = (((4, 4), "left"), ((4, -11), "left"), ((-4, 4), "right"), ((-4, -11), "right"))
+_PLACEMENTS = tuple(((dx, dy), "left" if dx > 0 else "right") for dy in (4, -11, 15, -22) for dx in (4, -4))
 
 
 def _annotate(fig, ax, points: list[Point]) -> None:
@@ -95,7 +95,7 @@ def plot(points: list[Point], out: str | Path, title: str | None = None) -> Path
     ax.set_ylabel(points[0].metric)
     ax.grid(True, which="both", alpha=0.3)
     if title:
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     _annotate(fig, ax, points)
     out = Path(out)
