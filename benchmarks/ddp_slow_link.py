@@ -36,8 +36,10 @@ The exit status is 0 when every run produced its epoch-2 record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,11 +80,22 @@ def measured_epoch(log: Path) -> dict:
 
 
 def run(cmd: list[str], out: Path, timeout_s: float) -> int:
-    """Run ``cmd`` with stdout/stderr to ``out``; its exit status (124 on timeout)."""
+    """Run ``cmd`` in its own session with stdout/stderr to ``out``; its exit status.
+
+    After ``timeout_s`` seconds the whole process group (the job and the ranks it
+    started) gets SIGTERM, then SIGKILL after 10 s, and the status is 124.
+    """
     with open(out, "w") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return subprocess.call(cmd, stdout=stdout, stderr=subprocess.STDOUT, timeout=timeout_s)
+            return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+                    break
             return 124
 
 
@@ -127,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "rounds", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0 seconds")
     try:
         parse_rate(args.rate)
     except ValueError as err:
@@ -147,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                 log = out / f"{label}_{where}_r{rnd}.jsonl"
                 log.unlink(missing_ok=True)
                 cmd = job_command(label, args, extra, log)
-                if where == "slow":
-                    cmd = [sys.executable, str(SLOW_LINK), "--rate", args.rate, "--", *cmd]
-                rc = run(cmd, log.with_suffix(".out"), args.timeout)
+                if where == "slow":  # the runner stops both ranks and tears the link down at its timeout
+                    cmd = [sys.executable, str(SLOW_LINK), "--rate", args.rate, "--timeout", str(args.timeout), "--",
+                           *cmd]
+                rc = run(cmd, log.with_suffix(".out"), args.timeout + 30)
                 try:
                     entry[where] = measured_epoch(log)
                 except ValueError as err:

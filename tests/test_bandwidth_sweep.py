@@ -209,3 +209,28 @@ def test_ddp_slow_link_runs_the_main_job_with_the_ablation_flags(tmp_path):
     joined = " ".join(cmd)
     assert " ".join(DDP.DDP_SETTINGS["ddp_topk_ef"]) in joined
     assert "--train-subset 96 " in joined and "--epochs 2 " in joined and joined.endswith("x.jsonl --no-progress")
+
+
+def test_ddp_slow_link_run_stops_the_whole_process_group_at_its_timeout(tmp_path):
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    parent = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    start = time.monotonic()
+    assert DDP.run([sys.executable, "-c", parent], tmp_path / "out.txt", 2.0) == 124
+    assert time.monotonic() - start < 20
+    child = int(pid_file.read_text())
+    stat = Path(f"/proc/{child}/stat")
+    for _ in range(50):  # the grandchild (a "rank") got the signal too: gone, or a zombie
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child process outlived the timeout")
+    assert DDP.run([sys.executable, "-c", "print('hi')"], tmp_path / "ok.txt", 30.0) == 0
+    assert (tmp_path / "ok.txt").read_text() == "hi\n"
