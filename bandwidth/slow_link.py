@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 from dgpipe.comm.slow_link import SlowLink, parse_delay, parse_rate
+from dgpipe.pipeline import free_port, stop_process_group
 
 
 def rank_env(link: SlowLink, rank: int, port: int) -> dict[str, str]:
@@ -52,34 +51,13 @@ def rank_env(link: SlowLink, rank: int, port: int) -> dict[str, str]:
     return env
 
 
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def _kill(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the rank's process group (it leads its own session), SIGKILL after grace."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def _status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
 def run_ranks(link: SlowLink, command: list[str], timeout_s: float | None) -> int:
     """Start rank 0 on the host and rank 1 in the namespace; return the exit status."""
-    port = _free_port(link.host_addr)
+    port = free_port(link.host_addr)
     procs: list[subprocess.Popen] = []
     try:
         for rank in (0, 1):
@@ -105,7 +83,7 @@ def run_ranks(link: SlowLink, command: list[str], timeout_s: float | None) -> in
             time.sleep(0.05)
     finally:
         for proc in procs:
-            _kill(proc)
+            stop_process_group(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

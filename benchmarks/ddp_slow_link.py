@@ -36,10 +36,7 @@ The exit status is 0 when every run produced its epoch-2 record.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +45,8 @@ from pathlib import Path
 from ablation import DDP_SETTINGS
 
 from dgpipe.comm.slow_link import parse_rate
+from dgpipe.pipeline import stop_process_group
+from dgpipe.train.runlog import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_LINK = ROOT / "bandwidth" / "slow_link.py"
@@ -70,7 +69,7 @@ def measured_epoch(log: Path) -> dict:
     Raises:
         ValueError: the log has no epoch-2 record (the run failed; see its ``.out``).
     """
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    records = read_records(log) if log.exists() else []
     epochs = [r for r in records if r.get("event") == "epoch" and r.get("epoch") == 2]
     if not epochs:
         raise ValueError(f"{log}: no epoch-2 record; see {log.with_suffix('.out')}")
@@ -90,12 +89,7 @@ def run(cmd: list[str], out: Path, timeout_s: float) -> int:
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=10)
-                    break
+            stop_process_group(proc, grace_s=10.0)
             return 124
 
 

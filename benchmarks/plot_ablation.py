@@ -68,19 +68,23 @@ def _annotate(fig, ax, points: list[Point]) -> None:
     axes and overlaps no label drawn before it (the first placement if none is free)."""
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
+
+    def label(p: Point, placement: tuple) -> tuple:
+        (offset, ha) = placement
+        text = ax.annotate(p.label, (p.wire_ratio, p.value), textcoords="offset points", xytext=offset,
+                           fontsize=8, ha=ha)
+        return text, text.get_window_extent(renderer)
+
     boxes = []
     for p in points:
-        for offset, ha in _PLACEMENTS:
-            text = ax.annotate(p.label, (p.wire_ratio, p.value), textcoords="offset points", xytext=offset,
-                               fontsize=8, ha=ha)
-            box = text.get_window_extent(renderer)
+        for placement in _PLACEMENTS:
+            text, box = label(p, placement)
             inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
             if inside and not any(box.overlaps(b) for b in boxes):
                 break
             text.remove()
         else:
-            text = ax.annotate(p.label, (p.wire_ratio, p.value), textcoords="offset points", xytext=(4, 4), fontsize=8)
-            box = text.get_window_extent(renderer)
+            text, box = label(p, _PLACEMENTS[0])
         boxes.append(box)
 
 

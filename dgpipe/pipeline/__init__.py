@@ -14,7 +14,8 @@ Modules (one idea each):
 - :mod:`~dgpipe.pipeline.runtime` -- :class:`Pipeline`, this rank's part of the pipeline.
 - :mod:`~dgpipe.pipeline.launch` -- ``spawn(fn, world_size, args=(), backend="gloo",
   timeout=300)`` for one machine; ``init_distributed(backend="auto", timeout=300)``
-  under ``torchrun`` (env://, multi-node).
+  under ``torchrun`` (env://, multi-node); ``stop_process_group(proc)`` ends a launched
+  command and the ranks it started.
 
 Pipeline API::
 
@@ -51,7 +52,7 @@ Pipeline API::
   :class:`SpawnError` names the failed rank.
 """
 
-from .launch import SpawnError, free_port, init_distributed, resolve_backend, spawn
+from .launch import SpawnError, free_port, init_distributed, resolve_backend, spawn, stop_process_group
 from .partition import (
     balance_by_params,
     balance_by_time,
@@ -76,5 +77,6 @@ __all__ = [
     "resolve_backend",
     "spawn",
     "split_layers",
+    "stop_process_group",
     "validate_placement",
 ]

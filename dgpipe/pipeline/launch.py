@@ -26,6 +26,7 @@ import datetime
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -38,7 +39,7 @@ import torch.multiprocessing as mp
 
 from dgpipe.comm.transport import TransportError
 
-__all__ = ["SpawnError", "free_port", "resolve_backend", "init_distributed", "spawn"]
+__all__ = ["SpawnError", "free_port", "resolve_backend", "init_distributed", "spawn", "stop_process_group"]
 
 _MAX_ERROR_BYTES = 32_000
 
@@ -65,6 +66,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End ``proc`` (started with ``start_new_session=True``) and every process of its
+    group -- e.g. a launcher and the ranks it started: SIGTERM to the group, then
+    SIGKILL if the leader has not exited after ``grace_s`` seconds. Returns once the
+    leader has exited or nothing of the group is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def resolve_backend(backend: str) -> str:
