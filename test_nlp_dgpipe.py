@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: --model's tokenizer; with --model-config: 'offline' (a WordPiece vocabulary "
                         "trained on the task's training texts)")
     n.add_argument("--max-length", type=int, default=128, help="tokens per example (padded/truncated)")
+    n.add_argument("--heldout", type=int, default=0, metavar="N",
+                   help="hold out N training examples (a fixed, class-stratified choice, the same for every seed) "
+                        "that training never sees, and evaluate on them too: metrics heldout_*")
     n.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
     n.add_argument("--warmup-ratio", type=float, default=0.06, help="fraction of steps of linear warm-up")
     return p

@@ -1,10 +1,19 @@
-"""Run one main job under several compression settings, then tabulate and plot the logs.
+"""Run one main job under several compression settings (and seeds), then tabulate and plot the logs.
 
 Each setting runs the job's CLI once, with the same common arguments, and writes
 ``OUT/<label>.jsonl``; a setting whose log already holds a summary record is not run
 again (delete the log to redo it). Then a markdown table (metric, measured wire
 ratio, samples/s, wall seconds) is printed and ``OUT/ablation.png`` is drawn with
 :mod:`plot_ablation`.
+
+With ``--seeds 0,1,2`` (the quality benchmark) every setting runs once per seed
+(``--seed k`` appended, log ``OUT/<label>_seed<k>.jsonl``; seed-major order, so that an
+interrupted run leaves complete pairs), and the table gives per setting the measured
+bits per value of each direction (all-in: codes, metadata, headers, the lossless
+attention mask) and, for every metric of the summary (dev ``val_*`` and held-out
+``heldout_*``), the mean and standard deviation over seeds and the **paired**
+difference to ``none`` of the same seed, with a 95% Student-t confidence interval
+(:func:`paired`).
 
 Usage::
 
@@ -13,14 +22,20 @@ Usage::
         --epochs 3 --batch-size 64 --chunk 4
     python benchmarks/ablation.py --job nlp --out benchmarks/results/rte -- --task rte ...
     python benchmarks/ablation.py --job vision --settings ddp --out ... -- ...   # DDP gradient codecs
+    python benchmarks/ablation.py --job nlp --settings lowbit --seeds 0,1,2 --out benchmarks/results/quality_sst2 \
+        -- --task sst2 --heldout 4000 ...                                         # the quality benchmark
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from scipy import stats
 
 from plot_ablation import ablation_points, plot
 
@@ -60,7 +75,26 @@ DDP_SETTINGS: dict[str, list[str]] = {
     "ddp_atomo4": _DP + ["atomo", "--grad-compression-opt", "budget=4"],
 }
 
-SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS}
+
+def _codebook(bits: int, flag: str = "--codec") -> list[str]:
+    """Flags of the codebook codec at ``bits`` bits: per-token RMS scale (bfloat16) after a Hadamard rotation."""
+    opts = [f"bits={bits}", "levels=normal", "group=token", "rotate=hadamard", "scale_dtype=bfloat16"]
+    return [flag, "codebook"] + [x for o in opts for x in (f"{flag}-opt", o)]
+
+
+#: Low-bit boundary codecs against today's (issue 11's quality benchmark); gradients at 4 bits
+#: with the same codebook where the forward direction goes below 4.
+LOWBIT_SETTINGS: dict[str, list[str]] = {
+    "none": [],
+    "sortquant8": PIPELINE_SETTINGS["sortquant8"],
+    "sortquant4": PIPELINE_SETTINGS["sortquant4"],
+    "quant4": PIPELINE_SETTINGS["quant4"],
+    "codebook4": _codebook(4),
+    "codebook3_g4": _codebook(3) + _codebook(4, "--grad-codec"),
+    "codebook2_g4": _codebook(2) + _codebook(4, "--grad-codec"),
+}
+
+SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS}
 
 
 def has_summary(log: Path) -> bool:
@@ -73,7 +107,7 @@ def has_summary(log: Path) -> bool:
 
 
 def run_setting(job: str, label: str, flags: list[str], common: list[str], out: Path) -> bool:
-    """Run the job's CLI for one setting; returns True if it wrote a summary."""
+    """Run the job's CLI for one setting (``label`` names its log); returns True if it wrote a summary."""
     log = out / f"{label}.jsonl"
     if has_summary(log):
         print(f"[{label}] already done: {log}", flush=True)
@@ -104,6 +138,81 @@ def table(out: Path, labels: list[str]) -> str:
     return "\n".join(rows)
 
 
+def paired(values: list[float], baseline: list[float]) -> tuple[float, float, float]:
+    """Mean paired difference ``values[i] - baseline[i]`` and its 95% confidence interval.
+
+    Student-t interval over the ``n >= 2`` per-seed differences: ``mean +- t(0.975, n-1) * sd / sqrt(n)``.
+
+    Returns:
+        ``(mean, low, high)``; with one pair, ``(d, nan, nan)``.
+
+    Raises:
+        ValueError: no pairs, or lists of different lengths.
+    """
+    if not values or len(values) != len(baseline):
+        raise ValueError(f"paired needs equally many values and baselines, got {len(values)} and {len(baseline)}")
+    diffs = [v - b for v, b in zip(values, baseline)]
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, math.nan, math.nan
+    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half
+
+
+def direction_bits(summary_path: Path) -> dict[str, float]:
+    """Measured bits per value of each training direction of a pipeline run (all epochs, all boundaries).
+
+    ``8 * wire_bytes / values``, where ``values`` counts the floating values the
+    boundaries carry: raw backward bytes / 4 (the gradients are float32 and mirror the
+    floating forward tensors, so the forward direction's lossless extras -- the
+    attention mask, headers -- count against it). Returns ``{"forward": b, "backward": b}``.
+    """
+    from dgpipe.train.runlog import read_records
+
+    wire = {"forward": 0, "backward": 0}
+    raw_backward = 0
+    for rec in read_records(summary_path):
+        for b in rec.get("boundaries", []) if rec.get("event") == "epoch" else []:
+            if b["direction"] in wire:
+                wire[b["direction"]] += b["wire_bytes"]
+                raw_backward += b["raw_bytes"] if b["direction"] == "backward" else 0
+    values = raw_backward / 4
+    return {d: 8 * w / values if values else math.nan for d, w in wire.items()}
+
+
+def seeds_table(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> str:
+    """Markdown table of a multi-seed run: bits per value, and per metric mean +- sd and the paired
+    difference to ``baseline`` (points: x100) with its 95% CI; seeds missing for a setting or its
+    baseline are left out of its pairs (the ``seeds`` column says how many pairs there are)."""
+    def summaries(label):
+        return {k: read_summary(out / f"{label}_seed{k}.jsonl") for k in seeds if has_summary(out / f"{label}_seed{k}.jsonl")}
+
+    base = summaries(baseline)
+    metrics = sorted({m for s in base.values() for m in s.get("metrics", {})})
+    head = "| setting | seeds | fwd bits/value | bwd bits/value | " + " | ".join(
+        f"{m} mean ± sd | Δ{m} (pt) [95% CI]" for m in metrics) + " |"
+    rows = [head, "|" + "---|" * (4 + 2 * len(metrics))]
+    for label in labels:
+        runs = summaries(label)
+        if not runs:
+            continue
+        pairs = sorted(k for k in runs if k in base)
+        bits = [direction_bits(out / f"{label}_seed{k}.jsonl") for k in runs]
+        cells = [label, str(len(pairs)), f"{statistics.fmean(b['forward'] for b in bits):.2f}",
+                 f"{statistics.fmean(b['backward'] for b in bits):.2f}"]
+        for m in metrics:
+            vals = [runs[k]["metrics"][m] for k in runs]
+            sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
+            cells.append(f"{statistics.fmean(vals):.4f} ± {sd:.4f}")
+            if label == baseline or not pairs:
+                cells.append("--")
+                continue
+            d, lo, hi = paired([runs[k]["metrics"][m] for k in pairs], [base[k]["metrics"][m] for k in pairs])
+            cells.append(f"{100 * d:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns 0 when every setting produced a summary."""
     argv = sys.argv[1:] if argv is None else argv
@@ -117,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated subset of the setting labels")
     parser.add_argument("--out", required=True, help="folder for the logs, outputs and the plot")
     parser.add_argument("--title", help="plot title")
+    parser.add_argument("--seeds", help="comma-separated seeds: run every setting once per seed, paired table")
     args = parser.parse_args(argv)
     settings = SETTINGS[args.settings]
     labels = args.only.split(",") if args.only else list(settings)
@@ -125,6 +235,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown settings {unknown}; choose from {list(settings)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.seeds:
+        try:
+            seeds = [int(k) for k in args.seeds.split(",")]
+        except ValueError:
+            parser.error(f"--seeds {args.seeds!r}: write integers separated by commas, e.g. 0,1,2")
+        if "--seed" in common:
+            parser.error("--seeds gives the seeds; do not pass --seed after --")
+        ok = all([run_setting(args.job, f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)], out)
+                  for k in seeds for lab in labels])
+        table_md = seeds_table(out, labels, seeds)
+        (out / "table.md").write_text(table_md + "\n")
+        print(table_md)
+        return 0 if ok else 1
     ok = all([run_setting(args.job, lab, settings[lab], common, out) for lab in labels])
     print(table(out, labels))
     done = [out / f"{lab}.jsonl" for lab in labels if has_summary(out / f"{lab}.jsonl")]

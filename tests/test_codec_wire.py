@@ -15,8 +15,10 @@ CODECS = {
     "topk": {"ratio": 0.3},
     "randomk": {"ratio": 0.3, "seed": 1},
     "lowrank": {"rank": 2},
+    "codebook": {"bits": 3, "levels": "fit", "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"},
 }
-IDS = {"none": 0, "fp16": 1, "bf16": 2, "quant": 3, "sortquant": 4, "topk": 5, "randomk": 6, "lowrank": 7}
+IDS = {"none": 0, "fp16": 1, "bf16": 2, "quant": 3, "sortquant": 4, "topk": 5, "randomk": 6, "lowrank": 7,
+       "codebook": 13}
 SHAPES = [(4, 6), (3, 1, 5), (), (0,), (2, 0, 3), (7,)]
 
 
@@ -93,7 +95,8 @@ def test_corrupt_headers_raise_naming_the_field(name):
     [
         ("quant", 0, 17, "bits"),
         ("quant", 0, 0, "bits"),
-        ("quant", 1, -1, "group_size"),
+        ("quant", 1, -1, "grouping"),
+        ("quant", 1, 2 | 1 << 3 | 3 << 11, "axis"),  # a channel axis past the tensor's 2 dimensions
         ("sortquant", 0, 0, "quant_bits"),
         ("sortquant", 1, 16, "split_bits"),
         ("sortquant", 1, 3, "tensors"),  # S=3: wider codes and 16 bucket parameters than the payload has
@@ -102,6 +105,8 @@ def test_corrupt_headers_raise_naming_the_field(name):
         ("randomk", 2, 31, "k"),
         ("randomk", 0, -1, "seed"),
         ("lowrank", 0, 6, "rank"),
+        ("codebook", 1, 2, "levels"),
+        ("codebook", 2, 3 | 1 << 3, "group_size"),  # tiles without a size
     ],
 )
 def test_codec_specific_params_are_validated(name, param, value, field):

@@ -63,7 +63,7 @@ def test_exact_nbytes(bits, group_size, shape):
     n = x.numel()
     groups = math.ceil(n / group_size) if group_size else 1
     p = get_codec("quant", bits=bits, group_size=group_size).encode(x)
-    assert p.nbytes == math.ceil(n * bits / 8) + 8 * groups + header_bytes(len(shape), 2, 2)
+    assert p.nbytes == math.ceil(n * bits / 8) + 8 * groups + header_bytes(len(shape), 2, 2)  # params: bits, grouping
 
 
 def test_groups_confine_an_outlier():

@@ -124,7 +124,7 @@ def test_exact_nbytes(q, s, shape):
     x = torch.randn(shape)
     n = x.numel()
     p = get_codec("sortquant", quant_bits=q, split_bits=s).encode(x)
-    header = 8 * (4 + len(shape) + 1 + 2 + 1 + 2 * 2)
+    header = 8 * (4 + len(shape) + 1 + 3 + 1 + 2 * 2)  # params: Q, S, grouping
     assert p.nbytes == math.ceil(n * (s + q) / 8) + 2**s * 2 * 4 + header
 
 

@@ -21,6 +21,7 @@ import torch
 
 from .base import MAX_NUMEL, Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import pack_bits, pack_bits_into, packed_nbytes, unpack_bits
+from .grouping import Grouping, round_meta
 
 __all__ = [
     "UniformQuantizer",
@@ -34,6 +35,9 @@ __all__ = [
     "grid_divisor",
     "grid_levels",
     "grid_table",
+    "grid_meta",
+    "grouping_options",
+    "GROUP_PARAM",
 ]
 
 
@@ -139,81 +143,118 @@ def grid_table(lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tenso
     return (lo[:, None] + k * step[:, None]).reshape(-1)
 
 
+#: Header param of the grouping options, after a codec's own (see :meth:`.grouping.Grouping.param`).
+GROUP_PARAM = ("grouping", 0, (MAX_NUMEL << 15) | ((1 << 15) - 1))
+
+
+def grouping_options(codec: str, group: str, group_size: int, axis: int, rotate: str, scale_dtype: str) -> Grouping:
+    """The validated :class:`.grouping.Grouping` of a quantizer's keyword options.
+
+    ``group_size > 0`` with the default ``group="tensor"`` means tiles (the original
+    ``quant`` option). Raises ``ValueError`` naming ``codec`` for bad options.
+    """
+    if group == "tensor" and isinstance(group_size, int) and not isinstance(group_size, bool) and group_size > 0:
+        group = "tile"
+    return Grouping(group, group_size, axis, rotate, scale_dtype).validate(codec)
+
+
+def grid_meta(
+    lo: torch.Tensor, hi: torch.Tensor, levels: int, grouping: Grouping, codec: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group grid ``(lo, step)`` as sent (``grouping.meta_dtype``) and the float32 ``lo`` and divisor to code with.
+
+    ``lo`` is rounded down and the step up (:func:`.grouping.round_meta`), so the grid
+    ``lo + k * step``, ``k < levels``, still covers ``[lo, hi]``.
+
+    Returns:
+        ``(meta, lo32, div32)``: ``meta`` 1-D ``cat(lo, step)`` in the metadata dtype;
+        ``lo32``/``div32`` float32 of ``lo``'s shape (:func:`grid_divisor`).
+    """
+    lo_m = round_meta(lo, grouping.meta_dtype, False, "min", codec)
+    lo32 = lo_m.float()
+    step_m = round_meta(grid_step(lo32, hi, levels), grouping.meta_dtype, True, "step", codec)
+    return torch.cat((lo_m.reshape(-1), step_m.reshape(-1))), lo32, grid_divisor(step_m.float())
+
+
 @register_codec("quant", 3)
 class UniformQuantizer(Codec):
     """Uniform min-max quantization to ``bits`` bits per value, per tensor or per group.
 
     Args:
-        bits: bits per value, 1..16 (``2**bits`` levels from min to max).
+        bits: bits per value, 1..16 (``2**bits`` levels from a group's min to its max).
         stochastic: unbiased stochastic rounding (error < one step) instead of
             rounding to nearest (error <= half a step).
-        group_size: 0 for one ``(min, step)`` for the whole tensor; ``g > 0`` for one
-            per ``g`` consecutive values of the flattened tensor (the last group may be
-            shorter), so that an outlier only coarsens its own group.
+        group: ``tensor`` (one min/step), ``token``, ``channel`` or ``tile``
+            (:mod:`.grouping`): one min/step per group, so that an outlier only coarsens
+            its own group (per-group ranges as in ActNN, Chen et al. ICML 2021, and
+            AQ-SGD, Wang et al. NeurIPS 2022).
+        group_size: values per tile (``group="tile"``); ``group_size > 0`` alone also
+            selects tiles.
+        axis: the channel axis of ``group="channel"`` (-1: last).
+        rotate: ``none`` or ``hadamard``: a random-sign Hadamard rotation of the last
+            axis before quantizing, inverted after decoding (:mod:`.hadamard`).
+        scale_dtype: ``float32`` (default), ``float16`` or ``bfloat16``: dtype of the
+            per-group min and step on the wire.
 
     Input: a floating tensor (float32/float16/bfloat16/float64), any shape, any device;
     computed in float32. Decode returns the original shape, dtype and device.
 
-    Wire: codes bit-packed at ``bits`` bits, plus ``(min, step)`` per group as float32::
+    Wire: codes bit-packed at ``bits`` bits, plus ``(min, step)`` per group::
 
-        nbytes = ceil(n * bits / 8) + 8 * n_groups + header bytes,
-        n_groups = ceil(n / group_size) (group_size > 0), else 1 (0 if n == 0).
+        nbytes = ceil(n_sent * bits / 8) + 2 * n_groups * sizeof(scale_dtype) + header bytes
+
+    ``n_sent`` is the number of values, or with a padded rotation (:mod:`.hadamard`)
+    the padded count; ``n_groups`` from :meth:`.grouping.Grouping.counts`.
 
     Raises (encode):
-        ValueError: non-floating input, inf/NaN values, or a range overflowing float32.
+        ValueError: non-floating input, inf/NaN values, a range overflowing float32 or
+            a metadata value overflowing ``scale_dtype``; bad options at construction.
     """
 
-    def __init__(self, bits: int = 8, stochastic: bool = False, group_size: int = 0) -> None:
+    def __init__(self, bits: int = 8, stochastic: bool = False, group: str = "tensor", group_size: int = 0,
+                 axis: int = -1, rotate: str = "none", scale_dtype: str = "float32") -> None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
             raise ValueError(f"quant: bits must be an int in [1, 16], got {bits!r}")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
-            raise ValueError(f"quant: group_size must be an int >= 0 (0 = per tensor), got {group_size!r}")
-        self.bits, self.stochastic, self.group_size = bits, bool(stochastic), group_size
-
-    @staticmethod
-    def _groups(n: int, group_size: int) -> tuple[int, int]:
-        """``(g, n_groups)``: the effective group length and the number of groups for ``n`` values."""
-        g = group_size if group_size else max(n, 1)
-        return g, -(-n // g)
+        self.bits, self.stochastic = bits, bool(stochastic)
+        self.grouping = grouping_options(self.name, group, group_size, axis, rotate, scale_dtype)
 
     def encode(self, x: torch.Tensor) -> Payload:
         flat = flat_float32(x, self.name)
-        n, levels = flat.numel(), 1 << self.bits
-        g, ng = self._groups(n, self.group_size)
-        if n == 0:
-            packed, lo, step = flat.to(torch.uint8), flat, flat
+        gp, levels, shape = self.grouping, 1 << self.bits, tuple(x.shape)
+        ng, _, n_sent = gp.counts(shape)
+        if n_sent == 0:
+            packed, meta = flat.to(torch.uint8), flat.to(gp.meta_dtype)
         else:
-            # repeat the last value so that the last group's min and max stay its own
-            rows = (torch.cat((flat, flat[-1:].expand(g - n % g))) if n % g else flat).view(ng, g)
+            rows = gp.rows(flat.view(shape))
             lo, hi = torch.aminmax(rows, dim=1, keepdim=True)
             finite_range(lo, hi, self.name)
-            step = grid_step(lo, hi, levels)
-            div = grid_divisor(step)
+            meta, lo32, div = grid_meta(lo, hi, levels, gp, self.name)
             if ng == 1:
+                values = gp.sent(rows, shape)
                 packed = encode_blocks(
-                    flat,
+                    values,
                     self.bits,
-                    lambda i, j: grid_levels(flat[i:j] - lo[0], div[0], levels, self.stochastic).to(torch.int32),
+                    lambda i, j: grid_levels(values[i:j] - lo32[0], div[0], levels, self.stochastic).to(torch.int32),
                 )
             else:
-                codes = grid_levels(rows - lo, div, levels, self.stochastic).view(-1)[:n].to(torch.int32)
-                packed = pack_bits(codes, self.bits, check=False)
-        params = torch.cat((lo.reshape(-1), step.reshape(-1)))
-        return make_payload(self.codec_id, x.dtype, x.shape, (self.bits, self.group_size), (packed, params))
+                codes = grid_levels(rows - lo32, div, levels, self.stochastic).to(torch.int32)
+                packed = pack_bits(gp.sent(codes, shape), self.bits, check=False)
+        params = (self.bits, gp.param(len(shape)))
+        return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, meta))
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
-        bits, group_size = check_params(h, ("bits", 1, 16), ("group_size", 0, MAX_NUMEL))
-        n = h.numel
-        g, ng = self._groups(n, group_size)
-        check_tensor_specs(h, ("codes", torch.uint8, packed_nbytes(n, bits)), ("min/step", torch.float32, 2 * ng))
-        packed, params = payload.tensors
-        lo, step = params[:ng], params[ng:]
+        bits, group_param = check_params(h, ("bits", 1, 16), GROUP_PARAM)
+        gp = Grouping.from_param(group_param, h.shape, self.name)
+        ng, g, n_sent = gp.counts(h.shape)
+        check_tensor_specs(h, ("codes", torch.uint8, packed_nbytes(n_sent, bits)), ("min/step", gp.meta_dtype, 2 * ng))
+        packed, meta = payload.tensors
+        if n_sent == 0:
+            return meta.new_zeros(h.shape, dtype=h.dtype)
+        lo, step = meta[:ng].float(), meta[ng:].float()
         if ng == 1:  # one grid: a table lookup per value
-            y = decode_table(packed, bits, n, grid_table(lo, step, 1 << bits))
+            values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
         else:
-            codes = unpack_bits(packed, bits, n, dtype=torch.int32).to(torch.float32)
-            if n % g:
-                codes = torch.nn.functional.pad(codes, (0, g - n % g))
-            y = torch.addcmul(lo[:, None], codes.view(ng, g), step[:, None]).view(-1)[:n]
-        return y.to(h.dtype).view(h.shape)
+            codes = gp.unsent(unpack_bits(packed, bits, n_sent, dtype=torch.int32).to(torch.float32), h.shape)
+            values = gp.sent(torch.addcmul(lo[:, None], codes, step[:, None]), h.shape)
+        return gp.restore(values, h.shape).to(h.dtype)

@@ -44,8 +44,10 @@ from __future__ import annotations
 import torch
 
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import packed_nbytes
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .grouping import Grouping
 from .quantize import (
+    GROUP_PARAM,
     blocks,
     decode_table,
     encode_blocks,
@@ -54,10 +56,12 @@ from .quantize import (
     grid_divisor,
     grid_levels,
     grid_step,
+    grid_meta,
     grid_table,
+    grouping_options,
 )
 
-__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes"]
+__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes", "group_buckets"]
 
 SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
@@ -177,6 +181,20 @@ def bucket_codes(
     return codes.add_(bucket.to(torch.int32), alpha=levels)
 
 
+def group_buckets(g: int, buckets: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Equal-count buckets of the ranks ``0 .. g-1`` of a group of ``g`` values.
+
+    Returns:
+        ``(bucket_of_rank, first, last)``: int64 ``(g,)`` bucket ``r * buckets // g`` of
+        rank ``r``; int64 ``(buckets,)`` first and last rank of each bucket (clamped into
+        ``[0, g)``; a bucket is empty when ``first > last``, which happens when ``g < buckets``).
+    """
+    b = torch.arange(buckets, device=device)
+    first = (b * g + buckets - 1) // buckets
+    last = ((b + 1) * g + buckets - 1) // buckets - 1
+    return torch.arange(g, device=device) * buckets // g, first.clamp(max=g - 1), last.clamp(min=0)
+
+
 @register_codec("sortquant", 4)
 class SortQuantizer(Codec):
     """Sort quantization: ``2**split_bits`` equal-count buckets, ``2**quant_bits`` levels in each.
@@ -187,6 +205,14 @@ class SortQuantizer(Codec):
             ``S + Q <= 16``. The original default ratio is Q:S = 3:1 (12+4, 9+3, 6+2, 3+1).
         stochastic: unbiased stochastic rounding within the bucket (error < one step)
             instead of rounding to nearest (error <= half a step).
+        group, group_size, axis, rotate, scale_dtype: as for ``quant``
+            (:class:`.quantize.UniformQuantizer`, :mod:`.grouping`). With a group other
+            than ``tensor``, buckets are by rank **inside each group** (each group is
+            sorted; bucket ``i`` holds its ranks ``[i*g/B, (i+1)*g/B)``, ties split by
+            the sort), with a min and step per group and bucket; with ``group="tensor"``
+            and a rotation or a narrow ``scale_dtype``, buckets are by rank over the
+            whole (rotated) tensor, found by a full sort. The default (tensor, no
+            rotation, float32) is the sampled-boundary formulation above.
 
     Input: a floating tensor (float32/float16/bfloat16/float64), any shape, contiguous
     or not, any device; computed in float32. Decode returns the original shape, dtype
@@ -195,27 +221,53 @@ class SortQuantizer(Codec):
 
     Wire (exact, tested)::
 
-        nbytes = ceil(n * (S + Q) / 8) + 2**S * 2 * 4 + header bytes
+        nbytes = ceil(n_sent * (S + Q) / 8) + n_groups * 2**S * 2 * sizeof(scale_dtype) + header bytes
 
-    (codes bit-packed at S + Q bits; per bucket min and step as float32).
+    (codes bit-packed at S + Q bits; per group and bucket min and step; ``n_sent`` and
+    ``n_groups`` as for ``quant``).
 
     Raises (encode):
         ValueError: non-floating input, inf/NaN values (policy in :mod:`.quantize`), or
             a range overflowing float32.
     """
 
-    def __init__(self, quant_bits: int = 6, split_bits: int = 2, stochastic: bool = False) -> None:
+    def __init__(self, quant_bits: int = 6, split_bits: int = 2, stochastic: bool = False, group: str = "tensor",
+                 group_size: int = 0, axis: int = -1, rotate: str = "none", scale_dtype: str = "float32") -> None:
         for name, v, lo in (("quant_bits", quant_bits, 1), ("split_bits", split_bits, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 16:
                 raise ValueError(f"sortquant: {name} must be an int in [{lo}, 16], got {v!r}")
         if quant_bits + split_bits > 16:
             raise ValueError(f"sortquant: quant_bits + split_bits must be <= 16, got {quant_bits} + {split_bits}")
         self.quant_bits, self.split_bits, self.stochastic = quant_bits, split_bits, bool(stochastic)
+        self.grouping = grouping_options(self.name, group, group_size, axis, rotate, scale_dtype)
+
+    def _encode_groups(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed codes and ``cat(mins, steps)`` (each ``(n_groups, 2**S)``) of a non-empty tensor, bucketed per group."""
+        gp, q, s = self.grouping, self.quant_bits, self.split_bits
+        rows = gp.rows(flat.view(shape))
+        ng, g = rows.shape
+        ranked, order = torch.sort(rows, dim=1)
+        bucket, first, last = group_buckets(g, 1 << s, rows.device)
+        mins, maxs = ranked[:, first], ranked[:, last]
+        maxs = torch.where(first <= last, maxs, mins)  # an empty bucket: min = max
+        finite_range(mins, maxs, self.name)
+        meta, lo32, div = grid_meta(mins, maxs, 1 << q, gp, self.name)
+        levels = grid_levels(ranked - lo32[:, bucket], div[:, bucket], 1 << q, self.stochastic)
+        ranked_codes = levels.to(torch.int32).add_(bucket.to(torch.int32) << q)
+        codes = torch.empty_like(ranked_codes).scatter_(1, order, ranked_codes)
+        return pack_bits(gp.sent(codes, shape), q + s, check=False), meta
 
     def encode(self, x: torch.Tensor) -> Payload:
         flat = flat_float32(x, self.name)
         q, s = self.quant_bits, self.split_bits
         n, buckets, levels = flat.numel(), 1 << s, 1 << q
+        params = (q, s, self.grouping.param(x.dim()))
+        if not self.grouping.plain:
+            if n == 0:
+                packed, meta = flat.to(torch.uint8), flat.to(self.grouping.meta_dtype)
+            else:
+                packed, meta = self._encode_groups(flat, tuple(x.shape))
+            return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, meta))
         if n == 0:
             mins = step = torch.zeros(buckets, device=flat.device)
             packed = flat.to(torch.uint8)
@@ -243,15 +295,28 @@ class SortQuantizer(Codec):
                 return bucket_codes(flat[i:j], b, mins, div, levels, self.stochastic)
 
             packed = encode_blocks(flat, q + s, codes_of)
-        return make_payload(self.codec_id, x.dtype, x.shape, (q, s), (packed, torch.cat((mins, step))))
+        return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, torch.cat((mins, step))))
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
-        q, s = check_params(h, ("quant_bits", 1, 16), ("split_bits", 0, 15))
+        q, s, group_param = check_params(h, ("quant_bits", 1, 16), ("split_bits", 0, 15), GROUP_PARAM)
         if q + s > 16:
             raise ValueError(f"corrupt header: fields 'params' (quant_bits + split_bits) = {q} + {s} > 16")
-        n, buckets = h.numel, 1 << s
-        check_tensor_specs(h, ("codes", torch.uint8, packed_nbytes(n, q + s)), ("min/step", torch.float32, 2 * buckets))
-        packed, params = payload.tensors
-        y = decode_table(packed, q + s, n, grid_table(params[:buckets], params[buckets:], 1 << q))
-        return y.to(h.dtype).view(h.shape)
+        gp = Grouping.from_param(group_param, h.shape, self.name)
+        ng, _, n_sent = gp.counts(h.shape)
+        if gp.plain:
+            ng = 1  # the sampled formulation sends its bucket parameters even for an empty tensor
+        buckets = 1 << s
+        check_tensor_specs(h, ("codes", torch.uint8, packed_nbytes(n_sent, q + s)),
+                           ("min/step", gp.meta_dtype, 2 * ng * buckets))
+        packed, meta = payload.tensors
+        if n_sent == 0:
+            return meta.new_zeros(h.shape, dtype=h.dtype)
+        m = ng * buckets
+        tables = grid_table(meta[:m].float(), meta[m:].float(), 1 << q).view(ng, -1)
+        if ng == 1:
+            values = decode_table(packed, q + s, n_sent, tables[0])
+        else:
+            codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
+            values = gp.sent(torch.gather(tables, 1, codes), h.shape)
+        return gp.restore(values, h.shape).to(h.dtype)

@@ -98,6 +98,10 @@ _SPLITS = {
 }
 
 
+#: Seed of the held-out slice of a training file: fixed, so every run (any --seed) holds out the same examples.
+HELDOUT_SEED = 0x4E1D
+
+
 def glue_task(task: str) -> GlueTask:
     """The :class:`GlueTask` of ``task`` (case and ``-`` ignored: "SST-2" = "sst2").
 
@@ -186,6 +190,7 @@ def load_glue(
     split: str,
     subset: int | None = None,
     seed: int = 0,
+    heldout: int = 0,
 ) -> list[Example]:
     """Examples of one GLUE split.
 
@@ -198,6 +203,12 @@ def load_glue(
             ``"dev_mismatched"``.
         subset: keep this many examples, fixed by ``seed`` (class-stratified, except STS-B).
         seed: seed of the subset choice.
+        heldout: with ``split="train"``: hold out this many training examples -- a fixed,
+            class-stratified choice (:data:`HELDOUT_SEED`, the same for every ``seed``) --
+            and return the rest (``subset`` is then drawn from the rest); with
+            ``split="heldout"``: return exactly those held-out examples (``subset`` and
+            ``seed`` do not apply). An evaluation set far larger than a dev set, that
+            training never sees.
 
     Returns:
         list of ``(text_a, text_b or None, label)`` in file order; label ``int`` (class id)
@@ -209,7 +220,14 @@ def load_glue(
         message names the paths tried and how to get the data.
     """
     spec = glue_task(task)
-    canonical, file = _split_file(spec, split)
+    part = "heldout" if split == "heldout" else None
+    if part and heldout < 1:
+        raise ValueError("split 'heldout' needs heldout >= 1 (how many training examples are held out)")
+    if heldout < 0:
+        raise ValueError(f"heldout must be >= 0, got {heldout}")
+    canonical, file = _split_file(spec, "train" if part else split)
+    if heldout and canonical != "train":
+        raise ValueError(f"heldout applies to the training file, not to split {split!r}")
     if data_dir is not None:
         tried = [Path(data_dir) / spec.folder / file, Path(data_dir) / file]
         path = next((p for p in tried if p.is_file()), None)
@@ -229,6 +247,14 @@ def load_glue(
                 f"Pass --data-dir pointing at a GLUE folder with {spec.folder}/{file} "
                 "(e.g. ../shared/data/glue), or run where the Hugging Face Hub is reachable."
             ) from err
+    if heldout:
+        try:
+            held = set(choose_subset([y for _, _, y in examples], heldout, HELDOUT_SEED, not spec.is_regression).tolist())
+        except ValueError as e:
+            raise ValueError(f"heldout: {e}") from None
+        if part:
+            return [ex for i, ex in enumerate(examples) if i in held]
+        examples = [ex for i, ex in enumerate(examples) if i not in held]
     keep = choose_subset([y for _, _, y in examples], subset, seed, stratify=not spec.is_regression)
     return [examples[i] for i in keep] if subset is not None else examples
 
@@ -307,11 +333,12 @@ def make_glue_loader(
     drop_last: bool | None = None,
     rank: int = 0,
     world_size: int = 1,
+    heldout: int = 0,
 ) -> DataLoader:
     """A DataLoader over one GLUE split yielding ``((input_ids, attention_mask[, token_type_ids]), labels)``.
 
     Shapes: each input int64 ``(B, max_length)``; labels int64 ``(B,)`` (float32 for STS-B).
-    Data comes from :func:`load_glue` (``data_dir``, ``split``, ``subset``, ``seed``), is
+    Data comes from :func:`load_glue` (``data_dir``, ``split``, ``subset``, ``seed``, ``heldout``), is
     tokenised once by :func:`tokenize_glue`; ``train`` is shuffled (seeded) and drops the
     last incomplete batch unless ``drop_last`` says otherwise. ``rank``/``world_size``: see
     :func:`~dgpipe.data.loading.make_dataloader`.
@@ -319,8 +346,8 @@ def make_glue_loader(
     Raises:
         as :func:`load_glue` and :func:`tokenize_glue`.
     """
-    examples = load_glue(task, data_dir, split, subset, seed)
+    examples = load_glue(task, data_dir, split, subset, seed, heldout)
     dataset = TokenizedDataset(tokenize_glue(examples, tokenizer, max_length))
-    train = _split_file(glue_task(task), split)[0] == "train"
+    train = split == "train"
     return make_dataloader(dataset, batch_size, shuffle=train, seed=seed, drop_last=drop_last, num_workers=num_workers,
                            rank=rank, world_size=world_size)

@@ -20,9 +20,10 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import ConcatDataset, DataLoader
 
 from dgpipe.data import glue_task, load_glue, make_glue_loader, offline_tokenizer
+from dgpipe.data.loading import make_dataloader
 from dgpipe.models import build_encoder, encoder_layers, small_encoder_config
 
 from .job import Job, check_partition, decay_groups, metric_key
@@ -77,7 +78,9 @@ class GlueJob(Job):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.task = glue_task(args.task)
-        self.metric_names = tuple(metric_key(m) for m in TASK_METRICS[self.task.name])
+        names = tuple(metric_key(m) for m in TASK_METRICS[self.task.name])
+        self.metric_names = names + tuple(n.replace("val_", "heldout_", 1) for n in names if args.heldout)
+        self._dev_size: int | None = None
         self.metric = self.metric_names[0]
         self.tokenizer = _tokenizer(args)
 
@@ -99,9 +102,14 @@ class GlueJob(Job):
         if args.weight_decay < 0 or not 0 <= args.warmup_ratio < 1:
             raise ValueError("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
         try:
+            heldout = args.heldout
+            if heldout < 0:
+                raise ValueError(f"--heldout must be >= 0, got {heldout}")
             for flag, split, subset in (("--train-subset", "train", args.train_subset),
-                                        ("--eval-subset", "dev", args.eval_subset)):
-                load_glue(args.task, args.data_dir, split, subset, args.seed)
+                                        ("--eval-subset", "dev", args.eval_subset),
+                                        ("--heldout", "heldout", None)):
+                if split != "heldout" or heldout:
+                    load_glue(args.task, args.data_dir, split, subset, args.seed, heldout if split != "dev" else 0)
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
         except ValueError as e:
@@ -133,9 +141,15 @@ class GlueJob(Job):
         a = self.args
         common = dict(max_length=a.max_length, seed=a.seed, num_workers=0)
         train = make_glue_loader(a.task, self.tokenizer, a.data_dir, "train", a.batch_size // world_size,
-                                 subset=a.train_subset, rank=rank, world_size=world_size, **common)
+                                 subset=a.train_subset, rank=rank, world_size=world_size, heldout=a.heldout, **common)
         evaluation = make_glue_loader(a.task, self.tokenizer, a.data_dir, "dev", a.batch_size,
                                       subset=a.eval_subset, **common)
+        if a.heldout:  # one evaluation pass: the dev examples, then the held-out ones (metrics split them)
+            self._dev_size = len(evaluation.dataset)
+            heldout = make_glue_loader(a.task, self.tokenizer, a.data_dir, "heldout", a.batch_size, heldout=a.heldout,
+                                       **common)
+            evaluation = make_dataloader(ConcatDataset([evaluation.dataset, heldout.dataset]), a.batch_size,
+                                         shuffle=False, seed=a.seed)
         return train, evaluation
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -144,8 +158,14 @@ class GlueJob(Job):
         return F.cross_entropy(output, target)
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-        values = compute_metrics(self.task.name, outputs, targets)
-        return {metric_key(k): v for k, v in values.items()}
+        """Dev metrics (``val_*``) and, with ``--heldout``, those of the held-out examples (``heldout_*``),
+        which follow the dev examples in the evaluation order."""
+        n = self._dev_size if self._dev_size is not None else len(targets)
+        values = {metric_key(k): v for k, v in compute_metrics(self.task.name, outputs[:n], targets[:n]).items()}
+        if self._dev_size is not None:
+            held = compute_metrics(self.task.name, outputs[n:], targets[n:])
+            values |= {metric_key(k).replace("val_", "heldout_", 1): v for k, v in held.items()}
+        return values
 
     def optimizer(self, params: Iterable[nn.Parameter], total_steps: int, steps_per_epoch: int,
                   momentum_in_codec: bool = False):
