@@ -11,6 +11,7 @@ import pytest
 
 from dgpipe.train import args as targs
 from dgpipe.train import loop, vision
+from dgpipe.compression import ErrorFeedback
 from dgpipe.train.codecs import CodecSpec, parse_options
 from helpers import load_cli
 
@@ -86,6 +87,10 @@ def _validated(argv, cli=VISION):
         (["--train-subset", "100", "--batch-size", "128"], "--train-subset 100 is smaller than one batch"),
         (["--devices", "cpu,cpu,cpu"], "--devices lists 3 devices for 2 processes"),
         (["--epochs", "0"], "--epochs must be positive, got 0"),
+        (["--codec", "quant", "--codec-opt", "error_feedback=true"],
+         "--codec-opt error_feedback: error feedback carries a gradient's residual"),
+        (["--grad-codec", "quant", "--grad-codec-opt", "error_feedback=2"],
+         "--grad-codec quant(error_feedback=2): error_feedback must be true or false, got 2"),
     ],
 )
 def test_common_flag_errors(argv, message, cifar, capsys):
@@ -169,6 +174,11 @@ def test_compression_flags_map_to_codecs():
     assert c.backward == CodecSpec("none") and str(c) == "forward sortquant(quant_bits=3, split_bits=1), backward none"
     c = _validated(["--codec", "quant", "--codec-opt", "bits=6", "--codec-opt", "stochastic=true"]).compression
     assert c.forward == CodecSpec("quant", {"bits": 6, "stochastic": True})
+    c = _validated(["--codec", "codebook", "--codec-opt", "bits=3", "--grad-codec", "quant",
+                    "--grad-codec-opt", "bits=4", "--grad-codec-opt", "error_feedback=true"]).compression
+    assert c.backward == CodecSpec("quant", {"bits": 4, "error_feedback": True})
+    ef = c.backward.build()
+    assert isinstance(ef, ErrorFeedback) and ef.codec.bits == 4 and not isinstance(c.forward.build(), ErrorFeedback)
     a = _validated(["--mode", "dataparallel", "--grad-compression", "powersgd",
                     "--grad-compression-opt", "matrix_approximation_rank=4"])
     assert a.compression is None and a.dp_compression == CodecSpec("powersgd", {"matrix_approximation_rank": 4})

@@ -20,6 +20,7 @@ from dgpipe.compression.codebook import fit_levels, normal_levels
 from dgpipe.compression.grouping import Grouping
 from dgpipe.compression.hadamard import HadamardRotation, fwht, random_signs
 from dgpipe.pipeline import Pipeline
+from dgpipe.train.codecs import CodecSpec
 from helpers import assert_ranks_ok, spawn_checks
 
 BF16, FP16 = "bfloat16", "float16"
@@ -359,6 +360,7 @@ def test_inf_and_nan_are_refused(name):
 
 ACT = ("codebook", {"bits": 4, "group": "token", "rotate": "hadamard", "scale_dtype": BF16})
 GRAD = ("quant", {"bits": 4, "group": "token", "rotate": "hadamard", "scale_dtype": BF16})
+GRAD_EF = CodecSpec(GRAD[0], {**GRAD[1], "error_feedback": True}).build  # what --grad-codec-opt error_feedback=true builds
 CHUNKS, BATCH, WIDTH = 4, 8, 64
 
 
@@ -367,7 +369,7 @@ def run_lowbit_pipeline_step(rank):
     model = nn.Sequential(nn.Linear(16, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 3))
     ref_model = copy.deepcopy(model)
     stages = [model[:2], model[2:]]
-    pipe = Pipeline(stages, [0, 1], chunks=CHUNKS, loss_fn=F.cross_entropy, act_codec=ACT, grad_codec=GRAD, timeout=30)
+    pipe = Pipeline(stages, [0, 1], chunks=CHUNKS, loss_fn=F.cross_entropy, act_codec=ACT, grad_codec=GRAD_EF, timeout=30)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, 16, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
     loss = pipe.train_step(x, y)
@@ -388,6 +390,17 @@ def run_lowbit_pipeline_step(rank):
         if r["recv_count"]:
             expected = act_bytes if r["direction"] == "forward" else grad_bytes
             assert r["recv_bytes"] == CHUNKS * expected, (r["direction"], r["recv_bytes"], expected)
+    # error feedback on the backward direction: the sender (rank 1) keeps one residual per
+    # micro-batch slot, the codec's error on that slot's gradient (about 2**-4 of its range)
+    states = pipe.state_dict()["codecs"]
+    residuals = {k: v["residual"] for codecs in states.values() for k, v in codecs.items()
+                 if isinstance(v, dict) and v.get("residual") is not None}
+    if rank == 1:
+        assert sorted(residuals) == [f"backward/{m}/0" for m in range(CHUNKS)]
+        for e in residuals.values():
+            assert e.shape == (BATCH // CHUNKS, WIDTH) and 0 < e.abs().max() < 1e-2
+    else:
+        assert residuals == {}
 
 
 @pytest.fixture(scope="module")

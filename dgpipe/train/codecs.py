@@ -9,7 +9,10 @@ The flag rules (issue 4, original flag names):
 - ``--grad-codec NAME`` (+ ``--grad-codec-opt``) replaces the backward codec;
   ``--grad-quant``/``--grad-split`` change the bits of the backward direction (sort
   quantization when the forward one is, or when ``--grad-split`` is given; uniform
-  quantization otherwise).
+  quantization otherwise). ``--grad-codec-opt error_feedback=true`` wraps the backward
+  codec in error feedback (:class:`~dgpipe.compression.ErrorFeedback`: the residual of
+  micro-batch slot m is added to slot m's gradient of the next step). The forward codec
+  refuses it: activations of different examples are not one stream whose sum matters.
 - ``--grad-compression NAME`` (+ ``--grad-compression-opt``): the DDP gradient hook
   of ``--mode dataparallel``.
 
@@ -23,7 +26,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from dgpipe.compression import Codec, available_codecs, get_codec
+from dgpipe.compression import Codec, ErrorFeedback, available_codecs, get_codec
 
 __all__ = [
     "MAX_BITS",
@@ -53,10 +56,19 @@ class CodecSpec:
     def build(self) -> Codec:
         """A fresh codec instance (stateful wrappers get their own state per call).
 
+        The option ``error_feedback=True`` is not the codec's own: it wraps the codec in
+        :class:`~dgpipe.compression.ErrorFeedback` (one residual per instance, i.e. per
+        boundary, direction and micro-batch slot in a pipeline).
+
         Raises:
-            ValueError: unknown codec name or bad options.
+            ValueError: unknown codec name, bad options, ``error_feedback`` not a bool.
         """
-        return get_codec(self.name, **self.options)
+        options = dict(self.options)
+        feedback = options.pop("error_feedback", False)
+        if not isinstance(feedback, bool):
+            raise ValueError(f"error_feedback must be true or false, got {feedback!r}")
+        codec = get_codec(self.name, **options)
+        return ErrorFeedback(codec) if feedback else codec
 
     def to_json(self) -> dict[str, Any]:
         """``{"name": ..., "options": {...}}`` for logs."""
@@ -151,7 +163,12 @@ def _forward(args: argparse.Namespace) -> CodecSpec:
     if args.codec is not None:
         if args.sortquant or args.quant is not None or args.split is not None:
             raise ValueError("--codec replaces --sortquant/--quant/--split; give one or the other")
-        return _checked(CodecSpec(args.codec, parse_options(args.codec_opt, "--codec-opt")), "--codec")
+        options = parse_options(args.codec_opt, "--codec-opt")
+        if "error_feedback" in options:
+            raise ValueError("--codec-opt error_feedback: error feedback carries a gradient's residual into the "
+                             "next step's; activations of different examples are no such stream. Use "
+                             "--grad-codec NAME --grad-codec-opt error_feedback=true for the backward direction")
+        return _checked(CodecSpec(args.codec, options), "--codec")
     if args.codec_opt:
         raise ValueError("--codec-opt needs --codec NAME")
     if args.sortquant:

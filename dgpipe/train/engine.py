@@ -63,8 +63,7 @@ class PipelineEngine:
         comp = args.compression
         self.pipe = Pipeline(
             stages, placement, rank, chunks=args.chunk, loss_fn=job.loss,
-            act_codec=(comp.forward.name, dict(comp.forward.options)),
-            grad_codec=(comp.backward.name, dict(comp.backward.options)),
+            act_codec=comp.forward.build, grad_codec=comp.backward.build,
             device=device, timeout=args.timeout,
             deferred_batchnorm=getattr(args, "deferred_batchnorm", False), compress_eval=args.compress_eval,
         )
