@@ -147,3 +147,13 @@ def test_split_with_detached_boundaries_gives_unsplit_gradients(family):
         sent[i][0].backward(received[i + 1][0].grad)
     for name, grad in expected.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_half_precision_checkpoint_loads_as_float32_master_weights(tmp_path):
+    model = _model("bert").half()
+    model.save_pretrained(tmp_path)
+    loaded = build_encoder(str(tmp_path), 3)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p.float(), q), name  # the float16 values, exactly
+    assert {p.dtype for p in build_encoder(str(tmp_path), 3, dtype=torch.float16).parameters()} == {torch.float16}

@@ -33,7 +33,10 @@ def build_encoder(model: str | object, num_labels: int, **kwargs) -> nn.Module:
             :func:`small_encoder_config`).
         num_labels: classes, or 1 for regression (STS-B).
         **kwargs: passed to ``from_pretrained`` / ``from_config`` (e.g.
-            ``attn_implementation="eager"``).
+            ``attn_implementation="eager"``). ``dtype`` defaults to float32 for a
+            checkpoint too: the parameters are the optimizer's master weights, also when
+            the checkpoint was saved in float16/bfloat16 (which transformers 5 would
+            otherwise keep).
 
     Raises:
         ValueError: ``num_labels < 1``.
@@ -45,6 +48,7 @@ def build_encoder(model: str | object, num_labels: int, **kwargs) -> nn.Module:
     if isinstance(model, PretrainedConfig):
         model.num_labels = num_labels
         return AutoModelForSequenceClassification.from_config(model, **kwargs)
+    kwargs.setdefault("dtype", torch.float32)
     return AutoModelForSequenceClassification.from_pretrained(
         model, num_labels=num_labels, ignore_mismatched_sizes=True, **kwargs
     )
