@@ -32,6 +32,7 @@ import argparse
 import math
 import statistics
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 import sys
 from pathlib import Path
 
@@ -123,6 +124,14 @@ def run_setting(job: str, label: str, flags: list[str], common: list[str], out: 
     return ok
 
 
+def run_all(job: str, runs: list[tuple[str, list[str], list[str]]], out: Path, parallel: int) -> bool:
+    """:func:`run_setting` for each ``(label, flags, common)``, ``parallel`` at a time, in order of
+    submission; True if every run wrote a summary."""
+    with ThreadPoolExecutor(parallel) as pool:
+        done = list(pool.map(lambda r: run_setting(job, r[0], r[1], r[2], out), runs))
+    return all(done)
+
+
 def table(out: Path, labels: list[str]) -> str:
     """Markdown table of the summaries of ``labels``' logs in ``out`` (missing ones skipped)."""
     rows = ["| setting | metric | value | wire ratio | samples/s | wall s |", "|---|---|---|---|---|---|"]
@@ -180,37 +189,85 @@ def direction_bits(summary_path: Path) -> dict[str, float]:
     return {d: 8 * w / values if values else math.nan for d, w in wire.items()}
 
 
-def seeds_table(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> str:
-    """Markdown table of a multi-seed run: bits per value, and per metric mean +- sd and the paired
-    difference to ``baseline`` (points: x100) with its 95% CI; seeds missing for a setting or its
-    baseline are left out of its pairs (the ``seeds`` column says how many pairs there are)."""
+def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> tuple[list[str], list[dict]]:
+    """Per setting of a multi-seed run: measured bits per value and, per metric, the values over
+    seeds and the paired difference to ``baseline`` (:func:`paired`). Seeds missing for a setting or
+    its baseline are left out of its pairs.
+
+    Returns ``(metrics, rows)``; each row is ``{"label", "seeds" (pairs), "forward", "backward"
+    (bits/value), "values": {metric: [per seed]}, "delta": {metric: (mean, low, high) or None}}``.
+    """
     def summaries(label):
         return {k: read_summary(out / f"{label}_seed{k}.jsonl") for k in seeds if has_summary(out / f"{label}_seed{k}.jsonl")}
 
     base = summaries(baseline)
     metrics = sorted({m for s in base.values() for m in s.get("metrics", {})})
-    head = "| setting | seeds | fwd bits/value | bwd bits/value | " + " | ".join(
-        f"{m} mean ± sd | Δ{m} (pt) [95% CI]" for m in metrics) + " |"
-    rows = [head, "|" + "---|" * (4 + 2 * len(metrics))]
+    rows = []
     for label in labels:
         runs = summaries(label)
         if not runs:
             continue
         pairs = sorted(k for k in runs if k in base)
         bits = [direction_bits(out / f"{label}_seed{k}.jsonl") for k in runs]
-        cells = [label, str(len(pairs)), f"{statistics.fmean(b['forward'] for b in bits):.2f}",
-                 f"{statistics.fmean(b['backward'] for b in bits):.2f}"]
+        row = {"label": label, "seeds": len(pairs), "values": {}, "delta": {},
+               "forward": statistics.fmean(b["forward"] for b in bits),
+               "backward": statistics.fmean(b["backward"] for b in bits)}
         for m in metrics:
-            vals = [runs[k]["metrics"][m] for k in runs]
+            row["values"][m] = [runs[k]["metrics"][m] for k in runs]
+            row["delta"][m] = None if label == baseline or not pairs else paired(
+                [runs[k]["metrics"][m] for k in pairs], [base[k]["metrics"][m] for k in pairs])
+        rows.append(row)
+    return metrics, rows
+
+
+def seeds_table(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> str:
+    """Markdown table of a multi-seed run (:func:`seeds_results`): bits per value, and per metric
+    mean +- sd and the paired difference to ``baseline`` (points: x100) with its 95% CI (the
+    ``seeds`` column says how many pairs there are)."""
+    metrics, results = seeds_results(out, labels, seeds, baseline)
+    head = "| setting | seeds | fwd bits/value | bwd bits/value | " + " | ".join(
+        f"{m} mean ± sd | Δ{m} (pt) [95% CI]" for m in metrics) + " |"
+    rows = [head, "|" + "---|" * (4 + 2 * len(metrics))]
+    for r in results:
+        cells = [r["label"], str(r["seeds"]), f"{r['forward']:.2f}", f"{r['backward']:.2f}"]
+        for m in metrics:
+            vals = r["values"][m]
             sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
             cells.append(f"{statistics.fmean(vals):.4f} ± {sd:.4f}")
-            if label == baseline or not pairs:
-                cells.append("--")
-                continue
-            d, lo, hi = paired([runs[k]["metrics"][m] for k in pairs], [base[k]["metrics"][m] for k in pairs])
-            cells.append(f"{100 * d:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]")
+            d = r["delta"][m]
+            cells.append("--" if d is None else f"{100 * d[0]:+.2f} [{100 * d[1]:+.2f}, {100 * d[2]:+.2f}]")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None = None) -> Path | None:
+    """``OUT/quality.png``: per metric, the paired difference to ``none`` (points, 95% CI bars)
+    against measured forward bits per value. Returns the path, or None when nothing is paired yet."""
+    import matplotlib.pyplot as plt
+
+    metrics, results = seeds_results(out, labels, seeds)
+    results = [r for r in results if any(d is not None for d in r["delta"].values())]
+    if not results or not metrics:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        for r in results:
+            d = r["delta"][m]
+            if d is None:
+                continue
+            err = [[0.0], [0.0]] if math.isnan(d[1]) else [[100 * (d[0] - d[1])], [100 * (d[2] - d[0])]]
+            ax.errorbar([r["forward"]], [100 * d[0]], yerr=err, fmt="o", capsize=3)
+            ax.annotate(r["label"], (r["forward"], 100 * d[0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("forward bits per value (measured, all-in)")
+        ax.set_ylabel(f"Δ {m} vs uncompressed (points, paired, 95% CI)")
+    fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
+    fig.tight_layout()
+    path = out / "quality.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for the logs, outputs and the plot")
     parser.add_argument("--title", help="plot title")
     parser.add_argument("--seeds", help="comma-separated seeds: run every setting once per seed, paired table")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs at a time (default 1; more on a machine with cores or a GPU to spare)")
     args = parser.parse_args(argv)
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
     settings = SETTINGS[args.settings]
     labels = args.only.split(",") if args.only else list(settings)
     unknown = [lab for lab in labels if lab not in settings]
@@ -242,13 +303,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--seeds {args.seeds!r}: write integers separated by commas, e.g. 0,1,2")
         if "--seed" in common:
             parser.error("--seeds gives the seeds; do not pass --seed after --")
-        ok = all([run_setting(args.job, f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)], out)
-                  for k in seeds for lab in labels])
+        ok = run_all(args.job, [(f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)])
+                                for k in seeds for lab in labels], out, args.parallel)
         table_md = seeds_table(out, labels, seeds)
         (out / "table.md").write_text(table_md + "\n")
         print(table_md)
+        png = seeds_plot(out, labels, seeds, args.title)
+        if png:
+            print(f"wrote {png}")
         return 0 if ok else 1
-    ok = all([run_setting(args.job, lab, settings[lab], common, out) for lab in labels])
+    ok = run_all(args.job, [(lab, settings[lab], common) for lab in labels], out, args.parallel)
     print(table(out, labels))
     done = [out / f"{lab}.jsonl" for lab in labels if has_summary(out / f"{lab}.jsonl")]
     if done:

