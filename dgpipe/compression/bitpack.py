@@ -209,8 +209,8 @@ def pack_bits_into(
         torch.bitwise_and(codes >> (8 * p) if p else codes, 0xFF, out=out[p * n + start : p * n + start + m])
     o = k * n + start * r // 8
     if r == 8:  # the top byte is a plane too
-        if k:
-            torch.bitwise_right_shift(codes, 8 * k, out=out[o : o + m])
+        if k:  # shift in the codes' dtype, then narrow: with a uint8 out= CUDA would shift the narrowed codes
+            out[o : o + m].copy_(codes >> (8 * k))
         else:
             out[o : o + m].copy_(codes)
         return
