@@ -30,11 +30,11 @@ EXACT = {
     "none": {}, "fp16": {}, "bf16": {},
     "quant": {"bits": 5},
     "quant_16": {"bits": 16},
-    "sortquant_16": {"quant_bits": 12, "split_bits": 4},
     "quant_token": {"bits": 4, "group": "token", "scale_dtype": "bfloat16"},
-    "sortquant": {"quant_bits": 3, "split_bits": 2},
 }
-APPROX = {
+APPROX = {  # sortquant: its bucket bounds come from a random sample, drawn by each device's generator
+    "sortquant": {"quant_bits": 3, "split_bits": 2},
+    "sortquant_16": {"quant_bits": 12, "split_bits": 4},
     "quant_rotated": {"bits": 4, **ROT},
     "codebook": {"bits": 3, "levels": "normal", **ROT},
     "codebook_fit": {"bits": 4, "levels": "fit", **ROT},
