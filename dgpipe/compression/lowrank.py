@@ -81,8 +81,8 @@ class LowRank(Codec):
                 "tensor: replace them first (e.g. torch.nan_to_num) or use codec 'none'"
             )
         r = min(self.rank, n0, m)
-        gen = torch.Generator(device=mat.device).manual_seed(SKETCH_SEED)
-        q = torch.randn(m, r, generator=gen, device=mat.device)
+        # drawn on CPU, so that a GPU rank sends what a CPU rank would (device generators differ)
+        q = torch.randn(m, r, generator=torch.Generator().manual_seed(SKETCH_SEED)).to(mat.device)
         p = torch.linalg.qr(mat @ q).Q
         for _ in range(self.power_iters):
             p = torch.linalg.qr(mat @ (mat.T @ p)).Q
