@@ -1,5 +1,6 @@
 """GLUE readers (original TSV layout, datasets fallback), offline tokenizer, tokenising, loader."""
 
+from collections import Counter
 from pathlib import Path
 
 import datasets
@@ -181,3 +182,36 @@ def test_real_glue_files(task, train, dev, train_counts):
     examples = load_glue(task, REAL, "train")
     assert len(examples) == train and len(load_glue(task, REAL, "dev")) == dev
     assert np.bincount([y for _, _, y in examples]).tolist() == train_counts  # counts from shared/data/README.md
+
+
+REAL_GLUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+
+
+@pytest.mark.skipif(not (REAL_GLUE / "SST-2" / "train.tsv").is_file(), reason=f"needs {REAL_GLUE}")
+def test_heldout_is_fixed_disjoint_from_training_and_stratified():
+    full = load_glue("sst2", REAL_GLUE, "train")
+    held = load_glue("sst2", REAL_GLUE, "heldout", heldout=4000)
+    rest = load_glue("sst2", REAL_GLUE, "train", heldout=4000)
+    assert len(held) == 4000 and len(rest) == len(full) - 4000
+    key = lambda ex: (ex[0], ex[2])  # noqa: E731
+    assert sorted(map(key, held + rest)) == sorted(map(key, full))  # a partition of the file
+    # the training subsets of every seed come from the rest only (as multisets: SST-2 repeats
+    # some phrases); the held-out set does not move with them
+    rest_count = Counter(map(key, rest))
+    for seed in (0, 1, 2):
+        sub = load_glue("sst2", REAL_GLUE, "train", subset=2000, seed=seed, heldout=4000)
+        assert len(sub) == 2000 and not Counter(map(key, sub)) - rest_count
+    assert load_glue("sst2", REAL_GLUE, "heldout", heldout=4000, seed=5) == held
+    share = sum(y for _, _, y in held) / len(held)  # class-stratified: the file's share of positives
+    assert share == pytest.approx(sum(y for _, _, y in full) / len(full), abs=1e-3)
+
+
+def test_heldout_bad_values():
+    with pytest.raises(ValueError, match="split 'heldout' needs heldout >= 1"):
+        load_glue("sst2", FIXTURES, "heldout")
+    with pytest.raises(ValueError, match="heldout must be >= 0, got -1"):
+        load_glue("sst2", FIXTURES, "train", heldout=-1)
+    with pytest.raises(ValueError, match="heldout applies to the training file"):
+        load_glue("sst2", FIXTURES, "dev", heldout=2)
+    with pytest.raises(ValueError, match="heldout: "):
+        load_glue("sst2", FIXTURES, "train", heldout=50)
