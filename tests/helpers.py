@@ -4,6 +4,8 @@
 - :func:`spawn_checks` / :func:`assert_ranks_ok`: run named checks on every rank of one
   spawned gloo world (one process-group start for a whole module), each rank writing
   its outcome per check to a file, and let every test read the outcome of its own check.
+- :func:`message_bytes` / :func:`wire_message`: a transport message's size and bytes,
+  computed independently of :mod:`dgpipe.comm.transport`.
 """
 
 from __future__ import annotations
@@ -66,3 +68,33 @@ def assert_ranks_ok(out_dir: Path, name: str, world_size: int) -> None:
     for rank in range(world_size):
         result = (out_dir / f"{name}.{rank}").read_text()
         assert result == "ok", f"rank {rank}:\n{result}"
+
+
+TRANSPORT_MAGIC = 0x64677033  # "dgp3", the transport's message magic
+
+
+def message_bytes(payloads, n_meta):
+    """Packed size: int64 fields (5 fixed, meta, header lengths, headers), then each tensor at
+    an 8-byte aligned offset; computed here independently of the transport."""
+    end = 8 * (5 + n_meta + len(payloads) + sum(p.header.numel() for p in payloads))
+    for p in payloads:
+        for t in p.tensors:
+            end = (end + 7) // 8 * 8 + t.numel() * t.element_size()
+    return end
+
+
+def wire_message(payloads, meta):
+    """The wire bytes of a message, packed here independently of the transport (module doc layout)."""
+    headers = [p.header for p in payloads]
+    total = message_bytes(payloads, len(meta))
+    words = [TRANSPORT_MAGIC, total, len(meta), len(payloads), sum(h.numel() for h in headers), *meta,
+             *(h.numel() for h in headers)] + [v for h in headers for v in h.tolist()]
+    buf = torch.zeros(total, dtype=torch.uint8)
+    buf[: 8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    end = 8 * len(words)
+    for p in payloads:
+        for t in p.tensors:
+            start = (end + 7) // 8 * 8
+            end = start + t.numel() * t.element_size()
+            buf[start:end] = t.reshape(-1).view(torch.uint8)
+    return buf

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dgpipe.comm.transport import MAGIC, Receiver, Sender, TransportError, recv_payload, send_payload
 from dgpipe.compression import Payload, get_codec
 from dgpipe.compression.base import make_payload
-from helpers import assert_ranks_ok, spawn_checks
+from helpers import assert_ranks_ok, message_bytes, spawn_checks, wire_message
 
 
 def _tensors():
@@ -70,16 +70,6 @@ def check_tags_keep_streams_apart(rank):
         assert torch.equal(first, torch.full((2,), 1.0)) and torch.equal(second, torch.full((3,), 2.0))
 
 
-def _message_bytes(payloads, n_meta):
-    """Packed size: int64 fields (5 fixed, meta, header lengths, headers), then each tensor at
-    an 8-byte aligned offset; computed here independently of the transport."""
-    end = 8 * (5 + n_meta + len(payloads) + sum(p.header.numel() for p in payloads))
-    for p in payloads:
-        for t in p.tensors:
-            end = (end + 7) // 8 * 8 + t.numel() * t.element_size()
-    return end
-
-
 def check_stream_capacity_and_posting(rank):
     """A stream whose messages grow and shrink, received into pre-posted buffers, arrives
     bit-exact with its meta; each message's wire size is its exact packed size, and the
@@ -91,7 +81,7 @@ def check_stream_capacity_and_posting(rank):
     if rank == 0:
         sender = Sender(1, tag=41)
         works = [sender.send(m, meta=[i, -n]) for i, (m, n) in enumerate(zip(messages, sizes))]
-        assert [w.nbytes for w in works] == [_message_bytes(m, 2) for m in messages]
+        assert [w.nbytes for w in works] == [message_bytes(m, 2) for m in messages]
         for w in works:
             w.wait(10)
     else:
@@ -102,7 +92,7 @@ def check_stream_capacity_and_posting(rank):
             assert meta == [i, -n]
             assert torch.equal(none.decode(payloads[0]), torch.arange(n, dtype=torch.float32))
             assert torch.equal(none.decode(payloads[1]), torch.tensor([i]))
-        assert receiver.capacity == max(_message_bytes(m, 2) for m in messages)
+        assert receiver.capacity == max(message_bytes(m, 2) for m in messages)
 
 
 def check_corrupt_magic(rank):
@@ -110,7 +100,7 @@ def check_corrupt_magic(rank):
     if rank == 0:
         dist.send(torch.tensor([12345, 40, 0, 0, 0], dtype=torch.int64).view(torch.uint8), 1, tag=21)
     else:
-        with pytest.raises(ValueError, match="corrupt or oversized message from rank 0: magic 0x3039"):
+        with pytest.raises(ValueError, match="corrupt message from rank 0: magic 0x3039"):
             recv_payload(0, "cpu", tag=21, timeout=10)
 
 
@@ -132,8 +122,8 @@ def check_inconsistent_layout(rank):
     if rank == 0:
         send_payload(lying, 1, tag=23).wait(10)
     else:
-        described, sent = _message_bytes([honest], 0), _message_bytes([lying], 0)
-        with pytest.raises(ValueError, match=f"headers describe {described} bytes, message has {sent}"):
+        described, sent = message_bytes([honest], 0), message_bytes([lying], 0)
+        with pytest.raises(ValueError, match=f"size word says {sent} bytes but its headers describe {described}"):
             recv_payload(0, "cpu", tag=23, timeout=10)
 
 
@@ -142,8 +132,32 @@ def check_oversized_message(rank):
     if rank == 0:
         dist.send(torch.tensor([MAGIC, 4 * 10**9, 0, 0, 0], dtype=torch.int64).view(torch.uint8), 1, tag=24)
     else:
-        with pytest.raises(ValueError, match="4000000000 bytes \\(max_bytes=1000000\\)"):
+        with pytest.raises(ValueError, match="size word says 4000000000 bytes, outside \\[40, 1000000\\]"):
             recv_payload(0, "cpu", tag=24, timeout=10, max_bytes=10**6)
+
+
+def check_size_word_lie_refused_at_once(rank):
+    """A real message whose size word claims 1 GiB more than is sent is refused at once, before any
+    allocation for or wait on a second part (issue 15); the stream then carries on."""
+    x = torch.randn(6, 40)
+    payload = get_codec("sortquant", quant_bits=3, split_bits=1).encode(x)
+    good = get_codec("none").encode(x)
+    lies = {1 << 20: "but its headers describe", 1 << 30: "outside \\[176, 268435456\\]"}  # the stream's limit
+    if rank == 0:
+        for extra in lies:
+            buf = wire_message([payload], [7])
+            buf.view(torch.int64)[1] += extra
+            dist.send(buf, 1, tag=26)
+        Sender(1, tag=26).send([good]).wait(10)
+    else:
+        receiver = Receiver(0, tag=26)
+        for extra, why in lies.items():
+            start = time.monotonic()
+            with pytest.raises(ValueError, match=f"corrupt message from rank 0: its size word says {extra + 176 + 136} bytes.*{why}"):
+                receiver.recv("cpu", timeout=30)
+            assert time.monotonic() - start < 5  # not the 30 s timeout
+        (p,), _ = receiver.recv("cpu", timeout=10)
+        assert torch.equal(get_codec("none").decode(p), x)
 
 
 def check_timeout_names_peer(rank):
@@ -156,6 +170,10 @@ def check_timeout_names_peer(rank):
             recv_payload(0, "cpu", tag=31, timeout=1.0)
         assert info.value.peer == 0
         assert time.monotonic() - start < 5
+        # gloo closed the pair: later receives are TransportErrors naming the peer too, not raw RuntimeErrors
+        with pytest.raises(TransportError, match="receiving from rank 0 failed") as info:
+            recv_payload(0, "cpu", tag=32, timeout=1.0)
+        assert info.value.peer == 0
 
 
 CHECKS = [
@@ -167,6 +185,7 @@ CHECKS = [
     check_corrupt_header,
     check_inconsistent_layout,
     check_oversized_message,
+    check_size_word_lie_refused_at_once,
     check_timeout_names_peer,  # last: a timed-out gloo pair is closed afterwards
 ]
 

@@ -16,11 +16,17 @@ part of exactly ``capacity`` bytes and a second part with the rest. Because the
 receiver knows the capacity before the message exists, it can post the receive of
 the next message ahead of time (:meth:`Receiver.post`) into a buffer of that size:
 with steady shapes every message is a single pre-posted transfer, as with a
-fixed-shape pipeline, yet shapes and dtypes may change at any time. The receiver
-checks ``total_bytes`` against ``max_bytes`` before allocating for a second part,
-validates every header (:func:`~dgpipe.compression.base.parse_header`) and checks that
-the layout adds up to exactly ``total_bytes``; received tensors are views into the
-message buffer (no copy).
+fixed-shape pipeline, yet shapes and dtypes may change at any time.
+
+The receiver trusts nothing it reads (:func:`read_message`): before it allocates for or
+waits on a second part, it validates the fixed fields and, when the fields and headers
+fit in the first part (they do for all but messages of many payloads), every header
+(:func:`~dgpipe.compression.base.parse_header`) and the layout they imply, which must
+end at exactly ``total_bytes``: a size word that lies is refused at once. A message whose
+headers do not fit in the first part is bounded by the stream's limit --
+:data:`LIMIT_GROWTH` times the largest message seen on the stream, at least
+:data:`MIN_LIMIT` -- or by an explicit ``max_bytes``, and checked the same way once it is
+complete. Received tensors are views into the message buffer (no copy).
 
 Tensors travel on the *wire device* of the process group: CUDA with NCCL, CPU
 otherwise. CUDA payloads over gloo are staged through CPU memory (packing the
@@ -61,6 +67,7 @@ __all__ = [
     "Sender",
     "Receiver",
     "wire_device",
+    "read_message",
     "send_payload",
     "recv_payload",
 ]
@@ -72,6 +79,10 @@ MAX_META = 64
 MAX_PAYLOADS = 64
 MAX_HEADER_NUMEL = 1 << 16
 DEFAULT_MAX_BYTES = 1 << 34  # 16 GiB: refuse to allocate more for one received message
+LIMIT_GROWTH = 16
+"""A message whose headers do not fit in its first part may be at most this many times the
+largest message seen on its stream (or :data:`MIN_LIMIT`), unless ``max_bytes`` is given."""
+MIN_LIMIT = 1 << 28  # 256 MiB
 
 
 class TransportError(RuntimeError):
@@ -113,6 +124,21 @@ def _wait(works: Sequence, peer: int, action: str, timeout: float | None, start:
                                  peer) from err  # fmt: skip
 
 
+def _post(op, buf: torch.Tensor, peer: int, group, tag: int, action: str):
+    """``dist.isend``/``dist.irecv``, with a closed link (e.g. after a timeout gloo closes the pair)
+    raised as :class:`TransportError` naming the peer."""
+    try:
+        return op(buf, peer, group=group, tag=tag)
+    except RuntimeError as err:
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise TransportError(f"{action} rank {peer} failed (the link to rank {peer} is closed: it failed, timed "
+                             f"out or went away earlier). Check rank {peer}'s log. [{first_line}]", peer) from err
+
+
+def _action(label: str, action: str) -> str:
+    return f"{label}: {action}" if label else action
+
+
 def _align(n: int) -> int:
     return (n + 7) // 8 * 8
 
@@ -135,9 +161,9 @@ class SendWork:
         nbytes: bytes this message puts on the wire (fields, headers, tensors, padding).
     """
 
-    def __init__(self, works: list, buffers: list[torch.Tensor], dst: int) -> None:
+    def __init__(self, works: list, buffers: list[torch.Tensor], dst: int, label: str = "") -> None:
         self._works, self._buffers = works, buffers
-        self.dst = dst
+        self.dst, self.label = dst, label
         self.nbytes = sum(b.numel() for b in buffers)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -149,7 +175,7 @@ class SendWork:
         Raises:
             TransportError: the receiver failed or did not receive within ``timeout``.
         """
-        _wait(self._works, self.dst, "sending to", timeout, time.monotonic())
+        _wait(self._works, self.dst, _action(self.label, "sending to"), timeout, time.monotonic())
         self._works, self._buffers = [], []
 
 
@@ -161,8 +187,10 @@ class _Stream:
         self.device = wire_device(group)
         self.exact = self.device.type != "cpu"  # NCCL: fixed capacity, padded first parts
         self.capacity = MIN_CAPACITY
+        self.largest = 0
 
     def grow(self, total: int) -> None:
+        self.largest = max(self.largest, total)
         if not self.exact:
             self.capacity = max(self.capacity, total)
 
@@ -173,11 +201,15 @@ class Sender(_Stream):
     def __init__(self, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> None:
         super().__init__(dst, group, tag)
 
-    def send(self, payloads: Sequence[Payload], meta: Sequence[int] = ()) -> SendWork:
+    def send(self, payloads: Sequence[Payload], meta: Sequence[int] = (), label: str = "") -> SendWork:
         """Start sending ``payloads`` and ``meta`` (int64 values) as one message; returns at once.
+
+        ``label`` (e.g. the boundary, direction and micro-batch) starts the messages of the
+        errors this send raises, now or in :meth:`SendWork.wait`.
 
         Raises:
             ValueError: more than 64 meta values or payloads.
+            TransportError: the link to the receiver is closed.
         """
         if len(meta) > MAX_META or len(payloads) > MAX_PAYLOADS:
             raise ValueError(f"a message holds at most {MAX_META} meta values and {MAX_PAYLOADS} payloads, "
@@ -199,9 +231,9 @@ class Sender(_Stream):
                 buf[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(torch.uint8))
         cut = self.capacity if size > self.capacity else size
         parts = [buf[:cut], buf[cut:]] if cut < size else [buf]
-        works = [dist.isend(p, self.peer, group=self.group, tag=self.tag) for p in parts]
+        works = [_post(dist.isend, p, self.peer, self.group, self.tag, _action(label, "sending to")) for p in parts]
         self.grow(total)
-        return SendWork(works, parts, self.peer)
+        return SendWork(works, parts, self.peer, label)
 
 
 class Receiver(_Stream):
@@ -223,66 +255,123 @@ class Receiver(_Stream):
 
     def _irecv(self, nbytes: int) -> tuple[torch.Tensor, object]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf, dist.irecv(buf, self.peer, group=self.group, tag=self.tag)
+        return buf, _post(dist.irecv, buf, self.peer, self.group, self.tag, "receiving from")
 
     def recv(
-        self, device: torch.device | str, timeout: float | None = None, max_bytes: int = DEFAULT_MAX_BYTES
+        self, device: torch.device | str, timeout: float | None = None, max_bytes: int | None = None
     ) -> tuple[list[Payload], list[int]]:
         """Receive the next message; blocks until it is complete.
 
         Args:
             device: where the returned payloads' tensors are placed.
             timeout: seconds for the whole message; ``None`` uses the process group's timeout.
-            max_bytes: refuse messages of more bytes than this.
+            max_bytes: refuse messages of more bytes than this; ``None``: the stream's limit
+                (module docstring) for messages whose headers do not fit in the first part,
+                :data:`DEFAULT_MAX_BYTES` for the others (their size is checked exactly).
 
         Returns:
             ``(payloads, meta)``: headers as 1-D int64 CPU tensors, tensors on ``device``.
 
         Raises:
             TransportError: the sender failed or nothing arrived within ``timeout``.
-            ValueError: a corrupt message, or one over ``max_bytes``.
+            ValueError: a corrupt message (``corrupt message from rank N: ...``), or one over
+                the limit.
         """
         start = time.monotonic()
         src, action = self.peer, "receiving from"
         first, work = self._posted.popleft() if self._posted else self._irecv(self.capacity)
         _wait([work], src, action, timeout, start)
-        magic, total, n_meta, n_payloads, header_numel = first[: 8 * _FIXED].cpu().view(torch.int64).tolist()
-        if magic != MAGIC or not 8 * _FIXED <= total <= max_bytes:
-            raise ValueError(f"corrupt or oversized message from rank {src}: magic {magic:#x}, {total} bytes "
-                             f"(max_bytes={max_bytes}); sender and receiver out of step?")  # fmt: skip
-        if not (0 <= n_meta <= MAX_META and 0 <= n_payloads <= MAX_PAYLOADS and 0 <= header_numel <= MAX_HEADER_NUMEL):
-            raise ValueError(f"corrupt message from rank {src}: {n_meta} meta, {n_payloads} payloads, "
-                             f"{header_numel} header values")  # fmt: skip
-        if total > first.numel():
-            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-            buf[: first.numel()] = first
-            work = dist.irecv(buf[first.numel() :], src, group=self.group, tag=self.tag)
-            _wait([work], src, action, timeout, start)
-        else:
-            buf = first[:total]
+
+        def rest(n: int) -> torch.Tensor:
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            _wait([_post(dist.irecv, buf, src, self.group, self.tag, action)], src, action, timeout, start)
+            return buf
+
+        limit = max_bytes if max_bytes is not None else min(DEFAULT_MAX_BYTES, max(MIN_LIMIT, LIMIT_GROWTH * self.largest))
+        payloads, meta, total = read_message(first, rest, src, limit, device)
         self.grow(total)
-        fields_numel = _FIXED + n_meta + n_payloads + header_numel
-        if 8 * fields_numel > total:
-            raise ValueError(f"corrupt message from rank {src}: {fields_numel} fields in {total} bytes")
-        words = buf[: 8 * fields_numel].cpu().view(torch.int64)
-        meta = words[_FIXED : _FIXED + n_meta].tolist()
-        lengths = words[_FIXED + n_meta : _FIXED + n_meta + n_payloads].tolist()
-        if any(n < 1 for n in lengths) or sum(lengths) != header_numel:
-            raise ValueError(f"corrupt message from rank {src}: header lengths {lengths} != {header_numel}")
-        headers = list(words[fields_numel - header_numel :].clone().split(lengths)) if lengths else []
-        specs = [parse_header(h).tensor_specs for h in headers]
-        offsets, end = _layout(fields_numel, [s for spec in specs for s in spec])
-        if end != total:
-            raise ValueError(f"corrupt message from rank {src}: headers describe {end} bytes, message has {total}")
-        it = iter(offsets)
-        payloads = []
-        for h, spec in zip(headers, specs):
-            tensors = []
-            for dt, n in spec:
-                off = next(it)
-                tensors.append(buf[off : off + n * dt.itemsize].view(dt).to(device))
-            payloads.append(Payload(h, tuple(tensors)))
         return payloads, meta
+
+
+def _fields(words: list[int], n_meta: int, n_payloads: int, header_numel: int, total: int, src: int):
+    """Meta, headers and tensor offsets from the int64 ``words`` of a message's fields; checks that
+    the headers are valid and that their layout ends at exactly ``total`` bytes."""
+    meta = words[_FIXED : _FIXED + n_meta]
+    lengths = words[_FIXED + n_meta : _FIXED + n_meta + n_payloads]
+    if any(n < 1 for n in lengths) or sum(lengths) != header_numel:
+        raise ValueError(f"corrupt message from rank {src}: header lengths {lengths} do not add up to {header_numel}")
+    fields_numel = _FIXED + n_meta + n_payloads + header_numel
+    flat = torch.tensor(words[fields_numel - header_numel : fields_numel], dtype=torch.int64)
+    headers = list(flat.split(lengths)) if lengths else []
+    try:
+        specs = [parse_header(h).tensor_specs for h in headers]
+    except ValueError as err:
+        raise ValueError(f"corrupt message from rank {src}: {err}") from None
+    offsets, end = _layout(fields_numel, [sp for spec in specs for sp in spec])
+    if end != total:
+        raise ValueError(f"corrupt message from rank {src}: its size word says {total} bytes but its headers "
+                         f"describe {end}")  # fmt: skip
+    return meta, headers, specs, offsets
+
+
+def read_message(first: torch.Tensor, rest, src: int, limit: int, device: torch.device | str):
+    """Validate and unpack one message from its first part; the receiving side of the wire format.
+
+    Args:
+        first: 1-D uint8, the message's first part (the stream's capacity: the whole
+            message, padded, when it fits).
+        rest: ``rest(n)`` returns the next ``n`` bytes of the message (1-D uint8), i.e.
+            allocates and receives the second part; called at most once, and only after
+            the checks below passed.
+        src: the sender's rank (for messages).
+        limit: most bytes of a message whose fields and headers do not fit in ``first``
+            (the others are checked exactly) -- and of any message.
+        device: where the returned tensors are placed.
+
+    Returns:
+        ``(payloads, meta, total_bytes)``.
+
+    Raises:
+        ValueError: ``corrupt message from rank N: ...`` -- a wrong magic, a size word
+            below the fields, above ``limit`` or other than the headers describe, counts out
+            of range, an invalid header -- before ``rest`` is called when the fields fit in
+            ``first``.
+    """
+    if first.numel() < 8 * _FIXED:
+        raise ValueError(f"corrupt message from rank {src}: a first part of {first.numel()} bytes")
+    head = first[: 8 * _FIXED].cpu().view(torch.int64).tolist()
+    magic, total, n_meta, n_payloads, header_numel = head
+    if magic != MAGIC:
+        raise ValueError(f"corrupt message from rank {src}: magic {magic:#x}, not {MAGIC:#x} "
+                         "(sender and receiver out of step?)")  # fmt: skip
+    if not (0 <= n_meta <= MAX_META and 0 <= n_payloads <= MAX_PAYLOADS and 0 <= header_numel <= MAX_HEADER_NUMEL):
+        raise ValueError(f"corrupt message from rank {src}: {n_meta} meta, {n_payloads} payloads, "
+                         f"{header_numel} header values")  # fmt: skip
+    fields_numel = _FIXED + n_meta + n_payloads + header_numel
+    if not 8 * fields_numel <= total <= limit:
+        raise ValueError(f"corrupt message from rank {src}: its size word says {total} bytes, outside "
+                         f"[{8 * fields_numel}, {limit}] (its {fields_numel} fields .. the limit)")  # fmt: skip
+    checked = None
+    if 8 * fields_numel <= first.numel():  # everything needed to know the size is here: check it now
+        words = first[: 8 * fields_numel].cpu().view(torch.int64).tolist()
+        checked = _fields(words, n_meta, n_payloads, header_numel, total, src)
+    if total > first.numel():
+        buf = torch.cat([first, rest(total - first.numel()).to(first.device)])
+    else:
+        buf = first[:total]
+    if checked is None:
+        checked = _fields(buf[: 8 * fields_numel].cpu().view(torch.int64).tolist(), n_meta, n_payloads,
+                          header_numel, total, src)  # fmt: skip
+    meta, headers, specs, offsets = checked
+    it = iter(offsets)
+    payloads = []
+    for h, spec in zip(headers, specs):
+        tensors = []
+        for dt, n in spec:
+            off = next(it)
+            tensors.append(buf[off : off + n * dt.itemsize].view(dt).to(device))
+        payloads.append(Payload(h, tuple(tensors)))
+    return payloads, meta, total
 
 
 def send_payload(payload: Payload, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> SendWork:
@@ -300,7 +389,7 @@ def recv_payload(
     group: dist.ProcessGroup | None = None,
     tag: int = 0,
     timeout: float | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_bytes: int | None = None,
 ) -> Payload:
     """Receive one payload sent by :func:`send_payload` from global rank ``src``; blocks.
 
@@ -309,7 +398,7 @@ def recv_payload(
         device: where the payload's tensors are placed (the header stays on CPU).
         group, tag: as given to :func:`send_payload`.
         timeout: seconds; ``None`` uses the process group's timeout.
-        max_bytes: refuse messages of more bytes than this.
+        max_bytes: refuse messages of more bytes than this (``None``: as :meth:`Receiver.recv`).
 
     Raises:
         TransportError: the sender failed or nothing arrived within ``timeout``.

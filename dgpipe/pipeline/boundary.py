@@ -268,7 +268,8 @@ class Boundary:
                 raw += t.numel() * t.element_size()
         encode_seconds = _now(self._device) - start
         meta = [int(atomic), n_micro, slot, _float_bits(loss), *flags]
-        work = self._stream(direction, sending=True).send(payloads, meta=meta)
+        work = self._stream(direction, sending=True).send(payloads, meta=meta,
+                                                           label=f"{self.name} {direction}, micro-batch {slot}")
         wire = sum(p.nbytes for p in payloads)
         self._meter.record_send(self.name, direction, raw_bytes=raw, wire_bytes=wire,
                                 frame_bytes=work.nbytes - wire, encode_seconds=encode_seconds)  # fmt: skip
@@ -276,10 +277,13 @@ class Boundary:
 
     def _recv(self, direction, slot, peer):
         start = time.perf_counter()
+        where = f"{self.name} {direction}, micro-batch {slot}"
         try:
             payloads, meta = self._stream(direction, sending=False).recv(self._device, self._timeout)
         except TransportError as err:
-            raise TransportError(f"{self.name} {direction}, micro-batch {slot}: {err}", err.peer) from err
+            raise TransportError(f"{where}: {err}", err.peer) from err
+        except ValueError as err:  # a corrupt message: name the boundary too
+            raise ValueError(f"{where}: {err}") from err
         recv_seconds = time.perf_counter() - start
         atomic, n_micro, loss, flags = self._parse_meta(meta, len(payloads), slot, peer)
         start = _now(self._device)
@@ -289,7 +293,10 @@ class Boundary:
                 tensors.append(None)
                 continue
             codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
-            tensors.append(codec.decode(next(it)))
+            try:
+                tensors.append(codec.decode(next(it)))
+            except ValueError as err:
+                raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
         decode_seconds = _now(self._device) - start
         self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip

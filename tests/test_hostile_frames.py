@@ -1,0 +1,148 @@
+"""Corrupt and hostile messages against the receiving side of the wire (issue 15).
+
+Real messages of every registered codec (packed by :func:`helpers.wire_message`) are
+mutated -- random byte flips, truncation, extension, a lying size word -- and fed to
+:func:`dgpipe.comm.transport.read_message` as a receiver would see them: the first part
+is the stream's capacity, and ``rest(n)`` stands for allocating and receiving the second
+part (bytes that were never sent time out as a :class:`TransportError`). Every outcome
+must be a clean refusal (``ValueError`` from the transport or the codec, or that
+timeout) or a tensor of the shape its header declares, in bounded time, and nothing may
+be allocated above the stream's limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dgpipe.comm.transport import MIN_CAPACITY, TransportError, read_message
+from dgpipe.compression import available_codecs, get_codec, parse_header
+from helpers import wire_message
+
+LIMIT = 1 << 20  # the stream's limit in these tests: 1 MiB
+OPTIONS = {"quant": {"bits": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"},
+           "codebook": {"bits": 3, "levels": "fit", "group": "token", "rotate": "hadamard"},
+           "sortquant": {"quant_bits": 2, "split_bits": 1, "group": "token"},
+           "randomk": {"ratio": 0.3, "seed": 1}}
+
+
+def _message(name: str) -> tuple[torch.Tensor, object]:
+    codec = get_codec(name, **OPTIONS.get(name, {}))
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    return wire_message([codec.encode(x)], [1, 2]), codec
+
+
+MESSAGES = {name: _message(name) for name in available_codecs()}
+
+
+def _size_word(data: torch.Tensor) -> int:
+    return int(data[8:16].view(torch.int64))
+
+
+def _set_size_word(data: torch.Tensor, value: int) -> None:
+    data[8:16] = torch.tensor([value], dtype=torch.int64).view(torch.uint8)
+
+
+def _receive(data: torch.Tensor, capacity: int):
+    """Feed ``data`` to read_message as a receiver with ``capacity`` would get it."""
+    first = torch.zeros(capacity, dtype=torch.uint8)  # a posted buffer holds what the message leaves
+    n = min(capacity, data.numel())
+    first[:n] = data[:n]
+    asked = []
+
+    def rest(k: int) -> torch.Tensor:
+        asked.append(k)
+        assert k <= LIMIT, f"asked to allocate {k} bytes, over the limit"
+        sent = data[capacity : capacity + k]
+        if sent.numel() < k:  # the rest never comes: the real receive times out
+            raise TransportError("timed out", 0)
+        return sent.clone()
+
+    return read_message(first, rest, 0, LIMIT, "cpu"), asked
+
+
+def _outcome(data: torch.Tensor, codec, capacity: int) -> str:
+    start = time.monotonic()
+    try:
+        (payloads, meta, total), _ = _receive(data, capacity)
+        for p in payloads:
+            y = codec.decode(p)
+            assert tuple(y.shape) == tuple(parse_header(p.header).shape)
+        result = "decoded"
+    except ValueError:
+        result = "refused"
+    except TransportError:
+        result = "timed out"
+    assert time.monotonic() - start < 5
+    return result
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+def test_intact_messages_decode_with_one_part_or_two(name):
+    data, codec = MESSAGES[name]
+    for capacity in (MIN_CAPACITY, data.numel(), 2 * data.numel()):
+        (payloads, meta, total), asked = _receive(data, capacity)
+        assert meta == [1, 2] and total == data.numel()
+        assert asked == ([data.numel() - capacity] if capacity < data.numel() else [])
+        assert codec.decode(payloads[0]).shape == (3, 40)
+
+
+mutation = st.one_of(
+    st.tuples(st.just("flip"), st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=8)),
+    st.tuples(st.just("truncate"), st.integers(0, 10**6)),
+    st.tuples(st.just("extend"), st.binary(min_size=1, max_size=600)),
+    st.tuples(st.just("size"), st.integers(-(1 << 63), (1 << 63) - 1)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(MESSAGES)), change=mutation, capacity=st.sampled_from([MIN_CAPACITY, 1024, 4096]))
+def test_mutated_messages_are_refused_or_decode_to_their_declared_shape(name, change, capacity):
+    data, codec = MESSAGES[name]
+    data = data.clone()
+    kind, arg = change
+    if kind == "flip":
+        for pos, xor in arg:
+            data[pos % data.numel()] ^= xor
+    elif kind == "truncate":
+        data = data[: arg % data.numel()]
+    elif kind == "extend":
+        data = torch.cat([data, torch.frombuffer(bytearray(arg), dtype=torch.uint8)])
+    else:
+        _set_size_word(data, arg)
+    _outcome(data, codec, capacity)
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+@pytest.mark.parametrize("extra", [1, 4096, 1 << 30, 1 << 40])
+def test_a_lying_size_word_is_refused_before_any_second_part(name, extra):
+    data, _ = MESSAGES[name]
+    lie = data.clone()
+    _set_size_word(lie, _size_word(lie) + extra)
+    for capacity in (MIN_CAPACITY, data.numel()):
+        with pytest.raises(ValueError, match="corrupt message from rank 0: its size word says"):
+            _receive(lie, capacity)
+
+
+def test_headers_beyond_the_first_part_are_bounded_by_the_limit():
+    """With more header words than the first part holds, only the limit bounds the size word."""
+    codec = get_codec("none")
+    payloads = [codec.encode(torch.randn(2)) for _ in range(40)]  # 40 headers: > 512 bytes of fields
+    data = wire_message(payloads, [])
+    (got, _, total), asked = _receive(data, MIN_CAPACITY)
+    assert len(got) == 40 and asked == [total - MIN_CAPACITY]
+    lie = data.clone()
+    _set_size_word(lie, LIMIT + 1)
+    with pytest.raises(ValueError, match=f"size word says {LIMIT + 1} bytes, outside"):
+        _receive(lie, MIN_CAPACITY)
+    _set_size_word(lie, data.numel() + 8)  # within the limit: found out once the message is complete
+    with pytest.raises(TransportError):  # the 8 bytes never come
+        _receive(lie, MIN_CAPACITY)
+    ext = torch.cat([data, torch.zeros(8, dtype=torch.uint8)])
+    _set_size_word(ext, ext.numel())
+    with pytest.raises(ValueError, match="but its headers describe"):
+        _receive(ext, MIN_CAPACITY)
