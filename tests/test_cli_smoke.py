@@ -101,6 +101,27 @@ def test_nlp_dataparallel_tiny_roberta(tmp_path, capfd):
     assert ddp["recv_seconds"] > 0 and {"frame_bytes", "encode_seconds", "decode_seconds"} <= set(ddp)
 
 
+@needs_rte
+def test_nlp_pipeline_evaluates_dev_and_heldout_with_lowbit_codecs(tmp_path):
+    """--heldout: the summary carries dev and held-out metrics (one evaluation pass over both);
+    a rotated per-token codebook forward and error-fed 4-bit gradients backward."""
+    log = tmp_path / "rte.jsonl"
+    code = load_cli("test_nlp_dgpipe").main([
+        "--task", "rte", "--data-dir", str(_tiny_rte(tmp_path / "glue", 96, 16)), "--model-config", "tiny-roberta",
+        "--max-length", "48", "--batch-size", "8", "--chunk", "2", "--epochs", "1", "--max-steps", "2", "--lr", "1e-4",
+        "--heldout", "24", "--codec", "codebook", "--codec-opt", "bits=2", "--codec-opt", "group=token",
+        "--codec-opt", "rotate=hadamard", "--grad-codec", "quant", "--grad-codec-opt", "bits=4",
+        "--grad-codec-opt", "group=token", "--grad-codec-opt", "error_feedback=true",
+        "--log", str(log), "--no-progress",
+    ])
+    assert code == 0
+    epoch, summary = _check_log(log, "val_acc")
+    assert set(summary["metrics"]) == {"val_acc", "heldout_acc"}
+    assert epoch["heldout_acc"] == summary["metrics"]["heldout_acc"]
+    assert 0 <= summary["metrics"]["heldout_acc"] <= 1 and round(24 * summary["metrics"]["heldout_acc"], 6).is_integer()
+    assert summary["wire_bytes"] < summary["raw_bytes"] / 4
+
+
 def _in_process(cli: str, job_cls, argv: list[str]) -> None:
     """Run a job's loop as one in-process rank (no process spawned)."""
     import time

@@ -12,6 +12,7 @@ be allocated above the stream's limit.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -99,7 +100,7 @@ mutation = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(MESSAGES)), change=mutation, capacity=st.sampled_from([MIN_CAPACITY, 1024, 4096]))
 def test_mutated_messages_are_refused_or_decode_to_their_declared_shape(name, change, capacity):
     data, codec = MESSAGES[name]
@@ -146,3 +147,14 @@ def test_headers_beyond_the_first_part_are_bounded_by_the_limit():
     _set_size_word(ext, ext.numel())
     with pytest.raises(ValueError, match="but its headers describe"):
         _receive(ext, MIN_CAPACITY)
+
+
+def test_a_header_declaring_a_huge_tensor_is_refused_before_decoding():
+    """A sparse payload may decode to far more than it sends, but not to gigabytes from a few
+    hundred bytes: the declared tensors are bounded by MAX_EXPANSION x the message (or MIN_DECLARED)."""
+    codec = get_codec("randomk", ratio=0.3, seed=1)
+    payload = codec.encode(torch.randn(3, 40))
+    payload.header[4:6] = torch.tensor([3, 40 * 10**6])  # ndim 2: the shape words follow dtype and ndim
+    assert parse_header(payload.header).shape == (3, 40 * 10**6)
+    with pytest.raises(ValueError, match="declare tensors of 480000000 bytes, more than 4096x"):
+        _receive(wire_message([payload], []), MIN_CAPACITY)

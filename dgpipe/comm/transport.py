@@ -83,6 +83,12 @@ LIMIT_GROWTH = 16
 """A message whose headers do not fit in its first part may be at most this many times the
 largest message seen on its stream (or :data:`MIN_LIMIT`), unless ``max_bytes`` is given."""
 MIN_LIMIT = 1 << 28  # 256 MiB
+MAX_EXPANSION = 4096
+"""The tensors a message's headers declare (what decoding allocates) may hold at most this many
+times the message's own bytes, or :data:`MIN_DECLARED` bytes: far above any codec's ratio (top-k at
+0.1% is ~700x, rank-1 factors of a 4096 x 4096 matrix 2048x), far below what a forged 300-byte
+header could ask for."""
+MIN_DECLARED = 1 << 26  # 64 MiB
 
 
 class TransportError(RuntimeError):
@@ -304,9 +310,14 @@ def _fields(words: list[int], n_meta: int, n_payloads: int, header_numel: int, t
     flat = torch.tensor(words[fields_numel - header_numel : fields_numel], dtype=torch.int64)
     headers = list(flat.split(lengths)) if lengths else []
     try:
-        specs = [parse_header(h).tensor_specs for h in headers]
+        parsed = [parse_header(h) for h in headers]
     except ValueError as err:
         raise ValueError(f"corrupt message from rank {src}: {err}") from None
+    specs = [h.tensor_specs for h in parsed]
+    declared = sum(h.numel * h.dtype.itemsize for h in parsed)
+    if declared > max(MIN_DECLARED, MAX_EXPANSION * total):
+        raise ValueError(f"corrupt message from rank {src}: its {total} bytes declare tensors of {declared} bytes, "
+                         f"more than {MAX_EXPANSION}x (or {MIN_DECLARED} bytes) a codec can expand to")
     offsets, end = _layout(fields_numel, [sp for spec in specs for sp in spec])
     if end != total:
         raise ValueError(f"corrupt message from rank {src}: its size word says {total} bytes but its headers "

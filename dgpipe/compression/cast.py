@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, Payload, make_payload, register_codec
+from .base import Codec, Payload, check_tensor_specs, make_payload, register_codec
 
 
 @register_codec("none", 0)
@@ -19,6 +19,7 @@ class NoCompression(Codec):
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
+        check_tensor_specs(h, ("values", h.dtype, h.numel))
         return payload.tensors[0].view(h.shape)
 
 
@@ -38,6 +39,7 @@ class _Cast(Codec):
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
+        check_tensor_specs(h, ("values", self.wire_dtype, h.numel))
         return payload.tensors[0].view(h.shape).to(h.dtype)
 
 

@@ -96,5 +96,6 @@ class QSGD(SeededCodec):
         codes = unpack_bits(packed, bits, n)
         if n and int(codes.max()) > 2 * s:
             raise ValueError(f"corrupt payload: a code exceeds 2*levels = {2 * s}")
-        per_value = norms.repeat_interleave(bucket_size)[:n] if bucket_size else norms.expand(n)
+        # by index, not repeat_interleave(bucket_size): a header may claim any bucket size up to MAX_NUMEL
+        per_value = norms[torch.arange(n, device=norms.device) // bucket_size] if bucket_size else norms.expand(n)
         return ((codes - s).to(torch.float32) * (per_value / s)).to(h.dtype).view(h.shape)
