@@ -261,7 +261,7 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("forward bits per value (measured, all-in)")
-        ax.set_ylabel(f"Δ {m} vs uncompressed (points, paired, 95% CI)")
+        ax.set_ylabel(f"Δ {m} vs none (pt, paired 95% CI)")
     fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
     fig.tight_layout()
     path = out / "quality.png"
