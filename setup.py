@@ -12,6 +12,7 @@ setup(
         "transformers",
         "datasets",
         "numpy",
+        "numba",
         "tqdm",
         "pillow",
         "scikit-learn",

@@ -20,8 +20,17 @@ tensor, split the sorted values into ``2**S`` equal chunks, loop in Python over 
 chunks computing min and step, round, and scatter the codes back by the sort indices;
 codes held one per byte (``uint8``, <= 8 bits) or two (``int16``), no bit-packing.
 
+Every dgpipe codec is timed twice, ``eager`` (the torch ops) and ``fused`` (the Numba
+kernels of :mod:`dgpipe.compression.fused`: same bytes, tested), side by side in the same
+rounds. With ``hivemind`` importable (``pip install hivemind==1.1.12 "numpy<2"``, best in
+a separate environment: it is not a dependency), its ``Uniform8BitQuantization`` and
+``Quantile8BitQuantization`` (the 8-bit compressors behind Petals' hidden-state traffic)
+get rows too.
+
 Targets (printed at the end): sortquant >= 10x faster than the original at every
-width, MSE <= 1.1x the original's, wire ratio within 1% of (S+Q)/32.
+width, MSE <= 1.1x the original's, wire ratio within 1% of (S+Q)/32; fused sortquant 6+2
+and quant 8 >= 1500 MB/s encode+decode, fused sortquant 6+2 >= 4x eager sortquant 6+2
+and >= 50x the original.
 
 ``--real`` adds a second table: the low-bit options (per-group scales, Hadamard
 rotation, the codebook codec) beside today's ``quant`` and ``sortquant`` on the real
@@ -29,7 +38,8 @@ tensors that cross a client/server boundary in one step, both directions
 (:mod:`boundary_tensors`: all-MiniLM-L6-v2 on SST-2, MobileNetV2 on CIFAR-10), one table
 per model: measured bits per value (all-in: codes, metadata, header), relative MSE
 (MSE / variance of the tensor, padding positions included: they are sent too) per
-tensor, and MB/s on the largest tensor.
+tensor, and MB/s on the largest tensor, eager and fused (the same where no fused kernel
+applies: rotated or per-channel groups, the codebook codec).
 
 ``--device cuda`` runs everything on the GPU (timed with ``torch.cuda.synchronize``).
 
@@ -46,7 +56,7 @@ import time
 
 import torch
 
-from dgpipe.compression import get_codec
+from dgpipe.compression import fused, get_codec
 
 SHAPE = (64, 32, 56, 56)
 WIDTHS = ((12, 4), (9, 3), (6, 2), (3, 1))  # (Q, S): 16, 12, 8, 4 bits
@@ -88,10 +98,30 @@ def original_roundtrip(x: torch.Tensor, q: int, s: int):
     return enc, original_decode(*enc, q)
 
 
-def roundtrip(codec, x: torch.Tensor):
-    """``(payload, decoded)`` of a dgpipe codec."""
-    payload = codec.encode(x)
-    return payload, codec.decode(payload)
+def roundtrip(codec, x: torch.Tensor, use_fused: bool = True):
+    """``(payload, decoded)`` of a dgpipe codec, with the fused kernels on or off."""
+    previous = fused.set_enabled(use_fused)
+    try:
+        payload = codec.encode(x)
+        return payload, codec.decode(payload)
+    finally:
+        fused.set_enabled(previous)
+
+
+def hivemind_codecs() -> dict:
+    """``label -> roundtrip function`` of hivemind's 8-bit compressors, or ``{}`` without hivemind."""
+    try:
+        from hivemind.compression import Quantile8BitQuantization, Uniform8BitQuantization
+    except Exception:  # not installed, or its numpy < 2 requirement not met
+        return {}
+
+    def make(compressor):
+        def run(x):
+            msg = compressor.compress(x, None)
+            return msg, compressor.extract(msg)
+        return run
+
+    return {"hivemind uniform 8": make(Uniform8BitQuantization()), "hivemind quantile 8": make(Quantile8BitQuantization())}
 
 
 def timed(fns: dict, rounds: int, inner: int, clock=time.perf_counter, sync=lambda: None) -> dict:
@@ -161,8 +191,8 @@ def real_table(model: str, reps: int, device: str, clock, sync) -> list[str]:
     tensors = {k.removeprefix(f"{model}_"): v.to(device) for k, v in tensors.items()}
     largest = max(tensors, key=lambda k: tensors[k].numel())
     rows = [
-        f"| codec | bits/value | {' | '.join(tensors)} | MB/s ({largest}) |",
-        "|---|---|" + "---|" * len(tensors) + "---|",
+        f"| codec | bits/value | {' | '.join(tensors)} | MB/s eager ({largest}) | MB/s fused |",
+        "|---|---|" + "---|" * len(tensors) + "---|---|",
     ]
     for label, (name, options, grouped) in REAL_CODECS.items():
         codec = get_codec(name, **options, **(GROUPED[model] if grouped else {}))
@@ -173,9 +203,23 @@ def real_table(model: str, reps: int, device: str, clock, sync) -> list[str]:
             nbytes += payload.nbytes
         bits = 8 * nbytes / sum(x.numel() for x in tensors.values())
         x = tensors[largest]
-        ((t, _),) = timed({label: lambda: roundtrip(codec, x)}, reps, 1, clock, sync).values()
-        rows.append(f"| {label} | {bits:.2f} | {' | '.join(f'{e:.3g}' for e in errors)} | {x.numel() * 4 / t / 1e6:.0f} |")
+        times = timed({on: (lambda on=on: roundtrip(codec, x, on)) for on in (False, True)}, reps, 1, clock, sync)
+        speeds = " | ".join(f"{x.numel() * 4 / times[on][0] / 1e6:.0f}" for on in (False, True))
+        rows.append(f"| {label} | {bits:.2f} | {' | '.join(f'{e:.3g}' for e in errors)} | {speeds} |")
     return rows
+
+
+def fused_fails(kind: str, measured: dict, raw: int, t_orig: float, fails: list) -> None:
+    """Append the missed fused-kernel targets at 8 bits (module doc) of one data kind to ``fails``."""
+    t_sq_eager, t_sq = measured["sortquant 6+2 eager"][0], measured["sortquant 6+2 fused"][0]
+    for label in ("sortquant 6+2 fused", "quant 8 fused"):
+        mbs = raw / measured[label][0] / 1e6
+        if mbs < 1500:
+            fails.append(f"{kind} {label}: {mbs:.0f} MB/s < 1500")
+    if t_sq_eager / t_sq < 4:
+        fails.append(f"{kind} sortquant 6+2 fused: {t_sq_eager / t_sq:.1f}x eager < 4x")
+    if t_orig / t_sq < 50:
+        fails.append(f"{kind} sortquant 6+2 fused: {t_orig / t_sq:.0f}x the original < 50x")
 
 
 def main() -> None:
@@ -215,7 +259,11 @@ def main() -> None:
                 f"quant {bits}": get_codec("quant", bits=bits),
             }
             fns = {"original": lambda: original_roundtrip(x, q, s)}
-            fns.update({label: (lambda c=c: roundtrip(c, x)) for label, c in codecs.items()})
+            for label, c in codecs.items():
+                for mode in ("eager", "fused"):
+                    fns[f"{label} {mode}"] = lambda c=c, on=mode == "fused": roundtrip(c, x, on)
+            if bits == 8 and device.type == "cpu":
+                fns.update({label: (lambda f=f: f(x)) for label, f in hivemind_codecs().items()})
             measured = timed(fns, args.reps, inner=3, clock=clock, sync=sync)
             t_orig, ((codes, mins, _), y) = measured.pop("original")
             mse_orig = float(((y - x.reshape(-1)) ** 2).mean())
@@ -223,7 +271,7 @@ def main() -> None:
             rows.append((kind, bits, f"original {q}+{s}", raw / t_orig / 1e6, mse_orig, wire_orig, "1.0", "1.00"))
             for label, (t, (p, y)) in measured.items():
                 mse = float(((y - x) ** 2).mean())
-                wire = p.nbytes / raw
+                wire = (p.nbytes if hasattr(p, "nbytes") else p.ByteSize()) / raw
                 speedup, mse_ratio = t_orig / t, mse / mse_orig
                 rows.append((kind, bits, label, raw / t / 1e6, mse, wire, f"{speedup:.1f}", f"{mse_ratio:.2f}"))
                 if label.startswith("sortquant"):
@@ -233,8 +281,12 @@ def main() -> None:
                         fails.append(f"{kind} {label}: MSE ratio {mse_ratio:.2f} > 1.1")
                     if abs(wire / (bits / 32) - 1) > 0.01:
                         fails.append(f"{kind} {label}: wire ratio {wire:.5f} not within 1% of {bits / 32}")
+            if bits == 8:
+                fused_fails(kind, measured, raw, t_orig, fails)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
+    if not fused.enabled() or device.type != "cpu":
+        where += " (fused kernels unavailable: the 'fused' rows ran the eager path)"
     print(
         f"torch {torch.__version__}, {where}, tensor {'x'.join(map(str, SHAPE))} float32; "
         f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.reps} runs of the original and "

@@ -36,7 +36,10 @@ import math
 
 import torch
 
-__all__ = ["CHUNK", "MAX_BITS", "index_bits", "packed_nbytes", "pack_bits", "pack_bits_into", "unpack_bits"]
+__all__ = [
+    "CHUNK", "MAX_BITS", "index_bits", "packed_nbytes", "pack_bits", "pack_bits_into", "unpack_bits",
+    "layout_planes", "layout_word",
+]
 
 MAX_BITS = 62
 """Widest code :func:`pack_bits` accepts (quantizers use 1..16; packed indices may need more)."""
@@ -60,7 +63,7 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be an int in [1, {MAX_BITS}], got {bits!r}")
 
 
-def _word(r: int) -> tuple[int, int, torch.dtype]:
+def layout_word(r: int) -> tuple[int, int, torch.dtype]:
     """``(g, w, dtype)``: ``g`` codes of ``r <= 8`` bits fill exactly ``w`` bytes, held in ``dtype``."""
     g = 8 // math.gcd(r, 8)
     w = g * r // 8
@@ -69,7 +72,7 @@ def _word(r: int) -> tuple[int, int, torch.dtype]:
 
 def _pack_chunks(codes: torch.Tensor, r: int, out: torch.Tensor) -> None:
     """Chunks (``len(codes)`` a multiple of :data:`CHUNK`) of ``r``-bit codes into ``out`` (uint8)."""
-    g, w, wdtype = _word(r)
+    g, w, wdtype = layout_word(r)
     if g == 1:
         out.copy_(codes)
         return
@@ -89,7 +92,7 @@ def _pack_chunks(codes: torch.Tensor, r: int, out: torch.Tensor) -> None:
 
 def _unpack_chunks(packed: torch.Tensor, r: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`_pack_chunks`: the 1-D codes as ``dtype``."""
-    g, w, wdtype = _word(r)
+    g, w, wdtype = layout_word(r)
     if g == 1:
         return packed.to(dtype)
     planes = packed.view(-1, w, CHUNK // g)
@@ -104,7 +107,7 @@ def _unpack_chunks(packed: torch.Tensor, r: int, dtype: torch.dtype) -> torch.Te
 
 def _pack_stream(codes: torch.Tensor, r: int, out: torch.Tensor) -> None:
     """``m`` codes of ``r <= 8`` bits as the little-endian bit stream into ``out`` (``ceil(m*r/8)`` bytes)."""
-    g, w, _ = _word(r)
+    g, w, _ = layout_word(r)
     m = codes.numel()
     c = torch.nn.functional.pad(codes.to(torch.int64), (0, -m % g)).view(-1, g)
     word = (c << torch.arange(0, g * r, r, device=c.device)).sum(1)  # the codes' bits do not overlap
@@ -114,7 +117,7 @@ def _pack_stream(codes: torch.Tensor, r: int, out: torch.Tensor) -> None:
 
 def _unpack_stream(packed: torch.Tensor, r: int, m: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`_pack_stream`: ``m`` codes as 1-D ``dtype``."""
-    g, w, _ = _word(r)
+    g, w, _ = layout_word(r)
     words = -(-m // g)
     b = torch.nn.functional.pad(packed.to(torch.int64), (0, words * w - packed.numel())).view(words, w)
     word = (b << torch.arange(0, 8 * w, 8, device=b.device)).sum(1, keepdim=True)
@@ -122,7 +125,7 @@ def _unpack_stream(packed: torch.Tensor, r: int, m: int, dtype: torch.dtype) -> 
     return codes.view(-1)[:m].to(dtype)
 
 
-def _planes(bits: int) -> tuple[int, int]:
+def layout_planes(bits: int) -> tuple[int, int]:
     """``(k, r)``: ``bits`` = ``k`` whole low bytes (planes of ``n`` bytes) + ``r`` high bits, ``1 <= r <= 8``."""
     k = (bits - 1) // 8
     return k, bits - 8 * k
@@ -204,7 +207,7 @@ def pack_bits_into(
         raise ValueError(f"out must be 1-D uint8 of {packed_nbytes(n, bits)} bytes, got {out.dtype}{tuple(out.shape)}")
     if m == 0:
         return
-    k, r = _planes(bits)
+    k, r = layout_planes(bits)
     for p in range(k):  # whole-byte planes: byte p of every code
         torch.bitwise_and(codes >> (8 * p) if p else codes, 0xFF, out=out[p * n + start : p * n + start + m])
     o = k * n + start * r // 8
@@ -257,7 +260,7 @@ def unpack_bits(
             f"packed must be 1-D uint8 of ceil({n} * {bits} / 8) = {packed_nbytes(n, bits)} bytes, "
             f"got {packed.dtype} of shape {tuple(packed.shape)}"
         )
-    k, r = _planes(bits)
+    k, r = layout_planes(bits)
     m = stop - start
     full = m - m % CHUNK if stop == n else m
     work = torch.int32 if bits <= 31 else torch.int64  # int32 arithmetic is much faster on CPU

@@ -41,10 +41,13 @@ uniform quantization within buckets as in :mod:`.quantize`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from . import fused
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
 from .grouping import Grouping
 from .quantize import (
     GROUP_PARAM,
@@ -58,10 +61,12 @@ from .quantize import (
     grid_step,
     grid_meta,
     grid_table,
+    fused_uniform_decode,
+    fused_uniform_encode,
     grouping_options,
 )
 
-__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes", "group_buckets"]
+__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes", "group_buckets", "fused_bucket_values"]
 
 SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
@@ -83,7 +88,7 @@ def sample_size(n: int, buckets: int) -> int:
 
 def bucket_grid(
     flat: torch.Tensor, buckets: int, lo: torch.Tensor, hi: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Boundaries and per-bucket ranges of ``flat`` split into ``buckets`` equal-count buckets.
 
     Args:
@@ -92,12 +97,15 @@ def bucket_grid(
         lo, hi: 0-d float32, the min and max of ``flat``.
 
     Returns:
-        ``(bounds, mins, maxs)``. ``bounds``: the ``buckets - 1`` non-decreasing lower
+        ``(bounds, mins, maxs, below)``. ``bounds``: the ``buckets - 1`` non-decreasing lower
         boundaries of buckets ``1 ..``: ``s[(i * m) // buckets]``, ``s`` the sorted
         :func:`sample_size` values (each a value of ``flat``). ``mins``: per-bucket
         min, ``(lo, *bounds)`` (exact: ``bounds[i-1]`` is the smallest value of bucket
         ``i``, unless that is empty). ``maxs``: per-bucket max (= min for an empty
-        bucket) when the split is exact (``s`` is all of ``flat``), else None.
+        bucket) when the split is exact (``s`` is all of ``flat``), else None. ``below``
+        (sampled split only, else None): ``(buckets - 1,)``, for each boundary the
+        largest sampled value below it (the bucket min when none is): a lower bound of
+        that bucket's max (:func:`.fused.bucket_maxima`).
     """
     n = flat.numel()
     m = sample_size(n, buckets)
@@ -110,11 +118,13 @@ def bucket_grid(
     bounds = s[torch.arange(1, buckets, device=flat.device) * m // buckets]
     mins = torch.cat((lo.view(1), bounds))
     if m < n:
-        return bounds, mins, None
+        i = torch.searchsorted(s, bounds).sub_(1)
+        below = torch.where(i >= 0, s[i.clamp(min=0)], mins[:-1])  # largest sampled value below each boundary
+        return bounds, mins, None, below
     # bucket i's max: the largest value below the next boundary (or hi), if the bucket is not empty
     uppers = torch.cat((bounds, hi.view(1)))
     top = torch.cat((s[torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)], hi.view(1)))
-    return bounds, mins, torch.where(uppers > mins, top, mins)
+    return bounds, mins, torch.where(uppers > mins, top, mins), None
 
 
 class BucketIndex:
@@ -195,6 +205,27 @@ def group_buckets(g: int, buckets: int, device: torch.device) -> tuple[torch.Ten
     return torch.arange(g, device=device) * buckets // g, first.clamp(max=g - 1), last.clamp(min=0)
 
 
+def fused_bucket_values(
+    packed: torch.Tensor, quant_bits: int, split_bits: int, n: int, mins: torch.Tensor, step: torch.Tensor
+) -> torch.Tensor | None:
+    """The ``n`` decoded values (1-D float32) of one group's codes from :mod:`.fused`, or None.
+
+    ``mins``/``step``: float32 ``(2**S,)`` as sent. Whole chunks come from the fused
+    kernel, the tail from the table of :func:`.quantize.grid_table`: the values are
+    those of :func:`.quantize.decode_table`.
+    """
+    if split_bits == 0:
+        return fused_uniform_decode(packed, quant_bits, n, mins, step, n)
+    y = torch.empty(n, dtype=torch.float32)
+    if not fused.decode_buckets(packed, quant_bits, mins, step, y):
+        return None
+    full = n - n % CHUNK
+    if full < n:
+        codes = unpack_bits(packed, quant_bits + split_bits, n, start=full)
+        y[full:] = grid_table(mins, step, 1 << quant_bits)[codes]
+    return y
+
+
 @register_codec("sortquant", 4)
 class SortQuantizer(Codec):
     """Sort quantization: ``2**split_bits`` equal-count buckets, ``2**quant_bits`` levels in each.
@@ -257,6 +288,20 @@ class SortQuantizer(Codec):
         codes = torch.empty_like(ranked_codes).scatter_(1, order, ranked_codes)
         return pack_bits(gp.sent(codes, shape), q + s, check=False), meta
 
+    def _fused_codes(self, flat: torch.Tensor, bounds: torch.Tensor | None, mins: torch.Tensor, div: torch.Tensor,
+                     codes_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor | None:
+        """Packed codes of the plain formulation from :mod:`.fused` (the tail from ``codes_of``), or None."""
+        q, s, n = self.quant_bits, self.split_bits, flat.numel()
+        if bounds is None:
+            return fused_uniform_encode(flat, mins, div, q, n)
+        out = torch.empty(packed_nbytes(n, q + s), dtype=torch.uint8)
+        if not fused.encode_buckets(flat, bounds, mins, div, q, out):
+            return None
+        full = n - n % CHUNK
+        if full < n:
+            pack_bits_into(out, codes_of(full, n), q + s, n, full, check=False)
+        return out
+
     def encode(self, x: torch.Tensor) -> Payload:
         flat = flat_float32(x, self.name)
         q, s = self.quant_bits, self.split_bits
@@ -274,16 +319,22 @@ class SortQuantizer(Codec):
         else:
             lo, hi = torch.aminmax(flat)
             finite_range(lo, hi, self.name)
-            bounds, mins, maxs = (None, lo.view(1), hi.view(1)) if s == 0 else bucket_grid(flat, buckets, lo, hi)
+            if s == 0:
+                bounds, mins, maxs, below = None, lo.view(1), hi.view(1), None
+            else:
+                bounds, mins, maxs, below = bucket_grid(flat, buckets, lo, hi)
             search = None if bounds is None else BucketIndex(bounds)
             index = None  # buckets found in a first pass, reused by the second
-            if maxs is None:  # sampled split: one pass for the buckets and their exact maxima
+            if below is not None:  # sampled split: one pass for the exact maxima (and, eager, the buckets)
+                maxs = fused.bucket_maxima(flat, bounds, mins, below, hi)
+            if maxs is None:
                 index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
                 maxs = mins.clone()
                 for i, j in blocks(flat):
                     b = search(flat[i:j])
                     index[i:j] = b
                     maxs.scatter_reduce_(0, b, flat[i:j], "amax")
+                maxs += 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
             step = grid_step(mins, maxs, levels)
             div = grid_divisor(step)
 
@@ -294,7 +345,9 @@ class SortQuantizer(Codec):
                     b = search(flat[i:j]) if index is None else index[i:j].long()
                 return bucket_codes(flat[i:j], b, mins, div, levels, self.stochastic)
 
-            packed = encode_blocks(flat, q + s, codes_of)
+            packed = None if self.stochastic else self._fused_codes(flat, bounds, mins, div, codes_of)
+            if packed is None:
+                packed = encode_blocks(flat, q + s, codes_of)
         return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, torch.cat((mins, step))))
 
     def decode(self, payload: Payload) -> torch.Tensor:
@@ -314,9 +367,10 @@ class SortQuantizer(Codec):
             return meta.new_zeros(h.shape, dtype=h.dtype)
         m = ng * buckets
         tables = grid_table(meta[:m].float(), meta[m:].float(), 1 << q).view(ng, -1)
-        if ng == 1:
+        values = fused_bucket_values(packed, q, s, n_sent, meta[:m].float(), meta[m:].float()) if ng == 1 else None
+        if values is None and ng == 1:
             values = decode_table(packed, q + s, n_sent, tables[0])
-        else:
+        elif values is None:
             codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
             values = gp.sent(torch.gather(tables, 1, codes), h.shape)
         return gp.restore(values, h.shape).to(h.dtype)

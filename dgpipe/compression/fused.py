@@ -1,0 +1,458 @@
+"""Fused CPU kernels for the hot quantizers: values read once, packed codes written once.
+
+The eager codecs (:mod:`.quantize`, :mod:`.sortquant`) run a chain of whole-block
+torch ops -- subtract, divide, round, clamp, convert, add the bucket, shift and add
+the lanes of :mod:`.bitpack` -- each a pass over memory. Here each of those chains is
+one compiled loop (Numba, which ships LLVM in its wheel: nothing to compile by hand on a
+fresh machine), specialised per code width and bucket count so that the inner loops
+are unrolled and vectorised:
+
+- :func:`encode_uniform`: ``round((x - lo[g]) / div[g])`` clamped, for groups ``g`` of
+  ``group_len`` consecutive values (one group: per-tensor ``quant``), bit-packed;
+- :func:`bucket_maxima` and :func:`encode_buckets`: sort quantization's two passes over
+  the values (each value's bucket by comparison with the ``2**S - 1`` boundaries, then
+  the per-bucket maximum, then ``bucket * 2**Q + level``), for ``S <= 4``;
+- :func:`decode_uniform` and :func:`decode_buckets`: unpack and ``lo + code * step``.
+
+Each performs the same float32 operations, in the same order, as the eager path, so
+payloads and decoded tensors are **bit-identical** to it (tested on random and
+adversarial tensors): it is a faster implementation of the same wire format, not a
+codec of its own. The per-bucket grid is picked without a gather (which the vectoriser
+refuses) as ``sum_j table[j] * e_j``: the indicators ``e_j`` are exact 0/1 floats and
+only one is 1, so the sum is the table entry itself.
+
+Scope: CPU tensors of at least :data:`MIN_VALUES` values and rounding to nearest; the
+packed chunks of the :mod:`.bitpack` layout come from here and the ``n % CHUNK`` tail
+codes from the eager path. Everything else (CUDA tensors, stochastic rounding, rotated
+or per-channel groups, ``S > 4``, the codebook codec) stays eager. The functions return
+``None`` where they do not apply, and the caller runs the eager path.
+
+Switch: on by default; ``DGPIPE_FUSED=0`` in the environment or :func:`set_enabled`
+turns it off (the benchmarks measure both in one run). Each kernel compiles on first
+use (about 0.3-1 s); if Numba is missing or a compilation fails, one ``RuntimeWarning``
+is issued and the eager path is used from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .bitpack import CHUNK, layout_planes, layout_word
+
+__all__ = [
+    "MIN_VALUES",
+    "MAX_SPLIT_BITS",
+    "enabled",
+    "set_enabled",
+    "encode_uniform",
+    "decode_uniform",
+    "bucket_maxima",
+    "encode_buckets",
+    "decode_buckets",
+]
+
+MIN_VALUES = 2 * CHUNK
+"""Smallest tensor (values) the fused kernels take; below it the eager path is as fast."""
+
+MAX_SPLIT_BITS = 4
+"""Largest split-bit count of the fused sort-quantization kernels (16 buckets)."""
+
+ENV = "DGPIPE_FUSED"
+
+_state = {"enabled": os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off"), "failed": False}
+_kernels: dict[tuple, Callable] = {}
+
+
+def enabled() -> bool:
+    """Whether the fused kernels are used (on unless ``DGPIPE_FUSED=0``, :func:`set_enabled` or a failure)."""
+    return _state["enabled"] and not _state["failed"]
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the fused kernels on or off for this process; returns the previous setting."""
+    previous = _state["enabled"]
+    _state["enabled"] = bool(flag)
+    return previous
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    return enabled() and all(t.device.type == "cpu" for t in tensors)
+
+
+def _call(key: tuple, build: Callable[[], Callable], *args) -> bool:
+    """Run kernel ``key`` (built by ``build`` on first use) on ``args``; False if it cannot run."""
+    try:
+        kernel = _kernels.get(key)
+        if kernel is None:
+            kernel = _kernels[key] = build()
+        kernel(*args)
+        return True
+    except Exception as e:  # Numba missing, a typing or LLVM error: fall back for good, say so once
+        _state["failed"] = True
+        warnings.warn(f"dgpipe: fused codec kernels unavailable ({type(e).__name__}: {e}); "
+                      "using the eager torch path", RuntimeWarning, stacklevel=3)
+        return False
+
+
+def _njit(inline: bool = False):
+    """Numba's ``njit`` as the kernels use it; ``inline``: inlined into its caller at Numba IR level
+    (a call between compiled functions would keep the callee's loop from being vectorised)."""
+    import numba  # imported on first use: a missing Numba is a fallback, not an import error
+
+    return numba.njit(boundscheck=False, error_model="numpy", nogil=True, inline="always" if inline else "never")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+# --- packing one chunk of codes (the bitpack layout) ---------------------------------------------
+
+
+def _chunk_packers(bits: int):
+    """Numba functions ``pack(codes, out, n, c)`` / ``unpack(packed, codes, n, c)`` for chunk ``c``.
+
+    ``codes``: float32 ``(CHUNK,)`` buffer of integral codes (exact below ``2**24``; 16-bit
+    codes at most); ``out``/``packed``: the uint8 stream of ``n`` codes. Integer
+    arithmetic would be widened to int64 by Numba and lose the vectorisation, so the
+    bytes are cut from the codes with exact float operations (products and quotients by
+    powers of two, ``floor``) where the word fits a float32 (``w == 1``: 1, 2, 4, 8-bit
+    tops), and with int64 words otherwise. Constants of the layout are closure
+    constants, so the lane and plane loops unroll.
+    """
+    njit = _njit(inline=True)
+    k, r = layout_planes(bits)
+    g, w = layout_word(r)[:2]
+    cg, chunk_bytes = CHUNK // g, CHUNK * r // 8
+    f256, inv256, fr, mask = np.float32(256), np.float32(1 / 256), np.float32(1 << r), (1 << r) - 1
+    lane_mul = tuple(np.float32(2.0 ** (lane * r)) for lane in range(g))
+    lane_div = tuple(np.float32(2.0 ** -(lane * r)) for lane in range(g + 1))
+
+    @njit
+    def pack(codes, out, n, c):
+        i0 = c * CHUNK
+        if k:  # bits > 8: the low byte to plane 0, the top r bits stay
+            for t in range(CHUNK):
+                v = codes[t]
+                top = np.floor(v * inv256)
+                out[i0 + t] = np.uint8(v - top * f256)
+                codes[t] = top
+        base = k * n + c * chunk_bytes
+        if g == 1:
+            for t in range(CHUNK):
+                out[base + t] = np.uint8(codes[t])
+        elif w == 1:
+            for j in range(cg):
+                byte = codes[j]
+                for lane in range(1, g):
+                    byte += codes[lane * cg + j] * lane_mul[lane]
+                out[base + j] = np.uint8(byte)
+        else:
+            for j in range(cg):
+                word = np.int64(0)
+                for lane in range(g):
+                    word |= np.int64(codes[lane * cg + j]) << (lane * r)
+                for q in range(w):
+                    out[base + q * cg + j] = np.uint8((word >> (8 * q)) & 255)
+
+    @njit
+    def unpack(packed, codes, n, c):
+        i0 = c * CHUNK
+        base = k * n + c * chunk_bytes
+        if g == 1:
+            for t in range(CHUNK):
+                codes[t] = np.float32(packed[base + t])
+        elif w == 1:
+            for j in range(cg):
+                byte = np.float32(packed[base + j])
+                for lane in range(g):
+                    codes[lane * cg + j] = np.floor(byte * lane_div[lane]) - fr * np.floor(byte * lane_div[lane + 1])
+        else:
+            for j in range(cg):
+                word = np.int64(0)
+                for q in range(w):
+                    word |= np.int64(packed[base + q * cg + j]) << (8 * q)
+                for lane in range(g):
+                    codes[lane * cg + j] = np.float32((word >> (lane * r)) & mask)
+        if k:
+            for t in range(CHUNK):
+                codes[t] = codes[t] * f256 + np.float32(packed[i0 + t])
+
+    return pack, unpack
+
+
+# --- uniform quantization, per tensor or per run of group_len values -------------------------------
+
+
+def _build_encode_uniform(bits: int):
+    njit = _njit()
+    pack = _chunk_packers(bits)[0]
+    top = np.float32((1 << bits) - 1)
+    zero = np.float32(0)
+
+    @_njit(inline=True)
+    def levels(x, a, d, codes):
+        for u in range(x.shape[0]):
+            v = np.rint((x[u] - a) / d)
+            codes[u] = min(max(v, zero), top)
+
+    @njit
+    def kernel(x, lo, div, group_len, out, n, chunks):
+        codes = np.empty(CHUNK, np.float32)
+        for c in range(chunks):
+            i0 = c * CHUNK
+            t = 0
+            while t < CHUNK:  # runs of one group inside the chunk
+                grp = (i0 + t) // group_len
+                stop = min(CHUNK, (grp + 1) * group_len - i0)
+                levels(x[i0 + t : i0 + stop], lo[grp], div[grp], codes[t:stop])
+                t = stop
+            pack(codes, out, n, c)
+
+    return kernel
+
+
+def encode_uniform(
+    x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: int, group_len: int, out: torch.Tensor
+) -> bool:
+    """Codes ``clamp(round((x - lo[g]) / div[g]), 0, 2**bits - 1)`` of the whole chunks of ``x``, packed into ``out``.
+
+    Args:
+        x: 1-D float32 CPU values, ``n`` of them, in wire order.
+        lo, div: float32 ``(n_groups,)`` grid start and divisor of each group
+            (:func:`.quantize.grid_meta`); group ``i // group_len`` holds value ``i``.
+        bits: code width, 1..16.
+        group_len: values per group (``n`` for one group).
+        out: uint8 ``(ceil(n * bits / 8),)``: the stream of :func:`.bitpack.pack_bits`;
+            codes ``0 .. n - n % CHUNK`` are written, the tail is left to the caller.
+
+    Returns:
+        True if done; False where the fused path does not apply (caller: eager path).
+    """
+    n = x.numel()
+    if n < MIN_VALUES or not _applies(x, out):
+        return False
+    return _call(("encode_uniform", bits), lambda: _build_encode_uniform(bits),
+                 _np(x), _np(lo.reshape(-1)), _np(div.reshape(-1)), group_len, out.numpy(), n, n // CHUNK)
+
+
+def _build_decode_uniform(bits: int):
+    njit = _njit()
+    unpack = _chunk_packers(bits)[1]
+
+    @_njit(inline=True)
+    def values(codes, a, s, y):
+        for u in range(y.shape[0]):
+            y[u] = a + codes[u] * s
+
+    @njit
+    def kernel(packed, lo, step, group_len, y, n, chunks):
+        codes = np.empty(CHUNK, np.float32)
+        for c in range(chunks):
+            unpack(packed, codes, n, c)
+            i0 = c * CHUNK
+            t = 0
+            while t < CHUNK:
+                grp = (i0 + t) // group_len
+                stop = min(CHUNK, (grp + 1) * group_len - i0)
+                values(codes[t:stop], lo[grp], step[grp], y[i0 + t : i0 + stop])
+                t = stop
+
+    return kernel
+
+
+def decode_uniform(
+    packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torch.Tensor, group_len: int, y: torch.Tensor
+) -> bool:
+    """Inverse of :func:`encode_uniform`: ``y[i] = lo[g] + code[i] * step[g]`` for the whole chunks.
+
+    Args:
+        packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits.
+        lo, step: float32 ``(n_groups,)``, as sent.
+        group_len: values per group.
+        y: float32 ``(n,)`` output; values ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where the fused path does not apply.
+    """
+    n = y.numel()
+    if n < MIN_VALUES or not _applies(packed, y):
+        return False
+    return _call(("decode_uniform", bits), lambda: _build_decode_uniform(bits),
+                 packed.numpy(), _np(lo.reshape(-1)), _np(step.reshape(-1)), group_len, y.numpy(), n, n // CHUNK)
+
+
+# --- sort quantization: 2**S buckets by comparison with S - 1 boundaries ----------------------------
+
+
+def _build_bucket_maxima(split_bits: int):
+    njit = _njit()
+    nb = (1 << split_bits) - 1
+    one, zero = np.float32(1), np.float32(0)
+
+    @_njit(inline=True)
+    def update(v, bounds, maxs):
+        b = 0
+        for j in range(nb):
+            b += v >= bounds[j]
+        maxs[b] = max(maxs[b], v)
+
+    @njit
+    def kernel(x, bounds, lows, maxs):
+        # Only values in a window [lows[b], ...) of their bucket b can be its maximum: a
+        # vectorised pass flags them (lows[b] picked by exact 0/1 indicators, as in
+        # encode_buckets), a scalar pass takes the max over the flagged few.
+        flags = np.zeros(CHUNK, np.uint8)
+        words = flags.view(np.uint64)
+        n = x.shape[0]
+        for c in range(n // CHUNK):
+            xs = x[c * CHUNK : (c + 1) * CHUNK]
+            for t in range(CHUNK):
+                v = xs[t]
+                w, prev = zero, one
+                for j in range(nb + 1):
+                    cur = np.float32(v >= bounds[j]) if j < nb else zero
+                    w += lows[j] * (prev - cur)
+                    prev = cur
+                flags[t] = np.uint8(v >= w)
+            for q in range(CHUNK // 8):
+                if words[q] == 0:
+                    continue
+                for t in range(q * 8, q * 8 + 8):
+                    if flags[t]:
+                        update(xs[t], bounds, maxs)
+        for i in range(n // CHUNK * CHUNK, n):
+            update(x[i], bounds, maxs)
+
+    return kernel
+
+
+def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, below: torch.Tensor,
+                  hi: torch.Tensor) -> torch.Tensor | None:
+    """Per-bucket maximum of ``x``: ``max(mins[b], max{x_i : bucket(x_i) = b})``, zero made ``+0.0``.
+
+    Args:
+        x: 1-D float32 CPU values (finite).
+        bounds: float32 ``(2**S - 1,)`` non-decreasing boundaries; ``bucket(v)`` is the
+            number of boundaries ``<= v`` (:class:`.sortquant.BucketIndex`).
+        mins: float32 ``(2**S,)`` bucket minima (``(lo, *bounds)``).
+        below: float32 ``(2**S - 1,)``: for each boundary, a value of ``x`` below it that
+            lies in its bucket, or the bucket's min (e.g. the largest sampled value below
+            it): bucket ``b``'s maximum is at least ``below[b]``, so only values from
+            there up are candidates.
+        hi: 0-d float32, the max of ``x``.
+
+    Returns:
+        float32 ``(2**S,)``, or None where the fused path does not apply (``S > 4``, CUDA,
+        small ``x``, switched off).
+    """
+    s = (bounds.numel() + 1).bit_length() - 1
+    if x.numel() < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x):
+        return None
+    lows = torch.cat((torch.maximum(below, mins[:-1]), hi.reshape(1)))
+    maxs = mins.clone()
+    if not _call(("bucket_maxima", s), lambda: _build_bucket_maxima(s), _np(x), _np(bounds), _np(lows), maxs.numpy()):
+        return None
+    return maxs + 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
+
+
+def _build_encode_buckets(quant_bits: int, split_bits: int):
+    njit = _njit()
+    pack = _chunk_packers(quant_bits + split_bits)[0]
+    nb = (1 << split_bits) - 1
+    levels, top = np.float32(1 << quant_bits), np.float32((1 << quant_bits) - 1)
+    one, zero = np.float32(1), np.float32(0)
+
+    @njit
+    def kernel(x, bounds, mins, div, out, n, chunks):
+        codes = np.empty(CHUNK, np.float32)
+        for c in range(chunks):
+            xs = x[c * CHUNK : (c + 1) * CHUNK]
+            for t in range(CHUNK):
+                v = xs[t]
+                m, d, b, prev = zero, zero, zero, one
+                for j in range(nb + 1):
+                    cur = np.float32(v >= bounds[j]) if j < nb else zero
+                    e = prev - cur  # 1 in v's bucket only
+                    m += mins[j] * e
+                    d += div[j] * e
+                    b += cur
+                    prev = cur
+                q = np.rint((v - m) / d)
+                codes[t] = min(max(q, zero), top) + b * levels
+            pack(codes, out, n, c)
+
+    return kernel
+
+
+def encode_buckets(
+    x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, div: torch.Tensor, quant_bits: int, out: torch.Tensor
+) -> bool:
+    """Sort-quantization codes ``bucket * 2**Q + level`` of the whole chunks of ``x``, packed into ``out``.
+
+    ``level = clamp(round((x - mins[b]) / div[b]), 0, 2**Q - 1)`` as in
+    :func:`.sortquant.bucket_codes`.
+
+    Args:
+        x: 1-D float32 CPU values.
+        bounds: float32 ``(2**S - 1,)`` boundaries, ``1 <= S <= 4``.
+        mins, div: float32 ``(2**S,)`` per-bucket grid start and divisor.
+        quant_bits: Q.
+        out: uint8 stream of ``x.numel()`` codes of ``Q + S`` bits (tail left to the caller).
+
+    Returns:
+        True if done; False where the fused path does not apply.
+    """
+    n, s = x.numel(), (bounds.numel() + 1).bit_length() - 1
+    if n < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x, out):
+        return False
+    return _call(("encode_buckets", quant_bits, s), lambda: _build_encode_buckets(quant_bits, s),
+                 _np(x), _np(bounds), _np(mins), _np(div), out.numpy(), n, n // CHUNK)
+
+
+def _build_decode_buckets(quant_bits: int, split_bits: int):
+    njit = _njit()
+    unpack = _chunk_packers(quant_bits + split_bits)[1]
+    nb, zero = 1 << split_bits, np.float32(0)
+    levels, inv_levels = np.float32(1 << quant_bits), np.float32(2.0 ** -quant_bits)
+
+    @njit
+    def kernel(packed, mins, step, y, n, chunks):
+        codes = np.empty(CHUNK, np.float32)
+        for c in range(chunks):
+            unpack(packed, codes, n, c)
+            ys = y[c * CHUNK : (c + 1) * CHUNK]
+            for t in range(CHUNK):
+                b = np.floor(codes[t] * inv_levels)
+                m, s = zero, zero
+                for j in range(nb):
+                    e = np.float32(b == np.float32(j))
+                    m += mins[j] * e
+                    s += step[j] * e
+                ys[t] = m + (codes[t] - b * levels) * s
+
+    return kernel
+
+
+def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor, y: torch.Tensor) -> bool:
+    """Inverse of :func:`encode_buckets`: ``y = mins[b] + level * step[b]`` for the whole chunks.
+
+    Args:
+        packed: uint8 stream of ``n = y.numel()`` codes of ``Q + S`` bits.
+        quant_bits: Q.
+        mins, step: float32 ``(2**S,)`` as sent, ``S <= 4``.
+        y: float32 ``(n,)`` output; values ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where the fused path does not apply.
+    """
+    n, s = y.numel(), mins.numel().bit_length() - 1
+    if n < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(packed, y):
+        return False
+    return _call(("decode_buckets", quant_bits, s), lambda: _build_decode_buckets(quant_bits, s),
+                 packed.numpy(), _np(mins), _np(step), y.numpy(), n, n // CHUNK)

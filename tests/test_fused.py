@@ -1,0 +1,198 @@
+"""The fused CPU kernels (dgpipe.compression.fused) against the eager torch path.
+
+Both paths must give byte-identical payloads and bit-identical decoded tensors; the
+fused path must really be taken where it applies; a compilation failure must fall back
+to the eager path with one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from dgpipe.compression import fused, get_codec
+from dgpipe.compression.bitpack import CHUNK
+
+
+@pytest.fixture
+def eager_and_fused():
+    """Run a codec both ways; restores the switch afterwards."""
+    previous = fused.set_enabled(True)
+
+    def run(codec, x):
+        out = {}
+        for on in (False, True):
+            fused.set_enabled(on)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a fallback warning would make the comparison vacuous
+                p = codec.encode(x)
+                out[on] = (p, codec.decode(p))
+        (pe, ye), (pf, yf) = out[False], out[True]
+        assert pe.header.tolist() == pf.header.tolist()
+        for a, b in zip(pe.tensors, pf.tensors):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert ye.dtype == yf.dtype and ye.shape == yf.shape
+        assert torch.equal(ye.view(-1).view(torch.int16 if ye.element_size() == 2 else torch.int32),
+                           yf.view(-1).view(torch.int16 if yf.element_size() == 2 else torch.int32))  # bits, -0.0 too
+        return pf, yf
+
+    yield run
+    fused.set_enabled(previous)
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random and adversarial inputs, all large enough for the fused path (>= 2 chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 5 * CHUNK + 123  # a tail that is not a whole chunk
+    randn = torch.randn(n, generator=g)
+    signed_zeros = torch.where(torch.rand(n, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
+    signed_zeros[:: 7] = torch.randn(signed_zeros[:: 7].shape, generator=g)
+    return {
+        "randn": randn,
+        "relu_ties": torch.relu(randn - 0.3),  # ~60% exact zeros: boundaries tie
+        "integers": torch.randint(-3, 4, (n,), generator=g).float() * 0.5,  # many ties
+        "constant": torch.full((n,), 2.5),
+        "signed_zeros": signed_zeros,
+        "subnormal": torch.randn(n, generator=g) * 1e-40,
+        "wide": torch.randn(n, generator=g) * 1e30,
+        "outliers": randn * torch.where(torch.rand(n, generator=g) < 0.01, 100.0, 1.0),
+        "exact_chunks": torch.randn(4 * CHUNK, generator=g),
+        "non_contiguous": torch.randn(96, 3 * CHUNK // 32 + 5, generator=g).t(),
+        "fp16": torch.randn(3 * CHUNK + 5, generator=g).half(),
+        "bf16": torch.randn(3 * CHUNK + 5, generator=g).bfloat16(),
+        "hidden": torch.randn(6, 33, 384, generator=g),  # token groups of 384 across chunk borders
+    }
+
+
+QUANT = [dict(bits=b) for b in (1, 2, 3, 4, 5, 7, 8, 11, 12, 16)] + [
+    dict(bits=4, group="token"),
+    dict(bits=3, group="tile", group_size=100),
+    dict(bits=8, scale_dtype="bfloat16"),
+    dict(bits=2, group="token", scale_dtype="float16"),
+]
+SORTQUANT = [(1, 1), (3, 1), (6, 2), (2, 2), (9, 3), (5, 3), (12, 4), (4, 4), (8, 0)]
+
+
+@pytest.mark.parametrize("opts", QUANT, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_quant_fused_equals_eager(eager_and_fused, opts):
+    codec = get_codec("quant", **opts)
+    for name, x in tensors().items():
+        if name == "wide" and opts.get("scale_dtype") == "float16":
+            continue  # refused by both paths: the ranges overflow float16 scales
+        if opts.get("group") == "token" and x.dim() < 2:
+            x = x[: x.numel() // 64 * 64].view(-1, 64)
+        eager_and_fused(codec, x)
+    key = ("encode_uniform", opts["bits"])
+    assert key in fused._kernels and ("decode_uniform", opts["bits"]) in fused._kernels, "fused path not taken"
+
+
+@pytest.mark.parametrize("qs", SORTQUANT, ids=lambda qs: f"{qs[0]}+{qs[1]}")
+def test_sortquant_fused_equals_eager(eager_and_fused, qs):
+    q, s = qs
+    codec = get_codec("sortquant", quant_bits=q, split_bits=s)
+    for name, x in tensors(seed=1).items():
+        eager_and_fused(codec, x)
+    if s:
+        for key in (("bucket_maxima", s), ("encode_buckets", q, s), ("decode_buckets", q, s)):
+            assert key in fused._kernels, f"fused path not taken: {key}"
+
+
+def test_large_sample_split_and_bucket_maxima(eager_and_fused):
+    """Above the sample size the maxima come from the windowed pass; equal to the exact maxima."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300_000, generator=g) ** 3
+    for q, s in ((6, 2), (3, 1), (4, 4)):
+        _, y = eager_and_fused(get_codec("sortquant", quant_bits=q, split_bits=s), x)
+        # independent check: decoded values stay within half a step of x
+        p = get_codec("sortquant", quant_bits=q, split_bits=s).encode(x)
+        step = p.tensors[1][1 << s:]
+        assert (y - x).abs().max() <= step.max() / 2 * (1 + 1e-5)
+
+
+def test_bucket_maxima_against_sort():
+    """The windowed maxima equal max-by-bucket computed with searchsorted over all values."""
+    from dgpipe.compression.sortquant import bucket_grid
+
+    g = torch.Generator().manual_seed(4)
+    for x in (torch.randn(200_000, generator=g), torch.relu(torch.randn(200_000, generator=g))):
+        lo, hi = torch.aminmax(x)
+        for buckets in (2, 4, 16):
+            bounds, mins, maxs, below = bucket_grid(x, buckets, lo, hi)
+            assert maxs is None and below is not None
+            got = fused.bucket_maxima(x, bounds, mins, below, hi)
+            b = torch.searchsorted(bounds, x, right=True)
+            want = mins.clone().scatter_reduce_(0, b, x, "amax") + 0.0
+            assert torch.equal(got, want)
+
+
+def test_non_finite_refused_both_ways():
+    x = torch.randn(3 * CHUNK)
+    x[CHUNK + 7] = float("nan")
+    for on in (False, True):
+        previous = fused.set_enabled(on)
+        try:
+            for codec in (get_codec("quant", bits=8), get_codec("sortquant", quant_bits=6, split_bits=2)):
+                with pytest.raises(ValueError, match="inf/NaN"):
+                    codec.encode(x)
+        finally:
+            fused.set_enabled(previous)
+
+
+def test_not_applicable_returns_false():
+    out = torch.empty(10, dtype=torch.uint8)
+    small = torch.randn(100)
+    assert not fused.encode_uniform(small, small[:1], small[:1], 8, 100, out)
+    assert fused.bucket_maxima(torch.randn(3 * CHUNK), torch.zeros(31), torch.zeros(32), torch.zeros(31),
+                               torch.tensor(1.0)) is None  # S = 5 > MAX_SPLIT_BITS
+
+
+def test_stochastic_rounding_stays_eager(monkeypatch):
+    """Stochastic rounding draws from torch's generator: no fused kernel is asked for it."""
+    calls = []
+    monkeypatch.setattr(fused, "encode_uniform", lambda *a: calls.append(a) or False)
+    monkeypatch.setattr(fused, "encode_buckets", lambda *a: calls.append(a) or False)
+    x = torch.randn(4 * CHUNK)
+    get_codec("quant", bits=4, stochastic=True).encode(x)
+    get_codec("sortquant", quant_bits=3, split_bits=1, stochastic=True).encode(x)
+    assert calls == []
+    get_codec("quant", bits=4).encode(x)
+    assert len(calls) == 1
+
+
+def test_compile_failure_falls_back_with_one_warning(monkeypatch):
+    def broken(inline=False):
+        raise RuntimeError("no LLVM here")
+
+    monkeypatch.setattr(fused, "_njit", broken)
+    monkeypatch.setattr(fused, "_kernels", {})
+    monkeypatch.setitem(fused._state, "failed", False)
+    previous = fused.set_enabled(True)
+    try:
+        x = torch.randn(5 * CHUNK + 1)
+        codec = get_codec("sortquant", quant_bits=6, split_bits=2)
+        with pytest.warns(RuntimeWarning, match="fused codec kernels unavailable.*no LLVM here"):
+            p = codec.encode(x)
+        assert not fused.enabled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # only one warning
+            y = codec.decode(p)
+            p2 = get_codec("quant", bits=8).encode(x)
+        fused._state["failed"] = False
+        fused.set_enabled(False)
+        ref = codec.encode(x)
+        assert all(torch.equal(a, b) for a, b in zip(p.tensors, ref.tensors))
+        assert torch.equal(y, codec.decode(ref)) and p2.nbytes > 0
+    finally:
+        fused.set_enabled(previous)
+
+
+def test_env_switch_off():
+    code = "from dgpipe.compression import fused; print(fused.enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DGPIPE_FUSED="0"),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
