@@ -37,8 +37,8 @@ def eager_and_fused():
         for a, b in zip(pe.tensors, pf.tensors):
             assert a.dtype == b.dtype and torch.equal(a, b)
         assert ye.dtype == yf.dtype and ye.shape == yf.shape
-        assert torch.equal(ye.view(-1).view(torch.int16 if ye.element_size() == 2 else torch.int32),
-                           yf.view(-1).view(torch.int16 if yf.element_size() == 2 else torch.int32))  # bits, -0.0 too
+        assert torch.equal(ye.reshape(-1).view(torch.int16 if ye.element_size() == 2 else torch.int32),
+                           yf.reshape(-1).view(torch.int16 if yf.element_size() == 2 else torch.int32))  # bits, -0.0 too
         return pf, yf
 
     yield run
@@ -74,6 +74,8 @@ QUANT = [dict(bits=b) for b in (1, 2, 3, 4, 5, 7, 8, 11, 12, 16)] + [
     dict(bits=3, group="tile", group_size=100),
     dict(bits=8, scale_dtype="bfloat16"),
     dict(bits=2, group="token", scale_dtype="float16"),
+    dict(bits=8, group="channel", axis=1),
+    dict(bits=4, group="token", rotate="hadamard", scale_dtype="bfloat16"),
 ]
 SORTQUANT = [(1, 1), (3, 1), (6, 2), (2, 2), (9, 3), (5, 3), (12, 4), (4, 4), (8, 0)]
 
@@ -89,6 +91,46 @@ def test_quant_fused_equals_eager(eager_and_fused, opts):
         eager_and_fused(codec, x)
     key = ("encode_uniform", opts["bits"])
     assert key in fused._kernels and ("decode_uniform", opts["bits"]) in fused._kernels, "fused path not taken"
+
+
+CODEBOOK = [
+    dict(bits=4, levels="normal", group="token", rotate="hadamard", scale_dtype="bfloat16"),
+    dict(bits=2, levels="normal", group="token", rotate="hadamard", scale_dtype="bfloat16"),
+    dict(bits=3, levels="fit", group="channel", axis=1),
+    dict(bits=1, levels="normal"),
+    dict(bits=4, levels="fit", group="tile", group_size=100),
+]
+
+
+@pytest.mark.parametrize("opts", CODEBOOK, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_codebook_fused_equals_eager(eager_and_fused, opts):
+    codec = get_codec("codebook", **opts)
+    x = tensors(seed=2)
+    for name in ("randn", "relu_ties", "signed_zeros", "outliers", "hidden", "non_contiguous", "bf16"):
+        t = x[name]
+        if opts.get("group") == "channel":
+            t = t[: t.numel() // 96 * 96].reshape(4, 24, -1)
+        eager_and_fused(codec, t)
+    assert ("encode_levels", opts["bits"]) in fused._kernels and ("decode_levels", opts["bits"]) in fused._kernels
+
+
+def test_fwht_fused_equals_eager():
+    from dgpipe.compression.hadamard import fwht
+
+    g = torch.Generator().manual_seed(5)
+    previous = fused.set_enabled(True)
+    try:
+        for shape in ((64, 53, 3, 128), (5, 4096), (300, 32), (2, 8192)):
+            x = torch.randn(shape, generator=g)
+            fused.set_enabled(False)
+            want = fwht(x)
+            fused.set_enabled(True)
+            got = fwht(x)
+            assert got.shape == want.shape and torch.equal(got, want)
+            assert torch.equal(fwht(got), fwht(want))
+        assert ("fwht",) in fused._kernels
+    finally:
+        fused.set_enabled(previous)
 
 
 @pytest.mark.parametrize("qs", SORTQUANT, ids=lambda qs: f"{qs[0]}+{qs[1]}")

@@ -30,12 +30,16 @@ import functools
 
 import torch
 
+from . import fused
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
 from .grouping import Grouping, round_meta
 from .quantize import GROUP_PARAM, finite_range, flat_float32, grouping_options
 
-__all__ = ["CodebookQuantizer", "normal_levels", "fit_levels", "nearest_level", "LEVELS"]
+__all__ = [
+    "CodebookQuantizer", "normal_levels", "fit_levels", "nearest_level", "LEVELS", "fused_levels_encode",
+    "fused_levels_decode",
+]
 
 LEVELS = ("normal", "fit")
 """Codebook kinds, in the order of their wire codes."""
@@ -81,6 +85,33 @@ def nearest_level(v: torch.Tensor, levels: torch.Tensor, stochastic: bool) -> to
     lo, hi = levels[i], levels[i + 1]
     up = torch.rand_like(v) < ((v - lo) / (hi - lo)).clamp_(0, 1)
     return (i + up).to(torch.int32)
+
+
+def fused_levels_encode(v: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """Packed :func:`nearest_level` indices (to nearest) of ``v`` (1-D float32, wire order) from
+    :func:`.fused.encode_levels` (the ``n % CHUNK`` tail eager), or None where it does not apply."""
+    n = v.numel()
+    mids = (levels[1:] + levels[:-1]) / 2
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
+    if not fused.encode_levels(v, mids, bits, out):
+        return None
+    full = n - n % CHUNK
+    if full < n:
+        pack_bits_into(out, nearest_level(v[full:], levels, False), bits, n, full, check=False)
+    return out
+
+
+def fused_levels_decode(packed: torch.Tensor, bits: int, levels: torch.Tensor, scale: torch.Tensor, group_len: int,
+                        n: int) -> torch.Tensor | None:
+    """``levels[code] * scale[group]`` (1-D float32, wire order) from :func:`.fused.decode_levels`, or None."""
+    y = torch.empty(n, dtype=torch.float32)
+    if not fused.decode_levels(packed, bits, levels, scale, group_len, y):
+        return None
+    full = n - n % CHUNK
+    if full < n:
+        grp = torch.arange(full, n) // group_len
+        y[full:] = levels[unpack_bits(packed, bits, n, start=full)] * scale.reshape(-1)[grp]
+    return y
 
 
 def fit_levels(v: torch.Tensor, bits: int) -> torch.Tensor:
@@ -154,7 +185,9 @@ class CodebookQuantizer(Codec):
             v = rows / torch.where(s32 > 0, s32, 1.0)
             if self.levels == "fit":
                 table = fit_levels(gp.sent(v, shape), self.bits)
-            packed = pack_bits(gp.sent(nearest_level(v, table, self.stochastic), shape), self.bits, check=False)
+            packed = None if self.stochastic else fused_levels_encode(gp.sent(v, shape), table, self.bits)
+            if packed is None:
+                packed = pack_bits(gp.sent(nearest_level(v, table, self.stochastic), shape), self.bits, check=False)
         tensors = (packed, scale.reshape(-1)) + ((table,) if self.levels == "fit" else ())
         return make_payload(self.codec_id, x.dtype, x.shape, params, tensors)
 
@@ -173,6 +206,8 @@ class CodebookQuantizer(Codec):
         table = payload.tensors[2] if LEVELS[kind] == "fit" else normal_levels(bits).to(packed.device)
         if LEVELS[kind] == "fit" and not bool(torch.isfinite(table).all()):
             raise ValueError("corrupt payload: field 'tensors[2]' (levels) holds inf/NaN")
-        codes = unpack_bits(packed, bits, n_sent, dtype=torch.int64)
-        rows = gp.unsent(table[codes], h.shape) * scale.float()[:, None]
-        return gp.restore(gp.sent(rows, h.shape), h.shape).to(h.dtype)
+        values = fused_levels_decode(packed, bits, table, scale.float(), gp.counts(h.shape)[1], n_sent)
+        if values is None:
+            codes = unpack_bits(packed, bits, n_sent, dtype=torch.int64)
+            values = gp.sent(gp.unsent(table[codes], h.shape) * scale.float()[:, None], h.shape)
+        return gp.restore(values, h.shape).to(h.dtype)

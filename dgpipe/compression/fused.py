@@ -12,7 +12,10 @@ are unrolled and vectorised:
 - :func:`bucket_maxima` and :func:`encode_buckets`: sort quantization's two passes over
   the values (each value's bucket by comparison with the ``2**S - 1`` boundaries, then
   the per-bucket maximum, then ``bucket * 2**Q + level``), for ``S <= 4``;
-- :func:`decode_uniform` and :func:`decode_buckets`: unpack and ``lo + code * step``.
+- :func:`decode_uniform` and :func:`decode_buckets`: unpack and ``lo + code * step``;
+- :func:`encode_levels` and :func:`decode_levels`: the codebook codec's nearest level
+  (one comparison per midpoint, ``bits <= 4``) and ``level * scale``;
+- :func:`fwht`: the Walsh-Hadamard butterflies of the rotation, in place, row by row.
 
 Each performs the same float32 operations, in the same order, as the eager path, so
 payloads and decoded tensors are **bit-identical** to it (tested on random and
@@ -22,9 +25,12 @@ refuses) as ``sum_j table[j] * e_j``: the indicators ``e_j`` are exact 0/1 float
 only one is 1, so the sum is the table entry itself.
 
 Scope: CPU tensors of at least :data:`MIN_VALUES` values and rounding to nearest; the
+kernels take the values in wire order (:meth:`.grouping.Grouping.sent`, where group ``i``
+is the values ``i * group_len ..`` for every grouping), so grouped and rotated codecs
+use them too (the rotation, the per-group ranges and the scaling stay torch ops). The
 packed chunks of the :mod:`.bitpack` layout come from here and the ``n % CHUNK`` tail
-codes from the eager path. Everything else (CUDA tensors, stochastic rounding, rotated
-or per-channel groups, ``S > 4``, the codebook codec) stays eager. The functions return
+codes from the eager path. CUDA tensors, stochastic rounding, sort quantization with
+``S > 4`` or grouped (it sorts each group) and codebooks above 4 bits stay eager. The functions return
 ``None`` where they do not apply, and the caller runs the eager path.
 
 Switch: on by default; ``DGPIPE_FUSED=0`` in the environment or :func:`set_enabled`
@@ -35,6 +41,7 @@ is issued and the eager path is used from then on.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Callable
@@ -54,6 +61,10 @@ __all__ = [
     "bucket_maxima",
     "encode_buckets",
     "decode_buckets",
+    "MAX_LEVEL_BITS",
+    "encode_levels",
+    "decode_levels",
+    "fwht",
 ]
 
 MIN_VALUES = 2 * CHUNK
@@ -456,3 +467,134 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
         return False
     return _call(("decode_buckets", quant_bits, s), lambda: _build_decode_buckets(quant_bits, s),
                  packed.numpy(), _np(mins), _np(step), y.numpy(), n, n // CHUNK)
+
+
+# --- codebook: the nearest of 2**bits sorted levels ------------------------------------------------
+
+MAX_LEVEL_BITS = 4
+"""Widest code of the fused codebook kernels (16 levels: one comparison per midpoint)."""
+
+
+def _build_encode_levels(bits: int):
+    njit = _njit()
+    pack = _chunk_packers(bits)[0]
+    nm = (1 << bits) - 1
+
+    @njit
+    def kernel(v, mids, out, n, chunks):
+        codes = np.empty(CHUNK, np.float32)
+        for c in range(chunks):
+            vs = v[c * CHUNK : (c + 1) * CHUNK]
+            for t in range(CHUNK):
+                x = vs[t]
+                k = np.float32(0)
+                for j in range(nm):
+                    k += np.float32(x > mids[j])  # torch.bucketize(x, mids): boundaries below x
+                codes[t] = k
+            pack(codes, out, n, c)
+
+    return kernel
+
+
+def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Tensor) -> bool:
+    """Index of the nearest level, ``#{j : v > mids[j]}``, of the whole chunks of ``v``, packed into ``out``.
+
+    Args:
+        v: 1-D float32 CPU values (scaled), wire order.
+        mids: float32 ``(2**bits - 1,)`` ascending midpoints between neighbouring levels
+            (``torch.bucketize(v, mids)`` is the eager path's index).
+        bits: 1..:data:`MAX_LEVEL_BITS`.
+        out: uint8 stream of ``v.numel()`` codes (the tail is left to the caller).
+
+    Returns:
+        True if done; False where the fused path does not apply.
+    """
+    n = v.numel()
+    if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not _applies(v, out):
+        return False
+    return _call(("encode_levels", bits), lambda: _build_encode_levels(bits),
+                 _np(v), _np(mids), out.numpy(), n, n // CHUNK)
+
+
+def _build_decode_levels(bits: int):
+    njit = _njit()
+    unpack = _chunk_packers(bits)[1]
+
+    @_njit(inline=True)
+    def values(codes, table, s, y):
+        for u in range(y.shape[0]):
+            y[u] = table[np.int64(codes[u])] * s
+
+    @njit
+    def kernel(packed, table, scale, group_len, y, n, chunks):
+        codes = np.empty(CHUNK, np.float32)
+        for c in range(chunks):
+            unpack(packed, codes, n, c)
+            i0 = c * CHUNK
+            t = 0
+            while t < CHUNK:
+                grp = (i0 + t) // group_len
+                stop = min(CHUNK, (grp + 1) * group_len - i0)
+                values(codes[t:stop], table, scale[grp], y[i0 + t : i0 + stop])
+                t = stop
+
+    return kernel
+
+
+def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: torch.Tensor, group_len: int,
+                  y: torch.Tensor) -> bool:
+    """Inverse of :func:`encode_levels` with scales: ``y[i] = table[code[i]] * scale[i // group_len]`` (whole chunks).
+
+    Args:
+        packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits.
+        table: float32 ``(2**bits,)`` levels.
+        scale: float32 ``(n_groups,)`` per-group scales, wire order.
+        group_len: values per group.
+        y: float32 ``(n,)`` output, wire order; values ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where the fused path does not apply.
+    """
+    n = y.numel()
+    if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not _applies(packed, y):
+        return False
+    return _call(("decode_levels", bits), lambda: _build_decode_levels(bits),
+                 packed.numpy(), _np(table), _np(scale.reshape(-1)), group_len, y.numpy(), n, n // CHUNK)
+
+
+# --- the Walsh-Hadamard transform of the rotation ---------------------------------------------------
+
+
+def _build_fwht():
+    njit = _njit()
+
+    @njit
+    def kernel(y, b, scale):
+        # in place, row by row: the butterflies of .hadamard.fwht in the same order
+        for r in range(y.shape[0] // b):
+            row = y[r * b : (r + 1) * b]
+            h = 1
+            while h < b:
+                for i in range(0, b, 2 * h):
+                    lo = row[i : i + h]
+                    hi = row[i + h : i + 2 * h]
+                    for j in range(h):
+                        a, c = lo[j], hi[j]
+                        lo[j] = a + c
+                        hi[j] = a - c
+                h *= 2
+            for j in range(b):
+                row[j] *= scale
+
+    return kernel
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor | None:
+    """:func:`.hadamard.fwht` of a float32 CPU tensor ``(..., b)`` (same bits), or None where it does not apply."""
+    b = x.shape[-1]
+    if x.numel() < MIN_VALUES or x.dtype != torch.float32 or not _applies(x):
+        return None
+    y = x.contiguous().clone()
+    if not _call(("fwht",), _build_fwht, y.view(-1).numpy(), b, np.float32(1.0 / math.sqrt(b))):
+        return None
+    return y

@@ -113,11 +113,6 @@ class Grouping:
         return self.group == "tensor" and self.rotate == "none" and self.scale_dtype == "float32"
 
     @property
-    def consecutive(self) -> bool:
-        """Each group is a run of consecutive values of the flattened, unrotated tensor (wire order = flat order)."""
-        return self.rotate == "none" and self.group != "channel"
-
-    @property
     def meta_dtype(self) -> torch.dtype:
         """Torch dtype of the per-group metadata."""
         return SCALE_DTYPES[self.scale_dtype]

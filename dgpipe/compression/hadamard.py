@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from . import fused
+
 __all__ = ["MIN_BLOCK", "ROTATION_SEED", "fwht", "random_signs", "HadamardRotation"]
 
 MIN_BLOCK = 32
@@ -53,6 +55,9 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     b = x.shape[-1]
     if b < 1 or b & (b - 1):
         raise ValueError(f"fwht needs a power-of-two last axis, got {b}")
+    y = fused.fwht(x)  # the same butterflies in one compiled loop (CPU, float32)
+    if y is not None:
+        return y
     y = x.reshape(-1, b)
     h = 1
     while h < b:

@@ -151,8 +151,9 @@ def fused_uniform_encode(
 ) -> torch.Tensor | None:
     """The packed codes of :func:`grid_levels` (to nearest) from :func:`.fused.encode_uniform`, or None.
 
-    ``values``: 1-D float32 in wire order; ``lo32``/``div``: float32, one per group of
-    ``group_len`` consecutive values. The fused kernel codes the whole chunks, the
+    ``values``: 1-D float32 in wire order (:meth:`.grouping.Grouping.sent`: group ``i``
+    is the values ``i * group_len ..`` for every grouping); ``lo32``/``div``: float32,
+    one per group. The fused kernel codes the whole chunks, the
     eager ops here the ``n % CHUNK`` tail: the bytes are those of the eager path.
     """
     n = values.numel()
@@ -272,17 +273,20 @@ class UniformQuantizer(Codec):
                 lo, hi = torch.aminmax(rows, dim=1, keepdim=True)
             finite_range(lo, hi, self.name)
             meta, lo32, div = grid_meta(lo, hi, levels, gp, self.name)
-            packed = self._pack(flat, rows, lo32, div, shape)
+            packed = self._pack(rows, lo32, div, shape)
         params = (self.bits, gp.param(len(shape)))
         return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, meta))
 
-    def _pack(self, flat: torch.Tensor, rows: torch.Tensor, lo32: torch.Tensor, div: torch.Tensor,
-              shape: tuple[int, ...]) -> torch.Tensor:
-        """Packed codes of the non-empty ``flat``: the fused kernel where it applies, else eager block by block."""
+    def _pack(self, rows: torch.Tensor, lo32: torch.Tensor, div: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """Packed codes of the non-empty ``rows``: the fused kernel where it applies, else eager block by block.
+
+        In wire order (:meth:`.grouping.Grouping.sent`) group ``i`` is the values
+        ``i * group_len ..`` for every grouping, so the fused kernel takes them all.
+        """
         gp, levels = self.grouping, 1 << self.bits
         ng, g, _ = gp.counts(shape)
-        if gp.consecutive and not self.stochastic:
-            packed = fused_uniform_encode(flat, lo32, div, self.bits, g)
+        if not self.stochastic:
+            packed = fused_uniform_encode(gp.sent(rows, shape), lo32, div, self.bits, g)
             if packed is not None:
                 return packed
         if ng == 1:
@@ -305,7 +309,7 @@ class UniformQuantizer(Codec):
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
         lo, step = meta[:ng].float(), meta[ng:].float()
-        values = fused_uniform_decode(packed, bits, n_sent, lo, step, g) if gp.consecutive else None
+        values = fused_uniform_decode(packed, bits, n_sent, lo, step, g)  # in wire order, as gp.sent gives
         if values is None and ng == 1:  # one grid: a table lookup per value
             values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
         elif values is None:
