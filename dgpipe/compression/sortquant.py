@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import fused
@@ -66,12 +67,16 @@ from .quantize import (
     grouping_options,
 )
 
-__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes", "group_buckets", "fused_bucket_values"]
+__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes", "group_buckets", "fused_bucket_values",
+           "select_bounds"]
 
 SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
 SAMPLE_PER_BUCKET = 64
 """Sampled values per bucket, when more than :data:`SAMPLE_MIN` in all."""
+SELECT_MAX_BUCKETS = 16
+"""Most buckets whose boundaries a CPU tensor gets by selection (:func:`select_bounds`) instead of a sort."""
+
 SAMPLE_SEED = 0x5EED
 """Seed of the sample positions: the same tensor always gets the same boundaries."""
 
@@ -114,6 +119,13 @@ def bucket_grid(
         gen = torch.Generator(device=flat.device)
         gen.manual_seed(SAMPLE_SEED)
         sample = flat.index_select(0, torch.randint(n, (m,), generator=gen, device=flat.device))
+    if flat.device.type == "cpu" and buckets <= SELECT_MAX_BUCKETS:
+        bounds, below = select_bounds(sample, buckets)
+        mins = torch.cat((lo.view(1), bounds))
+        below = torch.maximum(below, mins[:-1])  # the bucket's min when nothing lies below its boundary
+        if m < n:
+            return bounds, mins, None, below
+        return bounds, mins, torch.cat((below, hi.view(1))) + 0.0, None  # -0.0 -> +0.0, as bucket_maxima
     s = torch.sort(sample).values
     bounds = s[torch.arange(1, buckets, device=flat.device) * m // buckets]
     mins = torch.cat((lo.view(1), bounds))
@@ -124,7 +136,39 @@ def bucket_grid(
     # bucket i's max: the largest value below the next boundary (or hi), if the bucket is not empty
     uppers = torch.cat((bounds, hi.view(1)))
     top = torch.cat((s[torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)], hi.view(1)))
-    return bounds, mins, torch.where(uppers > mins, top, mins), None
+    return bounds, mins, torch.where(uppers > mins, top, mins) + 0.0, None
+
+
+def select_bounds(sample: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The boundaries ``s[(i * m) // buckets]`` of the sorted ``sample`` without sorting it, and what lies below them.
+
+    A selection (``numpy.partition`` at the ``buckets - 1`` ranks, O(m)) gives the same
+    order statistics as a sort; between two of those ranks lie the values from one
+    boundary up to the next, so the largest value below boundary ``i`` is found in the
+    stretch just before rank ``i`` (or is the previous boundary itself).
+
+    Args:
+        sample: 1-D float32 CPU tensor of ``m`` finite values.
+        buckets: a power of two >= 2.
+
+    Returns:
+        ``(bounds, below)``: float32 ``(buckets - 1,)`` each; ``below[i]`` the largest value
+        of the stretch before rank ``i`` that is smaller than ``bounds[i]`` (``-inf`` when
+        there is none): the caller takes its max with the bucket's min.
+    """
+    m = sample.numel()
+    ranks = [(i * m) // buckets for i in range(1, buckets)]
+    part = np.partition(sample.numpy(), ranks)  # a copy: the sample may be the codec's input
+    bounds = part[ranks]
+    below = np.full(len(ranks), -np.inf, dtype=np.float32)
+    start = 0
+    for i, r in enumerate(ranks):
+        stretch = part[start:r]
+        smaller = stretch[stretch < bounds[i]]
+        if smaller.size:
+            below[i] = smaller.max()
+        start = r + 1
+    return torch.from_numpy(bounds.copy()), torch.from_numpy(below)
 
 
 class BucketIndex:
