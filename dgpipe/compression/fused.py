@@ -252,17 +252,14 @@ def encode_uniform(
                  _np(x), _np(lo.reshape(-1)), _np(div.reshape(-1)), group_len, out.numpy(), n, n // CHUNK)
 
 
-def _build_decode_uniform(bits: int):
+def _build_grouped_decode(bits: int, values):
+    """A decode kernel ``(packed, a, b, table, group_len, y, n, chunks)``: unpack each chunk, then
+    ``values(codes, a[g], b[g], table, y)`` on each run of one group ``g`` (an inlined Numba function)."""
     njit = _njit()
     unpack = _chunk_packers(bits)[1]
 
-    @_njit(inline=True)
-    def values(codes, a, s, y):
-        for u in range(y.shape[0]):
-            y[u] = a + codes[u] * s
-
     @njit
-    def kernel(packed, lo, step, group_len, y, n, chunks):
+    def kernel(packed, a, b, table, group_len, y, n, chunks):
         codes = np.empty(CHUNK, np.float32)
         for c in range(chunks):
             unpack(packed, codes, n, c)
@@ -271,10 +268,19 @@ def _build_decode_uniform(bits: int):
             while t < CHUNK:
                 grp = (i0 + t) // group_len
                 stop = min(CHUNK, (grp + 1) * group_len - i0)
-                values(codes[t:stop], lo[grp], step[grp], y[i0 + t : i0 + stop])
+                values(codes[t:stop], a[grp], b[grp], table, y[i0 + t : i0 + stop])
                 t = stop
 
     return kernel
+
+
+def _build_decode_uniform(bits: int):
+    @_njit(inline=True)
+    def values(codes, lo, step, table, y):
+        for u in range(y.shape[0]):
+            y[u] = lo + codes[u] * step
+
+    return _build_grouped_decode(bits, values)
 
 
 def decode_uniform(
@@ -294,8 +300,8 @@ def decode_uniform(
     n = y.numel()
     if n < MIN_VALUES or not _applies(packed, y):
         return False
-    return _call(("decode_uniform", bits), lambda: _build_decode_uniform(bits),
-                 packed.numpy(), _np(lo.reshape(-1)), _np(step.reshape(-1)), group_len, y.numpy(), n, n // CHUNK)
+    return _call(("decode_uniform", bits), lambda: _build_decode_uniform(bits), packed.numpy(), _np(lo.reshape(-1)),
+                 _np(step.reshape(-1)), np.zeros(1, np.float32), group_len, y.numpy(), n, n // CHUNK)
 
 
 # --- sort quantization: 2**S buckets by comparison with S - 1 boundaries ----------------------------
@@ -517,28 +523,12 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
 
 
 def _build_decode_levels(bits: int):
-    njit = _njit()
-    unpack = _chunk_packers(bits)[1]
-
     @_njit(inline=True)
-    def values(codes, table, s, y):
+    def values(codes, scale, unused, table, y):
         for u in range(y.shape[0]):
-            y[u] = table[np.int64(codes[u])] * s
+            y[u] = table[np.int64(codes[u])] * scale
 
-    @njit
-    def kernel(packed, table, scale, group_len, y, n, chunks):
-        codes = np.empty(CHUNK, np.float32)
-        for c in range(chunks):
-            unpack(packed, codes, n, c)
-            i0 = c * CHUNK
-            t = 0
-            while t < CHUNK:
-                grp = (i0 + t) // group_len
-                stop = min(CHUNK, (grp + 1) * group_len - i0)
-                values(codes[t:stop], table, scale[grp], y[i0 + t : i0 + stop])
-                t = stop
-
-    return kernel
+    return _build_grouped_decode(bits, values)
 
 
 def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: torch.Tensor, group_len: int,
@@ -558,8 +548,9 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
     n = y.numel()
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not _applies(packed, y):
         return False
+    scale = _np(scale.reshape(-1))
     return _call(("decode_levels", bits), lambda: _build_decode_levels(bits),
-                 packed.numpy(), _np(table), _np(scale.reshape(-1)), group_len, y.numpy(), n, n // CHUNK)
+                 packed.numpy(), scale, scale, _np(table), group_len, y.numpy(), n, n // CHUNK)
 
 
 # --- the Walsh-Hadamard transform of the rotation ---------------------------------------------------
