@@ -238,3 +238,17 @@ def test_env_switch_off():
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DGPIPE_FUSED="0"),
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_new_shapes_do_not_recompile():
+    """A kernel is compiled once per bit width: other lengths (a last partial batch, another
+    sequence length) reuse it."""
+    previous = fused.set_enabled(True)
+    try:
+        codec = get_codec("quant", bits=6)
+        for n in (3 * CHUNK, 5 * CHUNK + 17, 2 * CHUNK + 1, 40 * CHUNK - 3):
+            codec.decode(codec.encode(torch.randn(n)))
+        assert len(fused._kernels[("encode_uniform", 6)].signatures) == 1
+        assert len(fused._kernels[("decode_uniform", 6)].signatures) == 1
+    finally:
+        fused.set_enabled(previous)
