@@ -1,6 +1,6 @@
 """Fused CPU kernels for the hot quantizers: values read once, packed codes written once.
 
-The eager codecs (:mod:`.quantize`, :mod:`.sortquant`) run a chain of whole-block
+The eager codecs (:mod:`.quantize`, :mod:`.sortquant`, :mod:`.codebook`) run a chain of whole-block
 torch ops -- subtract, divide, round, clamp, convert, add the bucket, shift and add
 the lanes of :mod:`.bitpack` -- each a pass over memory. Here each of those chains is
 one compiled loop (Numba, which ships LLVM in its wheel: nothing to compile by hand on a
@@ -30,13 +30,18 @@ is the values ``i * group_len ..`` for every grouping), so grouped and rotated c
 use them too (the rotation, the per-group ranges and the scaling stay torch ops). The
 packed chunks of the :mod:`.bitpack` layout come from here and the ``n % CHUNK`` tail
 codes from the eager path. CUDA tensors, stochastic rounding, sort quantization with
-``S > 4`` or grouped (it sorts each group) and codebooks above 4 bits stay eager. The functions return
-``None`` where they do not apply, and the caller runs the eager path.
+``S > 4`` or grouped (it sorts each group) and codebooks above 4 bits stay eager. The
+functions return False/None where they do not apply, and the caller runs the eager path.
 
 Switch: on by default; ``DGPIPE_FUSED=0`` in the environment or :func:`set_enabled`
 turns it off (the benchmarks measure both in one run). Each kernel compiles on first
-use (about 0.3-1 s); if Numba is missing or a compilation fails, one ``RuntimeWarning``
-is issued and the eager path is used from then on.
+use of its bit width (about 0.5-1.5 s), once for all lengths; if Numba is missing or a
+compilation fails, one ``RuntimeWarning`` is issued and the eager path is used from then
+on.
+
+Reference: the vectorisation tricks are ours; the layout is :mod:`.bitpack`'s and the
+arithmetic that of :mod:`.quantize`, :mod:`.sortquant`, :mod:`.codebook` and
+:mod:`.hadamard`.
 """
 
 from __future__ import annotations
