@@ -377,7 +377,7 @@ def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, bel
     if x.numel() < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x):
         return None
     lows = torch.cat((torch.maximum(below, mins[:-1]), hi.reshape(1)))
-    maxs = mins.clone()
+    maxs = mins.detach().clone()
     if not _call(("bucket_maxima", s), lambda: _build_bucket_maxima(s), _np(x), _np(bounds), _np(lows), maxs.numpy()):
         return None
     return maxs + 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
@@ -590,7 +590,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor | None:
     b = x.shape[-1]
     if x.numel() < MIN_VALUES or x.dtype != torch.float32 or not _applies(x):
         return None
-    y = x.contiguous().clone()
+    y = x.detach().contiguous().clone()
     if not _call(("fwht",), _build_fwht, y.view(-1).numpy(), b, np.float32(1.0 / math.sqrt(b))):
         return None
     return y

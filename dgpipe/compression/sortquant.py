@@ -158,7 +158,7 @@ def select_bounds(sample: torch.Tensor, buckets: int) -> tuple[torch.Tensor, tor
     """
     m = sample.numel()
     ranks = [(i * m) // buckets for i in range(1, buckets)]
-    part = np.partition(sample.numpy(), ranks)  # a copy: the sample may be the codec's input
+    part = np.partition(sample.detach().numpy(), ranks)  # a copy: the sample may be the codec's input
     bounds = part[ranks]
     below = np.full(len(ranks), -np.inf, dtype=np.float32)
     start = 0
