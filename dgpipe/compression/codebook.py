@@ -91,6 +91,8 @@ def fused_levels_encode(v: torch.Tensor, levels: torch.Tensor, bits: int) -> tor
     """Packed :func:`nearest_level` indices (to nearest) of ``v`` (1-D float32, wire order) from
     :func:`.fused.encode_levels` (the ``n % CHUNK`` tail eager), or None where it does not apply."""
     n = v.numel()
+    if not fused.wanted(v):
+        return None
     mids = (levels[1:] + levels[:-1]) / 2
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
     if not fused.encode_levels(v, mids, bits, out):
@@ -104,6 +106,8 @@ def fused_levels_encode(v: torch.Tensor, levels: torch.Tensor, bits: int) -> tor
 def fused_levels_decode(packed: torch.Tensor, bits: int, levels: torch.Tensor, scale: torch.Tensor, group_len: int,
                         n: int) -> torch.Tensor | None:
     """``levels[code] * scale[group]`` (1-D float32, wire order) from :func:`.fused.decode_levels`, or None."""
+    if not fused.wanted(packed, n):
+        return None
     y = torch.empty(n, dtype=torch.float32)
     if not fused.decode_levels(packed, bits, levels, scale, group_len, y):
         return None

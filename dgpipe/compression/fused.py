@@ -61,6 +61,7 @@ __all__ = [
     "MAX_SPLIT_BITS",
     "enabled",
     "set_enabled",
+    "wanted",
     "encode_uniform",
     "decode_uniform",
     "bucket_maxima",
@@ -94,6 +95,12 @@ def set_enabled(flag: bool) -> bool:
     previous = _state["enabled"]
     _state["enabled"] = bool(flag)
     return previous
+
+
+def wanted(t: torch.Tensor, n: int | None = None) -> bool:
+    """Whether the fused kernels would take ``t`` (on, a CPU tensor, at least :data:`MIN_VALUES` values:
+    ``t.numel()``, or ``n`` for a packed stream of ``n`` codes); callers check it before allocating outputs."""
+    return enabled() and t.device.type == "cpu" and (t.numel() if n is None else n) >= MIN_VALUES
 
 
 def _applies(*tensors: torch.Tensor) -> bool:

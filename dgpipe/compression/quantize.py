@@ -157,6 +157,8 @@ def fused_uniform_encode(
     eager ops here the ``n % CHUNK`` tail: the bytes are those of the eager path.
     """
     n = values.numel()
+    if not fused.wanted(values):
+        return None
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
     if not fused.encode_uniform(values, lo32, div, bits, group_len, out):
         return None
@@ -173,6 +175,8 @@ def fused_uniform_decode(
     packed: torch.Tensor, bits: int, n: int, lo: torch.Tensor, step: torch.Tensor, group_len: int
 ) -> torch.Tensor | None:
     """``lo[g] + code * step[g]`` (1-D float32, wire order) from :func:`.fused.decode_uniform`, or None."""
+    if not fused.wanted(packed, n):
+        return None
     y = torch.empty(n, dtype=torch.float32)
     if not fused.decode_uniform(packed, bits, lo, step, group_len, y):
         return None

@@ -260,6 +260,8 @@ def fused_bucket_values(
     """
     if split_bits == 0:
         return fused_uniform_decode(packed, quant_bits, n, mins, step, n)
+    if not fused.wanted(packed, n):
+        return None
     y = torch.empty(n, dtype=torch.float32)
     if not fused.decode_buckets(packed, quant_bits, mins, step, y):
         return None
@@ -338,6 +340,8 @@ class SortQuantizer(Codec):
         q, s, n = self.quant_bits, self.split_bits, flat.numel()
         if bounds is None:
             return fused_uniform_encode(flat, mins, div, q, n)
+        if not fused.wanted(flat):
+            return None
         out = torch.empty(packed_nbytes(n, q + s), dtype=torch.uint8)
         if not fused.encode_buckets(flat, bounds, mins, div, q, out):
             return None
