@@ -41,6 +41,7 @@ uniform quantization within buckets as in :mod:`.quantize`.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -68,7 +69,7 @@ from .quantize import (
 )
 
 __all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes", "group_buckets", "fused_bucket_values",
-           "select_bounds"]
+           "select_bounds", "sample_positions"]
 
 SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
@@ -89,6 +90,17 @@ def sample_size(n: int, buckets: int) -> int:
     """
     m = max(SAMPLE_MIN, SAMPLE_PER_BUCKET * buckets)
     return m if n > 2 * m else n
+
+
+@functools.lru_cache(maxsize=64)
+def sample_positions(n: int, m: int, device: torch.device) -> torch.Tensor:
+    """The ``m`` sampled positions (int64, with repeats) in ``[0, n)``: ``torch.randint`` from a
+    generator seeded with :data:`SAMPLE_SEED`, so the same for every tensor of ``n`` values;
+    cached (a pipeline sends the same sizes step after step, and drawing them costs more
+    than the rest of the sampling). Do not modify the returned tensor."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(SAMPLE_SEED)
+    return torch.randint(n, (m,), generator=gen, device=device)
 
 
 def bucket_grid(
@@ -116,9 +128,7 @@ def bucket_grid(
     m = sample_size(n, buckets)
     sample = flat
     if m < n:
-        gen = torch.Generator(device=flat.device)
-        gen.manual_seed(SAMPLE_SEED)
-        sample = flat.index_select(0, torch.randint(n, (m,), generator=gen, device=flat.device))
+        sample = flat.index_select(0, sample_positions(n, m, flat.device))
     if flat.device.type == "cpu" and buckets <= SELECT_MAX_BUCKETS:
         bounds, below = select_bounds(sample, buckets)
         mins = torch.cat((lo.view(1), bounds))
