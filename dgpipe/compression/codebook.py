@@ -34,7 +34,7 @@ from . import fused
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
 from .grouping import Grouping, round_meta
-from .quantize import GROUP_PARAM, finite_range, flat_float32, grouping_options
+from .quantize import GROUP_PARAM, finite_range, flat_float32, fused_decode, grouping_options
 
 __all__ = [
     "CodebookQuantizer", "normal_levels", "fit_levels", "nearest_level", "LEVELS", "fused_levels_encode",
@@ -106,16 +106,12 @@ def fused_levels_encode(v: torch.Tensor, levels: torch.Tensor, bits: int) -> tor
 def fused_levels_decode(packed: torch.Tensor, bits: int, levels: torch.Tensor, scale: torch.Tensor, group_len: int,
                         n: int) -> torch.Tensor | None:
     """``levels[code] * scale[group]`` (1-D float32, wire order) from :func:`.fused.decode_levels`, or None."""
-    if not fused.wanted(packed, n):
-        return None
-    y = torch.empty(n, dtype=torch.float32)
-    if not fused.decode_levels(packed, bits, levels, scale, group_len, y):
-        return None
-    full = n - n % CHUNK
-    if full < n:
-        grp = torch.arange(full, n) // group_len
-        y[full:] = levels[unpack_bits(packed, bits, n, start=full)] * scale.reshape(-1)[grp]
-    return y
+
+    def tail(start: int) -> torch.Tensor:
+        grp = torch.arange(start, n) // group_len
+        return levels[unpack_bits(packed, bits, n, start=start)] * scale.reshape(-1)[grp]
+
+    return fused_decode(packed, n, lambda y: fused.decode_levels(packed, bits, levels, scale, group_len, y), tail)
 
 
 def fit_levels(v: torch.Tensor, bits: int) -> torch.Tensor:

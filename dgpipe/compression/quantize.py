@@ -41,6 +41,7 @@ __all__ = [
     "GROUP_PARAM",
     "fused_uniform_encode",
     "fused_uniform_decode",
+    "fused_decode",
 ]
 
 
@@ -171,21 +172,41 @@ def fused_uniform_encode(
     return out
 
 
+def fused_decode(
+    packed: torch.Tensor, n: int, kernel: Callable[[torch.Tensor], bool], tail: Callable[[int], torch.Tensor]
+) -> torch.Tensor | None:
+    """``n`` decoded values (1-D float32, wire order): the whole chunks from a :mod:`.fused` kernel,
+    the ``n % CHUNK`` tail eager; None where the kernel does not apply (the caller decodes eagerly).
+
+    Args:
+        packed: the uint8 code stream.
+        n: number of codes.
+        kernel: ``kernel(y)`` writes the whole chunks into ``y`` (float32 ``(n,)``), returns False
+            if it did not apply.
+        tail: ``tail(start)`` gives the values of codes ``start .. n`` (``start`` a multiple of CHUNK).
+    """
+    if not fused.wanted(packed, n):
+        return None
+    y = torch.empty(n, dtype=torch.float32)
+    if not kernel(y):
+        return None
+    full = n - n % CHUNK
+    if full < n:
+        y[full:] = tail(full)
+    return y
+
+
 def fused_uniform_decode(
     packed: torch.Tensor, bits: int, n: int, lo: torch.Tensor, step: torch.Tensor, group_len: int
 ) -> torch.Tensor | None:
     """``lo[g] + code * step[g]`` (1-D float32, wire order) from :func:`.fused.decode_uniform`, or None."""
-    if not fused.wanted(packed, n):
-        return None
-    y = torch.empty(n, dtype=torch.float32)
-    if not fused.decode_uniform(packed, bits, lo, step, group_len, y):
-        return None
-    full = n - n % CHUNK
-    if full < n:
-        grp = torch.arange(full, n) // group_len
-        codes = unpack_bits(packed, bits, n, start=full, dtype=torch.int32).to(torch.float32)
-        y[full:] = lo.reshape(-1)[grp] + codes * step.reshape(-1)[grp]
-    return y
+
+    def tail(start: int) -> torch.Tensor:
+        grp = torch.arange(start, n) // group_len
+        codes = unpack_bits(packed, bits, n, start=start, dtype=torch.int32).to(torch.float32)
+        return lo.reshape(-1)[grp] + codes * step.reshape(-1)[grp]
+
+    return fused_decode(packed, n, lambda y: fused.decode_uniform(packed, bits, lo, step, group_len, y), tail)
 
 
 #: Header param of the grouping options, after a codec's own (see :meth:`.grouping.Grouping.param`).

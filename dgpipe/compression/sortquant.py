@@ -63,6 +63,7 @@ from .quantize import (
     grid_step,
     grid_meta,
     grid_table,
+    fused_decode,
     fused_uniform_decode,
     fused_uniform_encode,
     grouping_options,
@@ -270,16 +271,11 @@ def fused_bucket_values(
     """
     if split_bits == 0:
         return fused_uniform_decode(packed, quant_bits, n, mins, step, n)
-    if not fused.wanted(packed, n):
-        return None
-    y = torch.empty(n, dtype=torch.float32)
-    if not fused.decode_buckets(packed, quant_bits, mins, step, y):
-        return None
-    full = n - n % CHUNK
-    if full < n:
-        codes = unpack_bits(packed, quant_bits + split_bits, n, start=full)
-        y[full:] = grid_table(mins, step, 1 << quant_bits)[codes]
-    return y
+
+    def tail(start: int) -> torch.Tensor:
+        return grid_table(mins, step, 1 << quant_bits)[unpack_bits(packed, quant_bits + split_bits, n, start=start)]
+
+    return fused_decode(packed, n, lambda y: fused.decode_buckets(packed, quant_bits, mins, step, y), tail)
 
 
 @register_codec("sortquant", 4)
