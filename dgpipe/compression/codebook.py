@@ -32,9 +32,9 @@ import torch
 
 from . import fused
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .grouping import Grouping, round_meta
-from .quantize import GROUP_PARAM, finite_range, flat_float32, fused_decode, grouping_options
+from .quantize import GROUP_PARAM, finite_range, flat_float32, fused_decode, fused_encode, grouping_options
 
 __all__ = [
     "CodebookQuantizer", "normal_levels", "fit_levels", "nearest_level", "LEVELS", "fused_levels_encode",
@@ -90,17 +90,9 @@ def nearest_level(v: torch.Tensor, levels: torch.Tensor, stochastic: bool) -> to
 def fused_levels_encode(v: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor | None:
     """Packed :func:`nearest_level` indices (to nearest) of ``v`` (1-D float32, wire order) from
     :func:`.fused.encode_levels` (the ``n % CHUNK`` tail eager), or None where it does not apply."""
-    n = v.numel()
-    if not fused.wanted(v):
-        return None
     mids = (levels[1:] + levels[:-1]) / 2
-    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
-    if not fused.encode_levels(v, mids, bits, out):
-        return None
-    full = n - n % CHUNK
-    if full < n:
-        pack_bits_into(out, nearest_level(v[full:], levels, False), bits, n, full, check=False)
-    return out
+    return fused_encode(v, bits, lambda out: fused.encode_levels(v, mids, bits, out),
+                        lambda start: nearest_level(v[start:], levels, False))
 
 
 def fused_levels_decode(packed: torch.Tensor, bits: int, levels: torch.Tensor, scale: torch.Tensor, group_len: int,

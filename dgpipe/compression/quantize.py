@@ -41,6 +41,7 @@ __all__ = [
     "GROUP_PARAM",
     "fused_uniform_encode",
     "fused_uniform_decode",
+    "fused_encode",
     "fused_decode",
 ]
 
@@ -147,6 +148,31 @@ def grid_table(lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tenso
     return (lo[:, None] + k * step[:, None]).reshape(-1)
 
 
+def fused_encode(
+    values: torch.Tensor, bits: int, kernel: Callable[[torch.Tensor], bool], tail: Callable[[int], torch.Tensor]
+) -> torch.Tensor | None:
+    """Packed codes of ``values`` (1-D float32, wire order): the whole chunks from a :mod:`.fused`
+    kernel, the ``n % CHUNK`` tail eager; None where the kernel does not apply (the caller encodes eagerly).
+
+    Args:
+        values: the values to code.
+        bits: code width.
+        kernel: ``kernel(out)`` packs the whole chunks into ``out`` (uint8, the full stream),
+            returns False if it did not apply.
+        tail: ``tail(start)`` gives the integer codes of ``values[start:]`` (``start`` a multiple of CHUNK).
+    """
+    n = values.numel()
+    if not fused.wanted(values):
+        return None
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
+    if not kernel(out):
+        return None
+    full = n - n % CHUNK
+    if full < n:
+        pack_bits_into(out, tail(full), bits, n, full, check=False)
+    return out
+
+
 def fused_uniform_encode(
     values: torch.Tensor, lo32: torch.Tensor, div: torch.Tensor, bits: int, group_len: int
 ) -> torch.Tensor | None:
@@ -154,22 +180,16 @@ def fused_uniform_encode(
 
     ``values``: 1-D float32 in wire order (:meth:`.grouping.Grouping.sent`: group ``i``
     is the values ``i * group_len ..`` for every grouping); ``lo32``/``div``: float32,
-    one per group. The fused kernel codes the whole chunks, the
-    eager ops here the ``n % CHUNK`` tail: the bytes are those of the eager path.
+    one per group. The bytes are those of the eager path.
     """
     n = values.numel()
-    if not fused.wanted(values):
-        return None
-    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
-    if not fused.encode_uniform(values, lo32, div, bits, group_len, out):
-        return None
-    full = n - n % CHUNK
-    if full < n:
-        grp = torch.arange(full, n) // group_len
+
+    def tail(start: int) -> torch.Tensor:
+        grp = torch.arange(start, n) // group_len
         lo, d = lo32.reshape(-1)[grp], div.reshape(-1)[grp]
-        pack_bits_into(out, grid_levels(values[full:] - lo, d, 1 << bits, False).to(torch.int32), bits, n, full,
-                       check=False)
-    return out
+        return grid_levels(values[start:] - lo, d, 1 << bits, False).to(torch.int32)
+
+    return fused_encode(values, bits, lambda out: fused.encode_uniform(values, lo32, div, bits, group_len, out), tail)
 
 
 def fused_decode(

@@ -15,16 +15,19 @@ sorted values. This one never sorts the tensor (above :func:`sample_size` values
 has no Python loop over buckets or values:
 
 1. the ``B - 1`` boundaries ``b_1 <= ... <= b_{B-1}`` are order statistics of the
-   tensor -- exactly (a sort) for small tensors, else of a fixed-seed uniform sample of
+   tensor -- exactly for small tensors, else of a fixed-seed uniform sample of
    ``max(16384, 64 * B)`` values (the MSE stays within a few percent of the exact
-   split's; ``benchmarks/codec_speed.py`` measures it);
+   split's; ``benchmarks/codec_speed.py`` measures it); found by a selection
+   (:func:`select_bounds`) on CPU with up to 16 buckets, else by a sort;
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
-   the bucket; the global min for bucket 0); its max comes with the sort for small
-   tensors, else from one ``scatter_reduce`` over the bucket indices;
-4. levels, codes and bit-packing run block by block (:func:`.quantize.blocks`: cache-
-   sized blocks on CPU, the whole tensor on a GPU); decoding is a lookup in the
-   ``B * L``-entry table of grid values.
+   the bucket; the global min for bucket 0); its max comes with the selection or sort
+   for small tensors, else from one pass over the values (:func:`.fused.bucket_maxima`,
+   or eager one ``scatter_reduce`` over the bucket indices); a zero max is sent as +0.0;
+4. levels, codes and bit-packing run in one compiled loop on CPU (:mod:`.fused`, up to
+   16 buckets), else block by block (:func:`.quantize.blocks`: cache-sized blocks on
+   CPU, the whole tensor on a GPU); decoding is a lookup in the ``B * L``-entry table
+   of grid values (or its fused equivalent).
 
 On distinct values this gives exactly the codes of the original formulation (tested).
 
@@ -49,7 +52,7 @@ import torch
 
 from . import fused
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .grouping import Grouping
 from .quantize import (
     GROUP_PARAM,
@@ -64,13 +67,16 @@ from .quantize import (
     grid_meta,
     grid_table,
     fused_decode,
+    fused_encode,
     fused_uniform_decode,
     fused_uniform_encode,
     grouping_options,
 )
 
-__all__ = ["SortQuantizer", "sample_size", "bucket_grid", "BucketIndex", "bucket_codes", "group_buckets", "fused_bucket_values",
-           "select_bounds", "sample_positions"]
+__all__ = [
+    "SortQuantizer", "sample_size", "sample_positions", "bucket_grid", "select_bounds", "BucketIndex", "bucket_codes",
+    "group_buckets", "fused_bucket_values",
+]
 
 SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
@@ -346,15 +352,8 @@ class SortQuantizer(Codec):
         q, s, n = self.quant_bits, self.split_bits, flat.numel()
         if bounds is None:
             return fused_uniform_encode(flat, mins, div, q, n)
-        if not fused.wanted(flat):
-            return None
-        out = torch.empty(packed_nbytes(n, q + s), dtype=torch.uint8)
-        if not fused.encode_buckets(flat, bounds, mins, div, q, out):
-            return None
-        full = n - n % CHUNK
-        if full < n:
-            pack_bits_into(out, codes_of(full, n), q + s, n, full, check=False)
-        return out
+        return fused_encode(flat, q + s, lambda out: fused.encode_buckets(flat, bounds, mins, div, q, out),
+                            lambda start: codes_of(start, n))
 
     def encode(self, x: torch.Tensor) -> Payload:
         flat = flat_float32(x, self.name)
@@ -420,11 +419,13 @@ class SortQuantizer(Codec):
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
         m = ng * buckets
-        tables = grid_table(meta[:m].float(), meta[m:].float(), 1 << q).view(ng, -1)
-        values = fused_bucket_values(packed, q, s, n_sent, meta[:m].float(), meta[m:].float()) if ng == 1 else None
-        if values is None and ng == 1:
-            values = decode_table(packed, q + s, n_sent, tables[0])
-        elif values is None:
-            codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
-            values = gp.sent(torch.gather(tables, 1, codes), h.shape)
+        mins, steps = meta[:m].float(), meta[m:].float()
+        values = fused_bucket_values(packed, q, s, n_sent, mins, steps) if ng == 1 else None
+        if values is None:
+            tables = grid_table(mins, steps, 1 << q).view(ng, -1)
+            if ng == 1:
+                values = decode_table(packed, q + s, n_sent, tables[0])
+            else:
+                codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
+                values = gp.sent(torch.gather(tables, 1, codes), h.shape)
         return gp.restore(values, h.shape).to(h.dtype)
