@@ -334,14 +334,15 @@ def make_glue_loader(
     rank: int = 0,
     world_size: int = 1,
     heldout: int = 0,
+    sample_ids: bool = False,
 ) -> DataLoader:
     """A DataLoader over one GLUE split yielding ``((input_ids, attention_mask[, token_type_ids]), labels)``.
 
     Shapes: each input int64 ``(B, max_length)``; labels int64 ``(B,)`` (float32 for STS-B).
     Data comes from :func:`load_glue` (``data_dir``, ``split``, ``subset``, ``seed``, ``heldout``), is
     tokenised once by :func:`tokenize_glue`; ``train`` is shuffled (seeded) and drops the
-    last incomplete batch unless ``drop_last`` says otherwise. ``rank``/``world_size``: see
-    :func:`~dgpipe.data.loading.make_dataloader`.
+    last incomplete batch unless ``drop_last`` says otherwise. ``rank``/``world_size``,
+    ``sample_ids`` (also yield the examples' indices): see :func:`~dgpipe.data.loading.make_dataloader`.
 
     Raises:
         as :func:`load_glue` and :func:`tokenize_glue`.
@@ -350,4 +351,4 @@ def make_glue_loader(
     dataset = TokenizedDataset(tokenize_glue(examples, tokenizer, max_length))
     train = split == "train"
     return make_dataloader(dataset, batch_size, shuffle=train, seed=seed, drop_last=drop_last, num_workers=num_workers,
-                           rank=rank, world_size=world_size)
+                           rank=rank, world_size=world_size, sample_ids=sample_ids)

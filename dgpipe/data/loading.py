@@ -7,6 +7,10 @@ the per-batch seed :func:`batch_seed` that the sampler hands along with the indi
 Nothing depends on how many worker processes ran, whether they were kept alive across
 epochs, or on earlier epochs -- so a run resumed at an epoch boundary sees exactly the
 batches of an uninterrupted one.
+
+With ``sample_ids=True`` a loader yields ``(inputs, targets, ids)``: ``ids`` int64
+``(B,)`` are the examples' indices in the loader's dataset (:class:`WithSampleIds`), what
+a delta-coded pipeline keys its per-example caches with.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate
 
-__all__ = ["EpochBatchSampler", "batch_seed", "make_dataloader"]
+__all__ = ["EpochBatchSampler", "WithSampleIds", "batch_seed", "make_dataloader"]
 
 
 def batch_seed(seed: int, epoch: int, rank: int, batch: int) -> int:
@@ -78,6 +82,37 @@ class EpochBatchSampler(BatchSampler):
             yield indices
 
 
+class WithSampleIds:
+    """Collate wrapper: items ``(index, item)`` -> ``(*collate(items), ids int64 (B,))``.
+
+    Pairs with :class:`_IndexedDataset`, which hands every item its dataset index. Picklable
+    (it runs in the workers) as long as the wrapped collate function is.
+
+    Args:
+        collate: the loader's collate function (``None``: torch's ``default_collate``).
+    """
+
+    def __init__(self, collate: Callable | None) -> None:
+        self.collate = collate if collate is not None else default_collate
+
+    def __call__(self, items: list[tuple[int, object]]) -> tuple:
+        batch = self.collate([item for _, item in items])
+        return (*batch, torch.tensor([i for i, _ in items], dtype=torch.int64))
+
+
+class _IndexedDataset(Dataset):
+    """``dataset[key]`` as ``(index, item)``; ``key`` is an index or an ``(index, seed)`` pair."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return (key[0] if isinstance(key, tuple) else key), self.dataset[key]
+
+
 def make_dataloader(
     dataset: Dataset,
     batch_size: int,
@@ -90,6 +125,7 @@ def make_dataloader(
     rank: int = 0,
     world_size: int = 1,
     batch_seeds: bool = False,
+    sample_ids: bool = False,
 ) -> DataLoader:
     """A DataLoader whose batches depend only on ``seed`` and the epoch (see the module doc).
 
@@ -104,6 +140,7 @@ def make_dataloader(
         collate_fn: batch builder (default: torch's ``default_collate``).
         rank, world_size: data parallelism: each rank reads its own ``1/world_size`` shard.
         batch_seeds: pair every index with its batch's seed (:class:`EpochBatchSampler`).
+        sample_ids: yield ``(*batch, ids)`` with the examples' dataset indices (int64 ``(B,)``).
 
     Call ``loader.batch_sampler.set_epoch(epoch)`` at the start of every epoch.
 
@@ -117,6 +154,8 @@ def make_dataloader(
     batches = EpochBatchSampler(dataset, batch_size, shuffle=shuffle, seed=seed,
                                 drop_last=shuffle if drop_last is None else drop_last, rank=rank,
                                 world_size=world_size, batch_seeds=batch_seeds)
+    if sample_ids:
+        dataset, collate_fn = _IndexedDataset(dataset), WithSampleIds(collate_fn)
     return DataLoader(
         dataset,
         batch_sampler=batches,

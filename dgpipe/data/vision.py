@@ -88,6 +88,7 @@ def make_loader(
     drop_last: bool | None = None,
     rank: int = 0,
     world_size: int = 1,
+    sample_ids: bool = False,
 ) -> DataLoader:
     """A DataLoader over one CIFAR split, yielding ``(images float32 (B, 3, S, S), labels int64 (B,))``.
 
@@ -101,6 +102,7 @@ def make_loader(
         drop_last: drop a last incomplete batch; default on for ``"train"`` (a pipeline
             needs batches divisible by its micro-batch count).
         rank, world_size: data parallelism, see :func:`~dgpipe.data.loading.make_dataloader`.
+        sample_ids: also yield the images' dataset indices (int64 ``(B,)``), see there.
 
     The training order and the augmentation of every batch are functions of ``seed``, the
     epoch (``loader.batch_sampler.set_epoch(epoch)``), ``rank`` and the batch index only
@@ -116,4 +118,4 @@ def make_loader(
     transform = ImageTransform(train if augment is None else augment, image_size, mean, std)
     return make_dataloader(dataset, batch_size, shuffle=train, seed=seed, drop_last=drop_last, num_workers=num_workers,
                            collate_fn=AugmentCollate(transform), rank=rank, world_size=world_size,
-                           batch_seeds=transform.train)
+                           batch_seeds=transform.train, sample_ids=sample_ids)

@@ -16,10 +16,21 @@ Which tensors are compressed:
   the activation codec if ``compress`` is set, others losslessly.
 
 One message (a :class:`dgpipe.comm.transport.Sender` stream per direction) carries one
-payload per present tensor and the meta ``[atomic, n_micro, slot, loss, flag_0 ..
-flag_{n-1}]``, where ``flag`` = kind (0 absent, 1 lossless, 2 coded) + 4 if the tensor
-requires grad, and ``loss`` is the step's mean loss as the bits of a float64 (backward
-messages; 0 forward). In training every forward message is answered by one backward
+payload per present tensor and the meta ``[head, n_micro, slot, loss, flag_0 ..
+flag_{n-1}]``, where ``head`` = 1 if the value is one tensor (not a tuple) + 2 if
+sample ids come first, ``flag`` = kind (0 absent, 1 lossless, 2 coded) + 4 if the
+tensor requires grad + 8 if it is delta-coded, in which case ``flag >> 4`` is the
+activation's dtype code, and ``loss`` is the step's mean loss as the bits of a float64
+(backward messages; 0 forward).
+
+Delta coding (AQ-SGD, :mod:`dgpipe.compression.delta`): when the pipeline has a
+:class:`~dgpipe.compression.delta.DeltaSpec`, every training forward message starts
+with the sample ids of its rows (a lossless int64 payload, counted in the wire bytes
+and not in the raw ones), and on a delta-coded boundary each tensor that requires
+grad goes through a :class:`~dgpipe.compression.delta.DeltaCoder` with one cache per
+tuple position on each side: coded (the change against the cache, by the activation
+codec) or, during a warm-up, lossless (the cache stores it). Evaluation carries no
+ids and uses the activation codec directly. In training every forward message is answered by one backward
 message, even when no tensor needs a gradient, so the loss computed on the last stage
 reaches every rank with the gradients, without a collective. Shapes and dtypes travel
 in the payload headers, so they may change from step to step. Forward messages of
@@ -44,13 +55,18 @@ import torch
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, get_codec
+from dgpipe.compression.base import DTYPE_CODES, code_from_dtype, dtype_from_code
+from dgpipe.compression.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 
 __all__ = ["CodecSpec", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
 CodecSpec = Union[str, tuple, Callable[[], Codec], Codec]
 MAX_BOUNDARY_TENSORS = 16
-ABSENT, LOSSLESS, CODED, REQUIRES_GRAD = 0, 1, 2, 4
+ABSENT, LOSSLESS, CODED, REQUIRES_GRAD, DELTA = 0, 1, 2, 4, 8
+ATOMIC, HAS_IDS = 1, 2  # bits of the meta's head
+DTYPE_SHIFT = 4  # a delta-coded tensor's flag carries its dtype code above the kind bits
 _VALID_FLAGS = {ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD}
+_FLOAT_CODES = {c for d, c in DTYPE_CODES.items() if d.is_floating_point}
 _LOSSLESS = get_codec("none")
 
 
@@ -104,6 +120,14 @@ def codec_factories(spec: CodecSpec | list, n_boundaries: int, what: str) -> lis
     return [factory] * n_boundaries
 
 
+def _valid_flag(flag: int) -> bool:
+    """A plain flag, or a delta flag: coded or lossless, requires grad, a floating dtype code."""
+    if flag in _VALID_FLAGS:
+        return True
+    low, code = flag & ((1 << DTYPE_SHIFT) - 1), flag >> DTYPE_SHIFT
+    return low in (CODED | REQUIRES_GRAD | DELTA, LOSSLESS | REQUIRES_GRAD | DELTA) and code in _FLOAT_CODES
+
+
 def _float_bits(x: float) -> int:
     """The IEEE float64 bits of ``x`` as a signed int64 (to travel in int64 meta)."""
     return struct.unpack("<q", struct.pack("<d", x))[0]
@@ -139,6 +163,10 @@ class Boundary:
         meter: where bytes and seconds are recorded.
         device: device of received tensors on this rank.
         timeout: seconds for each receive and send completion.
+        rank: this rank (``src`` or ``dst``).
+        delta: the pipeline's delta spec (``None``: no sample ids travel); this boundary
+            delta-codes its activations if the spec covers ``index``.
+        report: where cache allocations are reported (one line each).
     """
 
     def __init__(
@@ -151,9 +179,17 @@ class Boundary:
         meter: BandwidthMeter,
         device: torch.device,
         timeout: float,
+        rank: int | None = None,
+        delta: DeltaSpec | None = None,
+        report: Callable[[str], None] | None = print,
     ) -> None:
         self.name = f"stage{index}->stage{index + 1}"
         self.src, self.dst = src, dst
+        self.rank = src if rank is None else rank
+        self.delta = delta
+        self.delta_coded = delta is not None and delta.covers(index)
+        self._deltas: dict[int, DeltaCoder] = {}
+        self._report = report
         self._tags = {"forward": 2 * index, "eval": 2 * index, "backward": 2 * index + 1}
         self._factories = {"forward": act_factory, "eval": act_factory, "backward": grad_factory}
         self._codecs: dict[tuple[str, int, int], Codec] = {}
@@ -177,10 +213,25 @@ class Boundary:
             self._codecs[key] = self._factories[direction]()
         return self._codecs[key]
 
+    def _delta_coder(self, pos: int) -> DeltaCoder:
+        """The delta coder of tuple position ``pos`` on this rank's side (made on first use)."""
+        if pos not in self._deltas:
+            side = "sender" if self.rank == self.src else "receiver"
+            spec = self.delta
+            path = None
+            if spec.cache_dir is not None:
+                stem = self.name.replace("->", "-")
+                path = f"{spec.cache_dir}/{stem}.tensor{pos}.{side}.rank{self.rank}.bin"
+            cache = DeltaCache(spec.examples, spec.cache_dtype, path, spec.max_bytes,
+                               f"rank {self.rank}: delta cache {self.name} tensor {pos} ({side})", self._report)
+            self._deltas[pos] = DeltaCoder(self._factories["forward"](), cache)
+        return self._deltas[pos]
+
     # -- forward ---------------------------------------------------------------------------
 
     def send_forward(
-        self, slot: int, value, n_micro: int, direction: str, compress: bool = True
+        self, slot: int, value, n_micro: int, direction: str, compress: bool = True,
+        ids: torch.Tensor | None = None, refresh: bool = False,
     ) -> tuple[list[SendWork], list[torch.Tensor]]:
         """Send micro-batch ``slot``'s stage output ``value`` (tensor or tuple) to ``dst``.
 
@@ -188,20 +239,32 @@ class Boundary:
             n_micro: number of micro-batches in this step (travels in the meta).
             direction: ``"forward"`` (training) or ``"eval"``.
             compress: in eval, whether floating tensors go through the activation codec.
+            ids: training only, with a delta spec: the sample ids (int64 ``(B,)``) of the rows.
+            refresh: on a delta-coded boundary, send the tensors that require grad
+                losslessly and store them in the caches (warm-up) instead of coding the change.
 
         Returns:
             The send handles and the tensors that require grad (their gradients come
             back through :meth:`recv_backward`, in this order).
+
+        Raises:
+            ValueError: a delta-coded boundary in training without ``ids``.
         """
         atomic, tensors = _as_tensors(value, f"output of the stage before {self.name}")
+        if direction == "forward" and self.delta_coded and ids is None:
+            raise ValueError(f"{self.name} is delta-coded: training steps need sample_ids")
         flags = []
         for t in tensors:
             if direction == "forward":
                 rg = t.is_floating_point() and t.requires_grad
-                flags.append((CODED | REQUIRES_GRAD) if rg else LOSSLESS)
+                flag = (CODED | REQUIRES_GRAD) if rg else LOSSLESS
+                if rg and self.delta_coded:
+                    flag = ((LOSSLESS if refresh else CODED) | REQUIRES_GRAD | DELTA
+                            | code_from_dtype(t.dtype) << DTYPE_SHIFT)
+                flags.append(flag)
             else:
                 flags.append(CODED if compress and t.is_floating_point() else LOSSLESS)
-        works = self._send(direction, slot, tensors, flags, atomic, n_micro)
+        works = self._send(direction, slot, tensors, flags, atomic, n_micro, ids=ids if direction == "forward" else None)
         if direction == "forward":  # a backward message will answer it: have the receive ready
             self._grads_due += 1
             self._stream("backward", sending=False).post()
@@ -211,15 +274,15 @@ class Boundary:
         """Post the receive of the next forward message (this rank is ``dst``; one will come)."""
         self._stream("forward", sending=False).post()
 
-    def recv_forward(self, slot: int, direction: str) -> tuple[object, list[torch.Tensor], int]:
+    def recv_forward(self, slot: int, direction: str) -> tuple[object, list[torch.Tensor], int, torch.Tensor | None]:
         """Receive micro-batch ``slot``'s input from ``src``.
 
         Returns:
-            ``(value, leaves, n_micro)``: the tensor or tuple, the received leaves that
-            require grad (pass their ``.grad`` to :meth:`send_backward`), and the
-            sender's number of micro-batches in this step.
+            ``(value, leaves, n_micro, ids)``: the tensor or tuple, the received leaves that
+            require grad (pass their ``.grad`` to :meth:`send_backward`), the sender's
+            number of micro-batches in this step, and the rows' sample ids (or ``None``).
         """
-        atomic, n_micro, _, tensors, flags = self._recv(direction, slot, self.src)
+        atomic, n_micro, _, tensors, flags, ids = self._recv(direction, slot, self.src)
         if slot + 1 < n_micro:
             self.expect_forward()
         if any(t is None for t in tensors):
@@ -229,7 +292,7 @@ class Boundary:
             if f & REQUIRES_GRAD:
                 tensors[i] = tensors[i].detach().requires_grad_()
                 leaves.append(tensors[i])
-        return (tensors[0] if atomic else tuple(tensors)), leaves, n_micro
+        return (tensors[0] if atomic else tuple(tensors)), leaves, n_micro, ids
 
     # -- backward --------------------------------------------------------------------------
 
@@ -245,7 +308,7 @@ class Boundary:
         Returns:
             ``(grads, loss)``: one gradient or ``None`` per tensor, and the step's mean loss.
         """
-        _, _, loss, grads, _ = self._recv("backward", slot, self.dst)
+        _, _, loss, grads, _, _ = self._recv("backward", slot, self.dst)
         self._grads_due -= 1
         if self._grads_due > 0:
             self._stream("backward", sending=False).post()
@@ -255,19 +318,28 @@ class Boundary:
 
     # -- wire ------------------------------------------------------------------------------
 
-    def _send(self, direction, slot, tensors, flags, atomic, n_micro, loss: float = 0.0) -> list[SendWork]:
+    def _send(self, direction, slot, tensors, flags, atomic, n_micro, loss: float = 0.0,
+              ids: torch.Tensor | None = None) -> list[SendWork]:
         start = _now(self._device)
         payloads: list[Payload] = []
         raw = 0
         with torch.no_grad():
+            if ids is not None:  # lossless, first; wire bytes but no raw bytes (a plain pipeline sends none)
+                payloads.append(_LOSSLESS.encode(ids.cpu()))
             for pos, (t, f) in enumerate(zip(tensors, flags)):
                 if f == ABSENT:
                     continue
+                raw += t.numel() * t.element_size()
+                if f & DELTA:
+                    coder = self._delta_coder(pos)
+                    if f & CODED:
+                        payloads.append(coder.encode(t.detach(), ids))
+                        continue
+                    coder.refresh(t.detach(), ids)
                 codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
                 payloads.append(codec.encode(t.detach()))
-                raw += t.numel() * t.element_size()
         encode_seconds = _now(self._device) - start
-        meta = [int(atomic), n_micro, slot, _float_bits(loss), *flags]
+        meta = [int(atomic) | (HAS_IDS if ids is not None else 0), n_micro, slot, _float_bits(loss), *flags]
         work = self._stream(direction, sending=True).send(payloads, meta=meta,
                                                            label=f"{self.name} {direction}, micro-batch {slot}")
         wire = sum(p.nbytes for p in payloads)
@@ -285,35 +357,63 @@ class Boundary:
         except ValueError as err:  # a corrupt message: name the boundary too
             raise ValueError(f"{where}: {err}") from err
         recv_seconds = time.perf_counter() - start
-        atomic, n_micro, loss, flags = self._parse_meta(meta, len(payloads), slot, peer)
+        atomic, has_ids, n_micro, loss, flags = self._parse_meta(meta, len(payloads), slot, peer)
         start = _now(self._device)
-        tensors, it = [], iter(payloads)
-        for pos, f in enumerate(flags):
-            if f == ABSENT:
-                tensors.append(None)
-                continue
-            codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
-            try:
-                tensors.append(codec.decode(next(it)))
-            except ValueError as err:
-                raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
+        tensors, it, ids = [], iter(payloads), None
+        try:
+            if has_ids:
+                ids = self._parse_ids(_LOSSLESS.decode(next(it)), direction, flags, peer)
+            for pos, f in enumerate(flags):
+                if f == ABSENT:
+                    tensors.append(None)
+                elif f & DELTA:
+                    tensors.append(self._recv_delta(pos, f, next(it), ids))
+                else:
+                    codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
+                    tensors.append(codec.decode(next(it)))
+        except ValueError as err:
+            raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
         decode_seconds = _now(self._device) - start
         self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
-        return atomic, n_micro, loss, tensors, flags
+        return atomic, n_micro, loss, tensors, flags, ids
+
+    def _parse_ids(self, ids: torch.Tensor, direction: str, flags: list[int], peer: int) -> torch.Tensor:
+        """Check a message's sample ids against the delta spec and the rows of its tensors."""
+        if direction != "forward" or self.delta is None:
+            raise ValueError(f"sample ids in a {direction} message, but this rank expects none "
+                             f"(is delta coding configured alike on every rank?)")
+        check_ids(ids, self.delta.examples, where=f"sample ids from rank {peer}")
+        return ids
+
+    def _recv_delta(self, pos: int, flag: int, payload: Payload, ids: torch.Tensor | None) -> torch.Tensor:
+        """Decode a delta-coded (or warm-up lossless) tensor against this side's cache."""
+        if ids is None or not self.delta_coded:
+            raise ValueError("a delta-coded tensor " + ("without sample ids" if ids is None else
+                             "on a boundary this rank does not delta-code (configure delta alike on every rank)"))
+        dtype = dtype_from_code(flag >> DTYPE_SHIFT, "delta dtype")
+        coder = self._delta_coder(pos)
+        if flag & CODED:
+            return coder.decode(payload, ids, dtype).to(self._device)
+        x = _LOSSLESS.decode(payload)
+        if x.dtype != dtype or x.dim() < 1 or x.shape[0] != ids.numel():
+            raise ValueError(f"warm-up tensor {x.dtype} {tuple(x.shape)} for {ids.numel()} ids of {dtype}")
+        coder.refresh(x, ids)
+        return x
 
     def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int):
-        """Check ``[atomic, n_micro, slot, loss, *flags]``; returns (atomic, n_micro, loss, flags)."""
+        """Check ``[head, n_micro, slot, loss, *flags]``; returns (atomic, has_ids, n_micro, loss, flags)."""
         flags = meta[4:]
-        ok = len(meta) >= 4 and meta[0] in (0, 1) and meta[1] >= 0 and len(flags) <= MAX_BOUNDARY_TENSORS
-        ok = ok and all(f in _VALID_FLAGS for f in flags) and (meta[0] == 0 or len(flags) == 1)
-        ok = ok and n_payloads == sum(f != ABSENT for f in flags)
+        ok = len(meta) >= 4 and 0 <= meta[0] <= ATOMIC | HAS_IDS and meta[1] >= 0 and len(flags) <= MAX_BOUNDARY_TENSORS
+        ok = ok and all(_valid_flag(f) for f in flags) and (not meta[0] & ATOMIC or len(flags) == 1)
+        has_ids = ok and bool(meta[0] & HAS_IDS)
+        ok = ok and n_payloads == sum(f != ABSENT for f in flags) + has_ids
         if not ok:
             raise ValueError(f"{self.name}: corrupt message meta from rank {peer}: {meta[:8]}")
         if meta[2] != slot:
             raise ValueError(f"{self.name}: rank {peer} sent micro-batch {meta[2]}, expected {slot} "
                              f"(ranks out of step)")  # fmt: skip
-        return bool(meta[0]), meta[1], _bits_float(meta[3]), flags
+        return bool(meta[0] & ATOMIC), has_ids, meta[1], _bits_float(meta[3]), flags
 
     # -- state -----------------------------------------------------------------------------
 
@@ -333,3 +433,23 @@ class Boundary:
             if not hasattr(codec, "load_state_dict"):
                 raise ValueError(f"{self.name}: codec {codec!r} has no load_state_dict for state {key!r}")
             codec.load_state_dict(value)
+
+    def delta_state(self) -> dict[str, dict]:
+        """``state_dict()`` of this side's delta cache per tuple position (``{}`` if none)."""
+        return {str(pos): coder.cache.state_dict() for pos, coder in sorted(self._deltas.items())}
+
+    def load_delta_state(self, state: dict[str, dict]) -> None:
+        """Restore :meth:`delta_state` output.
+
+        Raises:
+            ValueError: the boundary is not delta-coded on this rank, or a cache does not fit.
+        """
+        if state and not self.delta_coded:
+            raise ValueError(f"{self.name}: saved delta caches, but this boundary is not delta-coded; resume with "
+                             f"the same --delta options")
+        for pos, cache_state in state.items():
+            self._delta_coder(int(pos)).cache.load_state_dict(cache_state)
+
+    def delta_digests(self) -> dict[int, str]:
+        """SHA-256 of this side's cache per tuple position (equal on the two sides of the boundary)."""
+        return {pos: coder.cache.digest() for pos, coder in sorted(self._deltas.items())}

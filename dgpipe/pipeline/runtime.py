@@ -31,6 +31,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import Batch, gather
 
 from dgpipe.comm import BandwidthMeter
+from dgpipe.compression.delta import DeltaSpec, check_ids
 
 from .boundary import Boundary, CodecSpec, codec_factories
 from .partition import validate_placement
@@ -70,7 +71,8 @@ class _Step:
     inputs: list | None  # micro-batches of the inputs (rank holding stage 0)
     targets: list | None  # micro-batches of the targets (rank holding the last stage)
     keep_outputs: bool
-    received: dict = field(default_factory=dict)  # (micro, segment) -> (value, leaves), received ahead
+    ids: list | None = None  # micro-batches of the sample ids (rank holding stage 0, delta coding)
+    received: dict = field(default_factory=dict)  # (micro, segment) -> (value, leaves, ids), received ahead
     saved: dict = field(default_factory=dict)  # (micro, segment) -> (leaves, loss, outputs needing grad)
     losses: list = field(default_factory=list)  # per micro-batch, detached (last-stage rank)
     loss: float | None = None  # mean over micro-batches: computed or received with the gradients
@@ -105,9 +107,15 @@ class Pipeline:
             ``DeferredBatchNorm`` (running statistics per mini-batch; inputs must be
             at least 3-D). Default off: plain BatchNorm per micro-batch.
         compress_eval: compress floating activations in :meth:`eval_step` too.
+        delta: delta-code the activations of the boundaries it covers against per-example
+            caches (AQ-SGD, :mod:`dgpipe.compression.delta`; ``act_codec`` codes the
+            change): training steps then need ``sample_ids``, which travel with every
+            forward message. The same spec on every rank.
+        delta_report: called with one line per cache allocation (size in examples x values
+            x bytes); default ``print``.
 
     Raises:
-        ValueError: bad placement, ``chunks``, ``timeout``, rank or codec spec.
+        ValueError: bad placement, ``chunks``, ``timeout``, rank, codec or delta spec.
     """
 
     def __init__(
@@ -123,6 +131,8 @@ class Pipeline:
         timeout: float = 300.0,
         deferred_batchnorm: bool = False,
         compress_eval: bool = True,
+        delta: DeltaSpec | None = None,
+        delta_report: Callable[[str], None] | None = print,
     ) -> None:
         stages = list(stages)
         if not stages or any(not isinstance(s, nn.Module) for s in stages):
@@ -140,12 +150,22 @@ class Pipeline:
         if not timeout or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         n_boundaries = len(stages) - 1
+        if delta is not None:
+            if not isinstance(delta, DeltaSpec):
+                raise ValueError(f"delta must be a DeltaSpec, got {type(delta).__name__}")
+            if delta.boundaries is not None and any(b >= n_boundaries for b in delta.boundaries):
+                raise ValueError(f"delta boundaries {delta.boundaries}: there are {n_boundaries} boundaries "
+                                 f"(indices 0..{n_boundaries - 1})")
         acts = codec_factories(act_codec, n_boundaries, "act_codec")
         grads = acts if grad_codec is None else codec_factories(grad_codec, n_boundaries, "grad_codec")
 
         self.rank, self.world_size, self.chunks = rank, world_size, chunks
         self.loss_fn, self.compress_eval, self.timeout = loss_fn, compress_eval, float(timeout)
         self.device = torch.device(device)
+        self.delta = delta
+        #: With a delta spec: send delta-coded tensors losslessly and store them (AQ-SGD's
+        #: full-precision warm-up), instead of coding their change. Read by the sending rank.
+        self.delta_warmup = False
         self.meter = BandwidthMeter()
         self.n_stages = len(stages)
         self._segs = segments(self._placement)
@@ -161,7 +181,8 @@ class Pipeline:
         for a, b in zip(self._segs, self._segs[1:]):
             if rank in (a.rank, b.rank):
                 self._bounds[a.index] = Boundary(
-                    a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout
+                    a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout,
+                    rank=rank, delta=delta, report=delta_report,
                 )
         self.last_step_totals: dict = self.meter.totals()
 
@@ -187,11 +208,25 @@ class Pipeline:
         for i in sorted(self._stages):
             yield from self._stages[i].parameters()
 
+    @property
+    def delta_boundaries(self) -> list[str]:
+        """Names of the boundaries whose activations are delta-coded (all of the pipeline's)."""
+        if self.delta is None:
+            return []
+        return [f"stage{i}->stage{i + 1}" for i in range(self.n_stages - 1) if self.delta.covers(i)]
+
+    def delta_digests(self) -> dict[str, dict[int, str]]:
+        """SHA-256 of this rank's delta caches: ``{boundary name: {tuple position: hex}}``; the
+        two ranks of a boundary hold equal digests."""
+        return {b.name: b.delta_digests() for b in self._bounds.values() if b.delta_coded}
+
     def state_dict(self) -> dict:
-        """``{"stages": {index: stage state}, "codecs": {boundary name: codec states}}`` of this rank."""
+        """``{"stages": {index: stage state}, "codecs": {boundary name: codec states},
+        "delta": {boundary name: cache states}}`` of this rank."""
         return {
             "stages": {str(i): s.state_dict() for i, s in sorted(self._stages.items())},
             "codecs": {b.name: b.codec_state() for b in self._bounds.values()},
+            "delta": {b.name: b.delta_state() for b in self._bounds.values() if b.delta_coded},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -212,10 +247,14 @@ class Pipeline:
             if name not in bounds:
                 raise ValueError(f"codec state for boundary {name!r}, which this rank does not touch")
             bounds[name].load_codec_state(codec_state)
+        for name, delta_state in state.get("delta", {}).items():
+            if name not in bounds:
+                raise ValueError(f"delta caches for boundary {name!r}, which this rank does not touch")
+            bounds[name].load_delta_state(delta_state)
 
     # -- steps -----------------------------------------------------------------------------
 
-    def train_step(self, inputs=None, targets=None, return_outputs: bool = False):
+    def train_step(self, inputs=None, targets=None, return_outputs: bool = False, sample_ids=None):
         """One GPipe step: forward all micro-batches, backward them in reverse.
 
         Gradients accumulate into :meth:`parameters` (call ``optimizer.zero_grad()``
@@ -228,6 +267,10 @@ class Pipeline:
             targets: tensor or tuple on the rank holding the last stage; ignored elsewhere.
             return_outputs: also return the last stage's outputs (detached,
                 concatenated over micro-batches) on the last-stage rank, ``None`` elsewhere.
+            sample_ids: on the rank holding stage 0, the dataset index of every example
+                of ``inputs`` (int64 ``(B,)``, distinct, in ``[0, delta.examples)``); needed
+                with a delta spec, ignored without one and on other ranks. They are split
+                with the micro-batches and travel with the forward messages.
 
         Returns:
             The mean loss over micro-batches (float, the same on every rank), or
@@ -235,7 +278,7 @@ class Pipeline:
 
         Raises:
             ValueError: a batch smaller than or not divisible by ``chunks``, missing
-                inputs/targets/loss_fn.
+                inputs/targets/loss_fn, missing or bad ``sample_ids`` with a delta spec.
             TransportError: a peer failed or stalled (the message names it).
         """
         micro_in = micro_tg = None
@@ -251,6 +294,13 @@ class Pipeline:
                     f"batch size that is a multiple of {self.chunks} (e.g. drop_last=True in the DataLoader)"
                 )
             micro_in = _split(inputs, self.chunks, self.device)
+            micro_ids = None
+            if self.delta is not None:
+                if sample_ids is None:
+                    raise ValueError("this pipeline delta-codes activations against per-example caches: "
+                                     "train_step needs sample_ids (the dataset index of every example)")
+                check_ids(sample_ids, self.delta.examples, batch)
+                micro_ids = list(sample_ids.cpu().tensor_split(self.chunks))
         if self.holds_last_stage:
             if self.loss_fn is None:
                 raise ValueError(f"rank {self.rank} holds the last stage and needs loss_fn")
@@ -263,7 +313,8 @@ class Pipeline:
         for s in self._stages.values():
             s.train()
         with torch.enable_grad():
-            step = self._run("forward", micro_in, micro_tg, return_outputs)
+            step = self._run("forward", micro_in, micro_tg, return_outputs,
+                             micro_ids if self.holds_first_stage else None)
         if return_outputs:
             return step.loss, gather([Batch(o) for o in step.outputs]) if step.outputs else None
         return step.loss
@@ -298,11 +349,11 @@ class Pipeline:
 
     # -- execution -------------------------------------------------------------------------
 
-    def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool) -> "_Step":
+    def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool, micro_ids=None) -> "_Step":
         """Run this rank's tasks of one step."""
         before = self.meter.totals()
         training = direction == "forward"
-        step = _Step(direction, 0, micro_in, micro_tg, keep_outputs)
+        step = _Step(direction, 0, micro_in, micro_tg, keep_outputs, micro_ids)
         for seg in self._segs:  # every incoming boundary brings at least one message this step
             if seg.rank == self.rank and seg.index > 0:
                 self._bounds[seg.index - 1].expect_forward()
@@ -310,8 +361,8 @@ class Pipeline:
             step.n_micro = len(micro_in)
         else:  # learn the number of micro-batches from the first message
             first = next(s for s in self._segs if s.rank == self.rank)
-            value, leaves, step.n_micro = self._bounds[first.index - 1].recv_forward(0, direction)
-            step.received[(0, first.index)] = (value, leaves)
+            value, leaves, step.n_micro, ids = self._bounds[first.index - 1].recv_forward(0, direction)
+            step.received[(0, first.index)] = (value, leaves, ids)
         if training and step.n_micro != self.chunks:
             raise ValueError(f"rank {self.rank}: peer sent {step.n_micro} micro-batches, expected chunks={self.chunks}")
         for task in gpipe_tasks(self._segs, self.rank, step.n_micro, backward=training):
@@ -328,11 +379,11 @@ class Pipeline:
     def _forward(self, step: "_Step", task: Task) -> None:
         seg, m = self._segs[task.segment], task.micro
         if seg.first == 0:
-            x, leaves = step.inputs[m], []
+            x, leaves, ids = step.inputs[m], [], step.ids[m] if step.ids else None
         elif (m, seg.index) in step.received:
-            x, leaves = step.received.pop((m, seg.index))
+            x, leaves, ids = step.received.pop((m, seg.index))
         else:
-            x, leaves, n = self._bounds[seg.index - 1].recv_forward(m, step.direction)
+            x, leaves, n, ids = self._bounds[seg.index - 1].recv_forward(m, step.direction)
             if n != step.n_micro:
                 raise ValueError(f"rank {self.rank}: peer sent micro-batch count {n}, expected {step.n_micro}")
         for i in range(seg.first, seg.last + 1):
@@ -349,7 +400,8 @@ class Pipeline:
             if step.keep_outputs:
                 step.outputs.append(_detach(x))
         else:
-            works, out_rg = self._bounds[seg.index].send_forward(m, x, step.n_micro, step.direction, self.compress_eval)
+            works, out_rg = self._bounds[seg.index].send_forward(m, x, step.n_micro, step.direction, self.compress_eval,
+                                                                 ids=ids, refresh=self.delta_warmup)
             step.works.extend(works)
             if training:
                 step.saved[(m, seg.index)] = (leaves, None, out_rg)

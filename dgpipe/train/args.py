@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from dgpipe.compression.delta import CACHE_DTYPES, DEFAULT_MAX_BYTES
+
 from .checkpoint import read_meta
 from .codecs import boundary_compression, grad_compression
 
@@ -80,6 +82,20 @@ def common_parser(
                    help="option of --grad-codec (repeatable)")
     c.add_argument("--no-compress-eval", dest="compress_eval", action="store_false",
                    help="send activations uncompressed during evaluation (default: the training codec)")
+
+    e = p.add_argument_group("delta coding of activations against per-example caches (AQ-SGD, pipeline mode)")
+    e.add_argument("--delta", action="store_true",
+                   help="send the change of each training example's boundary activation since its last visit, "
+                        "coded by the forward codec (--codec/--quant/--sortquant); both sides cache every example")
+    e.add_argument("--delta-warmup-epochs", type=int, default=0, metavar="N",
+                   help="first N epochs: send delta-coded activations uncompressed and cache them (0: the first "
+                        "visit codes the activation itself)")
+    e.add_argument("--delta-cache-dtype", choices=sorted(CACHE_DTYPES), default="float16",
+                   help="dtype of the cached reconstructions")
+    e.add_argument("--delta-cache-dir", metavar="DIR",
+                   help="keep the caches in memory-mapped files under DIR (for caches larger than memory)")
+    e.add_argument("--delta-cache-limit", type=float, default=DEFAULT_MAX_BYTES / 2**30, metavar="GIB",
+                   help="largest in-memory cache per boundary tensor and side, GiB")
 
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", default=data_dir, help=data_dir_help)
@@ -244,6 +260,27 @@ def _balance(args: argparse.Namespace) -> tuple[int, ...] | None:
     return balance
 
 
+def _check_delta(args: argparse.Namespace) -> None:
+    """The --delta flags: a warm-up >= 0, a positive limit, a writable cache directory, and
+    no delta flag without --delta."""
+    if not args.delta:
+        given = [f for f, v in (("--delta-warmup-epochs", args.delta_warmup_epochs),
+                                ("--delta-cache-dir", args.delta_cache_dir)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure --delta; add --delta")
+        return
+    if args.delta_warmup_epochs < 0:
+        raise ValueError(f"--delta-warmup-epochs must be >= 0, got {args.delta_warmup_epochs}")
+    if not args.delta_cache_limit > 0:
+        raise ValueError(f"--delta-cache-limit must be a positive number of GiB, got {args.delta_cache_limit}")
+    if args.delta_cache_dir is not None:
+        path = Path(args.delta_cache_dir).resolve()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            raise ValueError(f"--delta-cache-dir {args.delta_cache_dir}: cannot create files under {existing}; "
+                             "choose a writable directory")
+
+
 def validate_common(args: argparse.Namespace, environ: dict | None = None) -> None:
     """Check the shared flags and fill in derived values, before any process starts.
 
@@ -290,6 +327,7 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
                 raise ValueError(f"--balance lists {len(args.balance)} stages but --stages is {args.stages}")
         args.compression = boundary_compression(args)
         args.dp_compression = None
+        _check_delta(args)
     else:
         if args.batch_size % args.world_size:
             raise ValueError(f"--batch-size {args.batch_size} is not divisible by --world-size {args.world_size} "
@@ -303,6 +341,8 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
             raise ValueError(f"{', '.join(pipeline_flags)} compress pipeline boundaries; in --mode dataparallel "
                              "use --grad-compression NAME (e.g. --grad-compression sortquant "
                              "--grad-compression-opt quant_bits=6 --grad-compression-opt split_bits=2)")
+        if args.delta:
+            raise ValueError("--delta codes pipeline boundaries; it has no meaning in --mode dataparallel")
         args.compression = None
         args.dp_compression = grad_compression(args)
 

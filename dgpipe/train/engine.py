@@ -3,12 +3,17 @@
 Both give the training loop (:mod:`dgpipe.train.loop`) the same small interface, so
 ``--mode pipeline`` and ``--mode dataparallel`` share every line of the loop:
 
-- ``train_step(inputs, targets) -> float`` (gradients accumulated, the caller steps
-  the optimizer), ``eval_step(inputs) -> outputs or None``;
+- ``train_step(inputs, targets, sample_ids=None) -> float`` (gradients accumulated, the
+  caller steps the optimizer), ``eval_step(inputs) -> outputs or None``;
 - ``reads_data`` (whether this rank iterates the data loaders), ``output_rank`` (the
   rank whose evaluation outputs are scored);
 - ``parameters()``, ``meter`` (a :class:`~dgpipe.comm.BandwidthMeter` of the traffic:
-  stage boundaries, or the DDP gradient exchange), ``state_dict()``/``load_state_dict()``.
+  stage boundaries, or the DDP gradient exchange), ``state_dict()``/``load_state_dict()``,
+  ``delta_boundaries`` (names of the delta-coded boundaries, for the logs).
+
+:func:`reads_data` says, from the flags alone, which ranks iterate the data loaders, so
+that the loaders (and the training set's size, which delta caches need) exist before
+the engine.
 """
 
 from __future__ import annotations
@@ -20,12 +25,29 @@ import torch.distributed as dist
 from torch import nn
 
 from dgpipe.comm import wire_device
+from dgpipe.compression.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
 
 from .job import Job
 
-__all__ = ["partition", "PipelineEngine", "DataParallelEngine", "make_engine"]
+__all__ = ["partition", "placement", "reads_data", "PipelineEngine", "DataParallelEngine", "make_engine"]
+
+
+def placement(args: argparse.Namespace) -> list[int]:
+    """Rank of every stage: ``[0, 1, 0]`` client/server; stage i on rank ``i % world_size`` linear."""
+    if args.partition == "client-server":
+        return client_server_placement()
+    return [i % args.world_size for i in range(args.stages)]
+
+
+def reads_data(args: argparse.Namespace, rank: int) -> bool:
+    """Whether ``rank`` iterates the loaders: every DDP rank; the pipeline ranks holding the
+    first stage (inputs) or the last (targets). Rank 0 always does."""
+    if args.mode != "pipeline":
+        return True
+    stages = placement(args)
+    return rank in (stages[0], stages[-1])
 
 
 def partition(layers: list[nn.Module], args: argparse.Namespace, pinned: tuple[int, int]) -> tuple[list[nn.Module], list[int]]:
@@ -37,9 +59,9 @@ def partition(layers: list[nn.Module], args: argparse.Namespace, pinned: tuple[i
     counts), stage i on rank ``i % world_size``.
     """
     if args.partition == "client-server":
-        return client_server_split(layers, args.client_layers, pinned), client_server_placement()
+        return client_server_split(layers, args.client_layers, pinned), placement(args)
     balance = list(args.balance) if args.balance else balance_by_params(layers, args.stages)
-    return split_layers(layers, balance), [i % args.world_size for i in range(args.stages)]
+    return split_layers(layers, balance), placement(args)
 
 
 def _to(value, device: torch.device):
@@ -52,24 +74,33 @@ class PipelineEngine:
     """This rank's part of the compressed GPipe pipeline (:class:`dgpipe.pipeline.Pipeline`).
 
     Every rank calls every step (a collective). Stage 0's rank reads inputs, the last
-    stage's rank reads targets and ends with the evaluation outputs.
+    stage's rank reads targets and ends with the evaluation outputs. With ``--delta``
+    every boundary's activations are delta-coded against caches of ``train_examples``
+    examples (:class:`~dgpipe.compression.delta.DeltaSpec`), the first
+    ``--delta-warmup-epochs`` epochs uncompressed.
     """
 
     def __init__(self, job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
-                 device: torch.device) -> None:
-        stages, placement = partition(layers, args, job.pinned)
+                 device: torch.device, train_examples: int | None = None) -> None:
+        stages, self.placement = partition(layers, args, job.pinned)
         self.layers_per_stage = [len(list(s.children())) for s in stages]
-        self.placement = placement
+        self._warmup_epochs = args.delta_warmup_epochs if args.delta else 0
+        delta = None
+        if args.delta:
+            delta = DeltaSpec(train_examples, cache_dtype=CACHE_DTYPES[args.delta_cache_dtype],
+                              cache_dir=args.delta_cache_dir, max_bytes=int(args.delta_cache_limit * 2**30))
         comp = args.compression
         self.pipe = Pipeline(
             stages, placement, rank, chunks=args.chunk, loss_fn=job.loss,
             act_codec=comp.forward.build, grad_codec=comp.backward.build,
             device=device, timeout=args.timeout,
             deferred_batchnorm=getattr(args, "deferred_batchnorm", False), compress_eval=args.compress_eval,
+            delta=delta, delta_report=lambda line: print(line, flush=True),
         )
         self.meter = self.pipe.meter
         self.reads_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage
-        self.output_rank = placement[-1]
+        self.output_rank = self.placement[-1]
+        self.delta_boundaries = self.pipe.delta_boundaries
         self.momentum_in_codec = False
 
     def describe(self) -> str:
@@ -79,9 +110,9 @@ class PipelineEngine:
     def parameters(self):
         return self.pipe.parameters()
 
-    def train_step(self, inputs, targets) -> float:
+    def train_step(self, inputs, targets, sample_ids=None) -> float:
         """GPipe step; returns the mini-batch's mean loss (the same on every rank)."""
-        return self.pipe.train_step(inputs, targets)
+        return self.pipe.train_step(inputs, targets, sample_ids=sample_ids)
 
     def eval_step(self, inputs):
         """Outputs on the last stage's rank, None elsewhere."""
@@ -92,7 +123,8 @@ class PipelineEngine:
         return loss_sum / max(steps, 1)
 
     def set_epoch(self, epoch: int) -> None:
-        """Nothing to tell the pipeline."""
+        """Delta warm-up (lossless, cached) during the first ``--delta-warmup-epochs`` epochs."""
+        self.pipe.delta_warmup = epoch < self._warmup_epochs
 
     def state_dict(self) -> dict:
         return self.pipe.state_dict()
@@ -124,6 +156,7 @@ class DataParallelEngine:
         self.output_rank = 0
         self.momentum_in_codec = self.dp.codec_applies_momentum
         self._compression = spec
+        self.delta_boundaries: list[str] = []
 
     def describe(self) -> str:
         return f"DDP on {dist.get_world_size()} processes, gradient exchange {self._compression or 'all-reduce'}"
@@ -131,8 +164,8 @@ class DataParallelEngine:
     def parameters(self):
         return self.dp.module.parameters()
 
-    def train_step(self, inputs, targets) -> float:
-        """Forward and backward of this rank's shard; returns its loss."""
+    def train_step(self, inputs, targets, sample_ids=None) -> float:
+        """Forward and backward of this rank's shard; returns its loss (``sample_ids`` unused)."""
         self.dp.module.train()
         loss = self.job.loss(self.dp.module(_to(inputs, self.device)), _to(targets, self.device))
         loss.backward()
@@ -162,7 +195,8 @@ class DataParallelEngine:
 
 
 def make_engine(job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
-                device: torch.device) -> PipelineEngine | DataParallelEngine:
-    """The engine of ``args.mode``."""
-    cls = PipelineEngine if args.mode == "pipeline" else DataParallelEngine
-    return cls(job, layers, args, rank, device)
+                device: torch.device, train_examples: int | None = None) -> PipelineEngine | DataParallelEngine:
+    """The engine of ``args.mode`` (``train_examples``: the training set's size, for delta caches)."""
+    if args.mode == "pipeline":
+        return PipelineEngine(job, layers, args, rank, device, train_examples)
+    return DataParallelEngine(job, layers, args, rank, device)

@@ -5,8 +5,10 @@ the ranks -- in this process under ``torchrun`` (its environment variables are s
 ``--world-size`` local processes through :func:`dgpipe.pipeline.spawn` -- and each rank
 runs :func:`worker`:
 
-1. seed torch, build the job's layers (identical on every rank) and its engine
-   (:mod:`dgpipe.train.engine`: the compressed pipeline or the DDP baseline);
+1. seed torch, build the job's layers (identical on every rank), the data loaders (on
+   the ranks that read data) and the engine (:mod:`dgpipe.train.engine`: the compressed
+   pipeline or the DDP baseline; rank 0 broadcasts the training set's size, which
+   ``--delta`` caches are allocated for);
 2. per epoch: train for ``len(train loader)`` steps (fewer with ``--max-steps``), with
    a tqdm bar on rank 0 (loss, samples/s); evaluate; gather the traffic meter on rank
    0; rank 0 writes an ``epoch`` record (:mod:`dgpipe.train.runlog`) and prints a line
@@ -37,7 +39,7 @@ from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from . import checkpoint, runlog
 from .args import dist_env, rank_device, resolve_backend, validate_common
-from .engine import make_engine
+from .engine import make_engine, reads_data
 from .job import Job
 
 __all__ = ["main", "parse_args", "run", "worker", "json_args"]
@@ -152,9 +154,12 @@ def _start_epoch(loader: DataLoader | None, epoch: int) -> None:
 _METER_EXTRAS = ("frame_bytes", "encode_seconds", "decode_seconds")
 
 
-def _boundaries(meter) -> list[dict[str, Any]]:
+def _boundaries(meter, delta: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Boundary entries of the log; ``delta``: names of the delta-coded boundaries (their
+    training forward entries get ``"delta": true``, every other entry ``false``)."""
     return [runlog.boundary_record(r["name"], r["direction"], r["raw_bytes"], r["wire_bytes"], r["recv_bytes"],
                                    r["recv_seconds"]) | {k: r[k] for k in _METER_EXTRAS}
+            | {"delta": r["direction"] == "forward" and r["name"] in delta}
             for r in meter.records()]
 
 
@@ -182,9 +187,9 @@ def _train_epoch(engine, optimizer, scheduler, loader: DataLoader | None, steps:
     bar = tqdm(total=steps, desc=desc, disable=not progress, unit="step", dynamic_ncols=True)
     loss_sum, start = 0.0, time.perf_counter()
     for i in range(steps):
-        inputs, targets = next(batches) if batches is not None else (None, None)
+        inputs, targets, *ids = next(batches) if batches is not None else (None, None)
         optimizer.zero_grad(set_to_none=True)
-        loss = engine.train_step(inputs, targets)
+        loss = engine.train_step(inputs, targets, ids[0] if ids else None)
         optimizer.step()
         scheduler.step()
         loss_sum += loss
@@ -216,13 +221,14 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
     _set_threads(device)
     torch.manual_seed(args.seed)
     job = job_cls(args)
-    engine = make_engine(job, job.build_layers(), args, rank, device)
+    layers = job.build_layers()
     dp_shards = world_size if args.mode == "dataparallel" else 1
     train_loader = eval_loader = None
-    if engine.reads_data:
+    if reads_data(args, rank):
         train_loader, eval_loader = job.loaders(rank if dp_shards > 1 else 0, dp_shards)
-    sizes = [len(train_loader), len(eval_loader)] if rank == 0 else [0, 0]
-    steps_per_epoch, eval_steps = (int(x) for x in _broadcast(sizes, 0))
+    sizes = [len(train_loader), len(eval_loader), len(train_loader.dataset)] if rank == 0 else [0, 0, 0]
+    steps_per_epoch, eval_steps, train_examples = (int(x) for x in _broadcast(sizes, 0))
+    engine = make_engine(job, layers, args, rank, device, train_examples)
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
@@ -263,7 +269,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         metrics = _evaluate(engine, job, eval_loader, eval_steps)
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
-            boundaries = _boundaries(merged)
+            boundaries = _boundaries(merged, engine.delta_boundaries)
             raw_total += sum(b["raw_bytes"] for b in boundaries)
             wire_total += sum(b["wire_bytes"] for b in boundaries)
             boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]

@@ -141,7 +141,8 @@ class GlueJob(Job):
         a = self.args
         common = dict(max_length=a.max_length, seed=a.seed, num_workers=0)
         train = make_glue_loader(a.task, self.tokenizer, a.data_dir, "train", a.batch_size // world_size,
-                                 subset=a.train_subset, rank=rank, world_size=world_size, heldout=a.heldout, **common)
+                                 subset=a.train_subset, rank=rank, world_size=world_size, heldout=a.heldout,
+                                 sample_ids=a.delta, **common)
         evaluation = make_glue_loader(a.task, self.tokenizer, a.data_dir, "dev", a.batch_size,
                                       subset=a.eval_subset, **common)
         if a.heldout:  # one evaluation pass: the dev examples, then the held-out ones (metrics split them)

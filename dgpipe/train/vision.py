@@ -92,7 +92,7 @@ class VisionJob(Job):
         common = dict(image_size=a.image_size, seed=a.seed, num_workers=a.num_workers, cache_dir=a.cache_dir,
                       download=False)
         train = make_loader(a.dataset, a.data_dir, "train", a.batch_size // world_size, subset=a.train_subset,
-                            rank=rank, world_size=world_size, **common)
+                            rank=rank, world_size=world_size, sample_ids=a.delta, **common)
         evaluation = make_loader(a.dataset, a.data_dir, "test", a.batch_size, subset=a.eval_subset, **common)
         return train, evaluation
 
