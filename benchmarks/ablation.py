@@ -95,7 +95,16 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
     "codebook2_g4": _codebook(2) + _codebook(4, "--grad-codec"),
 }
 
-SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS}
+#: Delta coding against per-example caches (AQ-SGD, issue 12) with the codebook codec at 4, 3 and 2
+#: bits as the inner codec, beside the same codecs without delta; run them for >= 3 epochs so that
+#: every training example is revisited.
+DELTA_SETTINGS: dict[str, list[str]] = {
+    "none": [],
+    **{label: LOWBIT_SETTINGS[label] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
+    **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
+}
+
+SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS}
 
 
 def has_summary(log: Path) -> bool:

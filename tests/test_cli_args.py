@@ -91,6 +91,11 @@ def _validated(argv, cli=VISION):
          "--codec-opt error_feedback: error feedback carries a gradient's residual"),
         (["--grad-codec", "quant", "--grad-codec-opt", "error_feedback=2"],
          "--grad-codec quant(error_feedback=2): error_feedback must be true or false, got 2"),
+        (["--mode", "dataparallel", "--delta"], "--delta codes pipeline boundaries; it has no meaning in --mode"),
+        (["--delta-warmup-epochs", "1"], "--delta-warmup-epochs configure --delta; add --delta"),
+        (["--delta", "--delta-warmup-epochs", "-1"], "--delta-warmup-epochs must be >= 0, got -1"),
+        (["--delta", "--delta-cache-limit", "0"], "--delta-cache-limit must be a positive number of GiB"),
+        (["--delta", "--delta-cache-dir", "/dev/null/caches"], "--delta-cache-dir /dev/null/caches: cannot create files"),
     ],
 )
 def test_common_flag_errors(argv, message, cifar, capsys):

@@ -122,6 +122,46 @@ def test_nlp_pipeline_evaluates_dev_and_heldout_with_lowbit_codecs(tmp_path):
     assert summary["wire_bytes"] < summary["raw_bytes"] / 4
 
 
+@needs_rte
+def test_nlp_pipeline_delta_logs_caches_and_statistics(tmp_path, capfd):
+    """--delta: caches in memory-mapped files (one per boundary, side and rank), their size
+    printed, forward entries marked delta with the coded change = the activation on the
+    first visits (epoch 1) and less on the revisits (epoch 2); sample ids cost wire bytes."""
+    log = tmp_path / "rte.jsonl"
+    code = load_cli("test_nlp_dgpipe").main([
+        "--task", "rte", "--data-dir", str(_tiny_rte(tmp_path / "glue", 16, 8)), "--model-config", "tiny-roberta",
+        "--max-length", "48", "--batch-size", "8", "--chunk", "2", "--epochs", "2", "--lr", "1e-4",
+        "--codec", "quant", "--codec-opt", "bits=2", "--codec-opt", "group=token", "--delta",
+        "--delta-cache-dir", str(tmp_path / "caches"), "--log", str(log), "--no-progress",
+    ])
+    assert code == 0
+    out = capfd.readouterr().out
+    assert "rank 0: delta cache stage0->stage1 tensor 0 (sender): 16 examples x 3072 values x 2 bytes" in out
+    assert len(list((tmp_path / "caches").iterdir())) == 4
+    first, second, summary = read_records(log)
+    for epoch, first_visit in ((first, True), (second, False)):
+        forward = [b for b in epoch["boundaries"] if b["direction"] == "forward"]
+        assert len(forward) == 2 and all(b["delta"] for b in forward)
+        assert not any(b["delta"] for b in epoch["boundaries"] if b["direction"] != "forward")
+        for b in forward:
+            assert (b["delta_change_rel"] == pytest.approx(1.0, abs=1e-12)) if first_visit else b["delta_change_rel"] < 1
+            assert 0 < b["delta_error_rel"] < 0.5
+    assert summary["args"]["delta"] is True
+
+
+@needs_rte
+def test_nlp_pipeline_delta_cache_over_the_limit_fails_with_the_fix(tmp_path, capfd):
+    code = load_cli("test_nlp_dgpipe").main([
+        "--task", "rte", "--data-dir", str(_tiny_rte(tmp_path / "glue", 16, 8)), "--model-config", "tiny-roberta",
+        "--max-length", "48", "--batch-size", "8", "--chunk", "2", "--epochs", "1", "--codec", "quant",
+        "--codec-opt", "bits=2", "--delta", "--delta-cache-limit", "0.00001", "--no-progress",
+    ])
+    assert code == 1
+    err = capfd.readouterr().err
+    assert "16 examples x 3072 values x 2 bytes = 0.1 MiB is over the in-memory limit" in err
+    assert "--delta-cache-dir" in err
+
+
 def _in_process(cli: str, job_cls, argv: list[str]) -> None:
     """Run a job's loop as one in-process rank (no process spawned)."""
     import time

@@ -273,14 +273,37 @@ def run_eval_carries_no_ids(rank):
     assert pipe.delta_digests() == before
 
 
+def run_warmup_is_lossless_then_deltas_follow(rank):
+    """A warm-up epoch sends activations uncompressed (training equals plain uncompressed
+    training) and caches them; the coded epochs after it keep both sides' caches equal."""
+    plain, plain_opt = make_pipe(mlp(), "none", delta=False)
+    pipe, opt = make_pipe(mlp(), ("quant", {"bits": 2}), delta=True, cache_dtype=torch.float32)
+    batches = epochs(3, seed=2)
+    outputs = []
+    if rank == 0:  # record what stage 0 sends, micro-batch by micro-batch
+        pipe.stages[0].register_forward_hook(lambda m, i, o: outputs.append(o.detach().clone()))
+    pipe.delta_warmup = True
+    assert train(pipe, opt, batches[:3]) == train(plain, plain_opt, batches[:3])
+    if rank == 0:  # the sender's cache holds exactly the activations it sent (fp32 cache)
+        cache = pipe._bounds[0]._delta_coder(0).cache
+        micro_ids = [m for ids in batches[:3] for m in ids.tensor_split(CHUNKS)]
+        assert len(outputs) == len(micro_ids)
+        for ids, out in zip(micro_ids, outputs):
+            assert torch.equal(cache.values[ids], out)
+    pipe.delta_warmup = False
+    train(pipe, opt, batches[3:])
+    _digests_across_ranks(pipe)
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     checks = {"lossless": run_lossless_equals_plain, "lossy": run_lossy_caches_identical,
-              "ids": run_ids_follow_rows, "resume": run_resume_is_exact, "eval": run_eval_carries_no_ids}
+              "ids": run_ids_follow_rows, "resume": run_resume_is_exact, "eval": run_eval_carries_no_ids,
+              "warmup": run_warmup_is_lossless_then_deltas_follow}
     return spawn_checks(checks, 2, tmp_path_factory.mktemp("delta"))
 
 
-@pytest.mark.parametrize("name", ["lossless", "lossy", "ids", "resume", "eval"])
+@pytest.mark.parametrize("name", ["lossless", "lossy", "ids", "resume", "eval", "warmup"])
 def test_pipeline_delta(outcomes, name):
     assert_ranks_ok(outcomes, name, 2)
 

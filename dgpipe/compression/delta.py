@@ -245,6 +245,12 @@ class DeltaCoder:
     Args:
         inner: the codec of the change (stateless: forward activations only).
         cache: this side's cache.
+
+
+    Attributes:
+        stats: float64 ``(3,)`` sums over the values this side has encoded since the last
+            :meth:`take_stats`: ``[sum a^2, sum (a - m)^2, sum (a - r)^2]`` -- the activations'
+            energy, the energy of the change that was coded, and the reconstruction error.
     """
 
     stateful = True
@@ -253,6 +259,12 @@ class DeltaCoder:
         if not isinstance(inner, Codec) or inner.stateful:
             raise ValueError(f"delta coding needs a stateless inner codec, got {inner!r}")
         self.inner, self.cache = inner, cache
+        self.stats = torch.zeros(3, dtype=torch.float64)
+
+    def take_stats(self) -> torch.Tensor:
+        """:attr:`stats`, reset to zero."""
+        out, self.stats = self.stats, torch.zeros(3, dtype=torch.float64)
+        return out
 
     def _base(self, ids: torch.Tensor, row_shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         wide = torch.promote_types(dtype, self.cache.dtype)
@@ -275,8 +287,13 @@ class DeltaCoder:
             raise ValueError(f"{self.cache.name}: delta coding needs a floating (B, ...) tensor with one row per "
                              f"id, got {x.dtype} {tuple(x.shape)} for {ids.numel()} ids")
         m = self._base(ids, x.shape[1:], x.device, x.dtype)
-        payload = self.inner.encode(x.detach().to(m.dtype) - m)
-        self.cache.store(ids, m + self.inner.decode(payload))
+        a = x.detach().to(m.dtype)
+        change = a - m
+        payload = self.inner.encode(change)
+        r = m + self.inner.decode(payload)
+        self.cache.store(ids, r)
+        sums = [t.double().square().sum() for t in (a, change, a - r)]
+        self.stats += torch.stack(sums).cpu()
         return payload
 
     def decode(self, payload: Payload, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -450,6 +450,14 @@ class Boundary:
         for pos, cache_state in state.items():
             self._delta_coder(int(pos)).cache.load_state_dict(cache_state)
 
+    def take_delta_stats(self) -> torch.Tensor:
+        """float64 ``(3,)``: this side's :attr:`DeltaCoder.stats <dgpipe.compression.delta.DeltaCoder>`
+        summed over tuple positions (zeros on the receiving side), then reset."""
+        total = torch.zeros(3, dtype=torch.float64)
+        for coder in self._deltas.values():
+            total += coder.take_stats()
+        return total
+
     def delta_digests(self) -> dict[int, str]:
         """SHA-256 of this side's cache per tuple position (equal on the two sides of the boundary)."""
         return {pos: coder.cache.digest() for pos, coder in sorted(self._deltas.items())}

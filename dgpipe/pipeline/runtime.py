@@ -215,6 +215,18 @@ class Pipeline:
             return []
         return [f"stage{i}->stage{i + 1}" for i in range(self.n_stages - 1) if self.delta.covers(i)]
 
+    def take_delta_stats(self) -> torch.Tensor:
+        """float64 ``(len(delta_boundaries), 3)``: per delta-coded boundary, the sums
+        ``[sum a^2, sum (a - m)^2, sum (a - r)^2]`` over the activations this rank sent since
+        the last call (activation energy, coded change, reconstruction error; zeros for
+        boundaries this rank does not send on). Sum over ranks for the whole pipeline."""
+        names = self.delta_boundaries
+        out = torch.zeros(len(names), 3, dtype=torch.float64)
+        for b in self._bounds.values():
+            if b.delta_coded:
+                out[names.index(b.name)] += b.take_delta_stats()
+        return out
+
     def delta_digests(self) -> dict[str, dict[int, str]]:
         """SHA-256 of this rank's delta caches: ``{boundary name: {tuple position: hex}}``; the
         two ranks of a boundary hold equal digests."""

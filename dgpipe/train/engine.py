@@ -9,7 +9,8 @@ Both give the training loop (:mod:`dgpipe.train.loop`) the same small interface,
   rank whose evaluation outputs are scored);
 - ``parameters()``, ``meter`` (a :class:`~dgpipe.comm.BandwidthMeter` of the traffic:
   stage boundaries, or the DDP gradient exchange), ``state_dict()``/``load_state_dict()``,
-  ``delta_boundaries`` (names of the delta-coded boundaries, for the logs).
+  ``delta_boundaries`` (names of the delta-coded boundaries, for the logs) and
+  ``delta_stats()`` (a collective: their coded-change and error energies).
 
 :func:`reads_data` says, from the flags alone, which ranks iterate the data loaders, so
 that the loaders (and the training set's size, which delta caches need) exist before
@@ -91,7 +92,7 @@ class PipelineEngine:
                               cache_dir=args.delta_cache_dir, max_bytes=int(args.delta_cache_limit * 2**30))
         comp = args.compression
         self.pipe = Pipeline(
-            stages, placement, rank, chunks=args.chunk, loss_fn=job.loss,
+            stages, self.placement, rank, chunks=args.chunk, loss_fn=job.loss,
             act_codec=comp.forward.build, grad_codec=comp.backward.build,
             device=device, timeout=args.timeout,
             deferred_batchnorm=getattr(args, "deferred_batchnorm", False), compress_eval=args.compress_eval,
@@ -121,6 +122,20 @@ class PipelineEngine:
     def mean_loss(self, loss_sum: float, steps: int) -> float:
         """The epoch's mean training loss (the pipeline's losses are already global)."""
         return loss_sum / max(steps, 1)
+
+    def delta_stats(self) -> dict[str, dict[str, float]]:
+        """Per delta-coded boundary, since the last call, relative to the activations' energy
+        ``sum a^2``: ``delta_change_rel`` = ``sum (a - m)^2`` (what was coded: 1 for a first
+        visit, small when activations drift little between visits) and ``delta_error_rel`` =
+        ``sum (a - r)^2`` (the reconstruction error). A collective (one all-reduce)."""
+        names = self.delta_boundaries
+        if not names:
+            return {}
+        sums = self.pipe.take_delta_stats().to(wire_device())
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+        return {n: {"delta_change_rel": float(s[1] / s[0]) if s[0] > 0 else None,
+                    "delta_error_rel": float(s[2] / s[0]) if s[0] > 0 else None} for n, s in zip(names, sums)}
 
     def set_epoch(self, epoch: int) -> None:
         """Delta warm-up (lossless, cached) during the first ``--delta-warmup-epochs`` epochs."""
@@ -185,6 +200,10 @@ class DataParallelEngine:
 
     def set_epoch(self, epoch: int) -> None:
         self.dp.set_epoch(epoch)
+
+    def delta_stats(self) -> dict:
+        """No delta coding in DDP."""
+        return {}
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "hook": self.dp.hook_state_dict()}

@@ -154,13 +154,18 @@ def _start_epoch(loader: DataLoader | None, epoch: int) -> None:
 _METER_EXTRAS = ("frame_bytes", "encode_seconds", "decode_seconds")
 
 
-def _boundaries(meter, delta: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Boundary entries of the log; ``delta``: names of the delta-coded boundaries (their
-    training forward entries get ``"delta": true``, every other entry ``false``)."""
-    return [runlog.boundary_record(r["name"], r["direction"], r["raw_bytes"], r["wire_bytes"], r["recv_bytes"],
-                                   r["recv_seconds"]) | {k: r[k] for k in _METER_EXTRAS}
-            | {"delta": r["direction"] == "forward" and r["name"] in delta}
-            for r in meter.records()]
+def _boundaries(meter, delta: dict[str, dict] | None = None) -> list[dict[str, Any]]:
+    """Boundary entries of the log; ``delta``: the delta-coded boundaries' statistics by name
+    (:meth:`PipelineEngine.delta_stats <dgpipe.train.engine.PipelineEngine.delta_stats>`): their
+    training forward entries get ``"delta": true`` and those fields, every other entry ``false``."""
+    delta = delta or {}
+    out = []
+    for r in meter.records():
+        entry = runlog.boundary_record(r["name"], r["direction"], r["raw_bytes"], r["wire_bytes"], r["recv_bytes"],
+                                       r["recv_seconds"]) | {k: r[k] for k in _METER_EXTRAS}
+        coded = r["direction"] == "forward" and r["name"] in delta
+        out.append(entry | {"delta": coded} | (delta[r["name"]] if coded else {}))
+    return out
 
 
 def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> dict[str, float]:
@@ -265,11 +270,12 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         train_seconds += seconds
         samples += n * args.batch_size
         train_loss = engine.mean_loss(loss_sum, n)
+        delta_stats = engine.delta_stats()
         merged = engine.meter.gather(dst=0)
         metrics = _evaluate(engine, job, eval_loader, eval_steps)
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
-            boundaries = _boundaries(merged, engine.delta_boundaries)
+            boundaries = _boundaries(merged, delta_stats)
             raw_total += sum(b["raw_bytes"] for b in boundaries)
             wire_total += sum(b["wire_bytes"] for b in boundaries)
             boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]
@@ -277,6 +283,10 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
                                          steps=n, lr=scheduler.get_last_lr()[0])
             log.write(record)
             print(runlog.format_epoch(record, job.metric), flush=True)
+            for name, st in delta_stats.items():
+                if st["delta_change_rel"] is not None:
+                    print(f"  delta {name}: coded change {st['delta_change_rel']:.4g} of the activation energy, "
+                          f"reconstruction error {st['delta_error_rel']:.4g}", flush=True)
             if args.bandwidth:
                 print(runlog.format_boundaries(boundaries), flush=True)
         if args.save:
