@@ -102,6 +102,8 @@ DELTA_SETTINGS: dict[str, list[str]] = {
     "none": [],
     **{label: LOWBIT_SETTINGS[label] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
     **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
+    "sortquant4": PIPELINE_SETTINGS["sortquant4"],
+    "delta_sortquant4": PIPELINE_SETTINGS["sortquant4"] + ["--delta"],
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS}

@@ -348,3 +348,51 @@ def test_bad_use_ends_both_ranks_with_a_clear_error(fn, match):
     with pytest.raises(SpawnError, match=rf"rank 0 failed: ValueError: .*{match}"):
         spawn(fn, 2, (), timeout=60, start_method="fork")
     assert time.monotonic() - start < 30
+
+
+# -- the wire: meta, ids and delta flags are validated ------------------------------------------
+
+def _boundary(delta=True):
+    from dgpipe.comm import BandwidthMeter
+    from dgpipe.pipeline.boundary import Boundary
+
+    spec = DeltaSpec(N) if delta else None
+    return Boundary(0, 0, 1, lambda: get_codec("quant", bits=2), lambda: get_codec("none"), BandwidthMeter(),
+                    torch.device("cpu"), 5.0, rank=1, delta=spec, report=None)
+
+
+def test_meta_with_ids_and_delta_flags_is_parsed_and_bad_ones_refused():
+    from dgpipe.compression.base import code_from_dtype
+    from dgpipe.pipeline.boundary import CODED, DELTA, DTYPE_SHIFT, REQUIRES_GRAD
+
+    b = _boundary()
+    flag = CODED | REQUIRES_GRAD | DELTA | code_from_dtype(torch.float32) << DTYPE_SHIFT
+    assert b._parse_meta([3, 4, 0, 0, flag], 2, 0, 0) == (True, True, 4, 0.0, [flag])
+    assert b._parse_meta([2, 4, 0, 0, flag, 1], 3, 0, 0)[:2] == (False, True)
+    for meta, n in [([3, 4, 0, 0, flag], 1),  # the ids payload is missing
+                    ([4, 4, 0, 0, 1], 1),  # unknown head bit
+                    ([0, 4, 0, 0, DELTA], 1),  # delta without a coded/lossless kind
+                    ([0, 4, 0, 0, CODED | REQUIRES_GRAD | DELTA | code_from_dtype(torch.int64) << DTYPE_SHIFT], 1),
+                    ([0, 4, 0, 0, CODED | DELTA | code_from_dtype(torch.float32) << DTYPE_SHIFT], 1)]:
+        with pytest.raises(ValueError, match="corrupt message meta"):
+            b._parse_meta(meta, n, 0, 0)
+
+
+def test_ids_and_delta_payloads_are_checked_on_receipt():
+    from dgpipe.compression.base import code_from_dtype
+    from dgpipe.pipeline.boundary import CODED, DELTA, DTYPE_SHIFT, REQUIRES_GRAD
+
+    flag = CODED | REQUIRES_GRAD | DELTA | code_from_dtype(torch.float32) << DTYPE_SHIFT
+    payload = get_codec("quant", bits=2).encode(torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"id 30 is out of range"):
+        _boundary()._parse_ids(torch.tensor([1, 30]), "forward", [flag], 0)
+    with pytest.raises(ValueError, match="sample ids in a eval message"):
+        _boundary()._parse_ids(torch.tensor([1, 2]), "eval", [1], 0)
+    with pytest.raises(ValueError, match="expects none"):
+        _boundary(delta=False)._parse_ids(torch.tensor([1, 2]), "forward", [1], 0)
+    with pytest.raises(ValueError, match="without sample ids"):
+        _boundary()._recv_delta(0, flag, payload, None)
+    with pytest.raises(ValueError, match="delta payload of shape"):
+        _boundary()._recv_delta(0, flag, payload, torch.tensor([1, 2, 3]))
+    r = _boundary()._recv_delta(0, flag, payload, torch.tensor([4, 5]))
+    assert r.shape == (2, 3) and r.dtype == torch.float32

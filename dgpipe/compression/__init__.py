@@ -7,7 +7,8 @@ from .base import Codec, Payload, available_codecs, get_codec, parse_header, reg
 from . import cast  # noqa: F401  (registers none, fp16, bf16)
 from . import lowrank, quantize, sortquant, sparsify  # noqa: F401  (registers quant, sortquant, topk, randomk, lowrank)
 from .feedback import ErrorFeedback
+from .delta import DeltaCache, DeltaCoder, DeltaSpec
 from . import codebook  # noqa: F401  (registers codebook, issue 11)
 from . import atomo, dgc, onebit, qsgd, terngrad  # noqa: F401  (registers the gradient codecs, issue 7)
 
-__all__ = ["Codec", "ErrorFeedback", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]
+__all__ = ["Codec", "DeltaCache", "DeltaCoder", "DeltaSpec", "ErrorFeedback", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]
