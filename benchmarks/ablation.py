@@ -40,7 +40,7 @@ from scipy import stats
 
 from plot_ablation import ablation_points, plot
 
-from dgpipe.train.runlog import read_summary
+from dgpipe.train.runlog import read_records, read_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIS = {"vision": ROOT / "test_vision_dgpipe.py", "nlp": ROOT / "test_nlp_dgpipe.py"}
@@ -251,6 +251,34 @@ def seeds_table(out: Path, labels: list[str], seeds: list[int], baseline: str = 
     return "\n".join(rows)
 
 
+def delta_table(logs: dict[str, list[Path]]) -> str | None:
+    """Markdown table of the delta-coded boundaries' statistics (``--delta`` runs): per setting,
+    boundary and epoch, the mean over its logs of the coded change and of the reconstruction
+    error, both relative to the activations' energy (``delta_change_rel`` / ``delta_error_rel``
+    of the epoch records: 1 / the direct coding error on first visits). ``None`` without
+    delta runs."""
+    rows = []
+    for label, paths in logs.items():
+        stats: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for path in paths:
+            for record in read_records(path):
+                for b in record.get("boundaries", []) if record["event"] == "epoch" else []:
+                    if b.get("delta") and b.get("delta_change_rel") is not None:
+                        key = (b["name"], record["epoch"])
+                        stats.setdefault(key, []).append((b["delta_change_rel"], b["delta_error_rel"]))
+        for name in sorted({n for n, _ in stats}):
+            cells = [f"{statistics.mean(c for c, _ in v):.3f} / {statistics.mean(e for _, e in v):.4f}"
+                     for (n, _), v in sorted(stats.items(), key=lambda kv: kv[0][1]) if n == name]
+            rows.append((label, name, len(paths), cells))
+    if not rows:
+        return None
+    epochs = max(len(r[3]) for r in rows)
+    head = "| setting | boundary | runs | " + " | ".join(f"epoch {e + 1}: change / error" for e in range(epochs)) + " |"
+    lines = [head, "|" + "---|" * (3 + epochs)]
+    lines += [f"| {label} | {name} | {n} | " + " | ".join(cells) + " |" for label, name, n, cells in rows]
+    return "\n".join(lines)
+
+
 def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None = None) -> Path | None:
     """``OUT/quality.png``: per metric, the paired difference to ``none`` (points, 95% CI bars)
     against measured forward bits per value. Returns the path, or None when nothing is paired yet."""
@@ -319,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         table_md = seeds_table(out, labels, seeds)
         (out / "table.md").write_text(table_md + "\n")
         print(table_md)
+        deltas = delta_table({lab: [out / f"{lab}_seed{k}.jsonl" for k in seeds
+                                    if has_summary(out / f"{lab}_seed{k}.jsonl")] for lab in labels})
+        if deltas:
+            (out / "delta.md").write_text(deltas + "\n")
+            print(deltas)
         png = seeds_plot(out, labels, seeds, args.title)
         if png:
             print(f"wrote {png}")
@@ -326,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = run_all(args.job, [(lab, settings[lab], common) for lab in labels], out, args.parallel)
     print(table(out, labels))
     done = [out / f"{lab}.jsonl" for lab in labels if has_summary(out / f"{lab}.jsonl")]
+    deltas = delta_table({p.stem: [p] for p in done})
+    if deltas:
+        (out / "delta.md").write_text(deltas + "\n")
+        print(deltas)
     if done:
         points = ablation_points(done, [p.stem for p in done])
         print(f"wrote {plot(points, out / 'ablation.png', args.title)}")
