@@ -128,6 +128,8 @@ def test_bad_ids_are_refused(ids, match):
 
 
 def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match=r"delta boundaries \(2,\): there are 2 boundaries"):
+        Pipeline(split_layers(mlp(), [1, 2, 2]), [0, 0, 0], loss_fn=F.cross_entropy, delta=DeltaSpec(N, boundaries=(2,)))
     with pytest.raises(ValueError, match="number of training examples"):
         DeltaSpec(0)
     with pytest.raises(ValueError, match="cache dtype"):
@@ -295,15 +297,28 @@ def run_warmup_is_lossless_then_deltas_follow(rank):
     _digests_across_ranks(pipe)
 
 
+def run_only_the_named_boundary_is_delta_coded(rank):
+    pipe = Pipeline(split_layers(mlp(), [1, 2, 2]), [0, 1, 0], chunks=CHUNKS, loss_fn=F.cross_entropy,
+                    act_codec=("quant", {"bits": 2}), timeout=30, delta=DeltaSpec(N, boundaries=(1,)), delta_report=None)
+    train(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), epochs(2))
+    assert pipe.delta_boundaries == ["stage1->stage2"]
+    assert set(pipe.delta_digests()) == set(pipe.state_dict()["delta"]) == {"stage1->stage2"}
+    mine = pipe.delta_digests()["stage1->stage2"][0]
+    local = torch.tensor([int(mine[i:i + 15], 16) for i in range(0, 60, 15)])
+    everyone = [torch.zeros_like(local) for _ in range(2)]
+    dist.all_gather(everyone, local)
+    assert torch.equal(everyone[0], everyone[1])
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     checks = {"lossless": run_lossless_equals_plain, "lossy": run_lossy_caches_identical,
               "ids": run_ids_follow_rows, "resume": run_resume_is_exact, "eval": run_eval_carries_no_ids,
-              "warmup": run_warmup_is_lossless_then_deltas_follow}
+              "warmup": run_warmup_is_lossless_then_deltas_follow, "partial": run_only_the_named_boundary_is_delta_coded}
     return spawn_checks(checks, 2, tmp_path_factory.mktemp("delta"))
 
 
-@pytest.mark.parametrize("name", ["lossless", "lossy", "ids", "resume", "eval", "warmup"])
+@pytest.mark.parametrize("name", ["lossless", "lossy", "ids", "resume", "eval", "warmup", "partial"])
 def test_pipeline_delta(outcomes, name):
     assert_ranks_ok(outcomes, name, 2)
 
