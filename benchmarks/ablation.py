@@ -13,7 +13,9 @@ bits per value of each direction (all-in: codes, metadata, headers, the lossless
 attention mask) and, for every metric of the summary (dev ``val_*`` and held-out
 ``heldout_*``), the mean and standard deviation over seeds and the **paired**
 difference to ``none`` of the same seed, with a 95% Student-t confidence interval
-(:func:`paired`).
+(:func:`paired`). Runs with ``--delta`` (``--settings delta``) also get ``OUT/delta.md``:
+per setting, boundary and epoch, the coded change and the reconstruction error relative
+to the activations' energy (:func:`delta_table`).
 
 Usage::
 
@@ -24,6 +26,7 @@ Usage::
     python benchmarks/ablation.py --job vision --settings ddp --out ... -- ...   # DDP gradient codecs
     python benchmarks/ablation.py --job nlp --settings lowbit --seeds 0,1,2 --out benchmarks/results/quality_sst2 \
         -- --task sst2 --heldout 4000 ...                                         # the quality benchmark
+    python benchmarks/ablation.py --job nlp --settings delta --seeds 0,1,2 --out ... -- --epochs 3 ...  # AQ-SGD delta
 """
 
 from __future__ import annotations
