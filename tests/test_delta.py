@@ -400,11 +400,11 @@ def test_ids_and_delta_payloads_are_checked_on_receipt():
     flag = CODED | REQUIRES_GRAD | DELTA | code_from_dtype(torch.float32) << DTYPE_SHIFT
     payload = get_codec("quant", bits=2).encode(torch.randn(2, 3))
     with pytest.raises(ValueError, match=r"id 30 is out of range"):
-        _boundary()._parse_ids(torch.tensor([1, 30]), "forward", [flag], 0)
+        _boundary()._parse_ids(torch.tensor([1, 30]), "forward", 0)
     with pytest.raises(ValueError, match="sample ids in a eval message"):
-        _boundary()._parse_ids(torch.tensor([1, 2]), "eval", [1], 0)
+        _boundary()._parse_ids(torch.tensor([1, 2]), "eval", 0)
     with pytest.raises(ValueError, match="expects none"):
-        _boundary(delta=False)._parse_ids(torch.tensor([1, 2]), "forward", [1], 0)
+        _boundary(delta=False)._parse_ids(torch.tensor([1, 2]), "forward", 0)
     with pytest.raises(ValueError, match="without sample ids"):
         _boundary()._recv_delta(0, flag, payload, None)
     with pytest.raises(ValueError, match="delta payload of shape"):

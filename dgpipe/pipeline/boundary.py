@@ -30,7 +30,9 @@ and not in the raw ones), and on a delta-coded boundary each tensor that require
 grad goes through a :class:`~dgpipe.compression.delta.DeltaCoder` with one cache per
 tuple position on each side: coded (the change against the cache, by the activation
 codec) or, during a warm-up, lossless (the cache stores it). Evaluation carries no
-ids and uses the activation codec directly. In training every forward message is answered by one backward
+ids and uses the activation codec directly.
+
+In training every forward message is answered by one backward
 message, even when no tensor needs a gradient, so the loss computed on the last stage
 reaches every rank with the gradients, without a collective. Shapes and dtypes travel
 in the payload headers, so they may change from step to step. Forward messages of
@@ -362,7 +364,7 @@ class Boundary:
         tensors, it, ids = [], iter(payloads), None
         try:
             if has_ids:
-                ids = self._parse_ids(_LOSSLESS.decode(next(it)), direction, flags, peer)
+                ids = self._parse_ids(_LOSSLESS.decode(next(it)), direction, peer)
             for pos, f in enumerate(flags):
                 if f == ABSENT:
                     tensors.append(None)
@@ -378,8 +380,9 @@ class Boundary:
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
         return atomic, n_micro, loss, tensors, flags, ids
 
-    def _parse_ids(self, ids: torch.Tensor, direction: str, flags: list[int], peer: int) -> torch.Tensor:
-        """Check a message's sample ids against the delta spec and the rows of its tensors."""
+    def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
+        """Check a message's sample ids against the delta spec (the rows are checked where they
+        meet a cache: :meth:`DeltaCoder.decode <dgpipe.compression.delta.DeltaCoder.decode>`)."""
         if direction != "forward" or self.delta is None:
             raise ValueError(f"sample ids in a {direction} message, but this rank expects none "
                              f"(is delta coding configured alike on every rank?)")

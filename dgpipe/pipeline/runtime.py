@@ -312,7 +312,7 @@ class Pipeline:
                     raise ValueError("this pipeline delta-codes activations against per-example caches: "
                                      "train_step needs sample_ids (the dataset index of every example)")
                 check_ids(sample_ids, self.delta.examples, batch)
-                micro_ids = list(sample_ids.cpu().tensor_split(self.chunks))
+                micro_ids = _split(sample_ids, self.chunks, torch.device("cpu"))
         if self.holds_last_stage:
             if self.loss_fn is None:
                 raise ValueError(f"rank {self.rank} holds the last stage and needs loss_fn")
