@@ -140,36 +140,69 @@ def test_sortquant_fused_equals_eager(eager_and_fused, qs):
     for name, x in tensors(seed=1).items():
         eager_and_fused(codec, x)
     if s:
-        for key in (("bucket_maxima", s), ("encode_buckets", q, s), ("decode_buckets", q, s)):
+        for key in (("encode_buckets", q, s), ("decode_buckets", q, s)):
             assert key in fused._kernels, f"fused path not taken: {key}"
 
 
-def test_large_sample_split_and_bucket_maxima(eager_and_fused):
-    """Above the sample size the maxima come from the windowed pass; equal to the exact maxima."""
+def test_large_sample_split_and_bucket_extrema(eager_and_fused):
+    """Above the sample size the min and maxima come from the windowed pass; equal to the exact ones."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300_000, generator=g) ** 3
     for q, s in ((6, 2), (3, 1), (4, 4)):
         _, y = eager_and_fused(get_codec("sortquant", quant_bits=q, split_bits=s), x)
+        assert ("bucket_extrema", s) in fused._kernels
         # independent check: decoded values stay within half a step of x
         p = get_codec("sortquant", quant_bits=q, split_bits=s).encode(x)
         step = p.tensors[1][1 << s:]
         assert (y - x).abs().max() <= step.max() / 2 * (1 + 1e-5)
 
 
-def test_bucket_maxima_against_sort():
-    """The windowed maxima equal max-by-bucket computed with searchsorted over all values."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bucket_extrema_against_sort(monkeypatch, threads):
+    """The windowed pass's min and maxima equal those computed with searchsorted over all values,
+    also where the windows' ends tie with many values (a ReLU's zeros, a saturated top, integers) and
+    where the extremes are single outliers that no sample holds; on one thread and on three."""
     from dgpipe.compression.sortquant import bucket_grid
 
+    monkeypatch.setattr(fused, "MIN_CHUNKS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(4)
-    for x in (torch.randn(200_000, generator=g), torch.relu(torch.randn(200_000, generator=g))):
-        lo, hi = torch.aminmax(x)
-        for buckets in (2, 4, 16):
-            bounds, mins, maxs, below = bucket_grid(x, buckets, lo, hi)
-            assert maxs is None and below is not None
-            got = fused.bucket_maxima(x, bounds, mins, below, hi)
-            b = torch.searchsorted(bounds, x, right=True)
-            want = mins.clone().scatter_reduce_(0, b, x, "amax") + 0.0
-            assert torch.equal(got, want)
+    n = 200_003
+    outliers = torch.randn(n, generator=g)
+    outliers[12_345], outliers[-1] = -50.0, 60.0  # the min in a chunk, the max in the tail
+    cases = {
+        "randn": torch.randn(n, generator=g),
+        "relu": torch.relu(torch.randn(n, generator=g)),
+        "saturated": torch.randn(n, generator=g).clamp(-1.0, 0.5),
+        "integers": torch.randint(-2, 3, (n,), generator=g).float(),
+        "outliers": outliers,
+    }
+    previous = fused.set_enabled(True)
+    try:
+        for name, x in cases.items():
+            for buckets in (2, 4, 16):
+                bounds, mins, maxs = bucket_grid(x, buckets, "sortquant")
+                assert mins[0].item() == x.min().item(), name
+                want = mins.clone().scatter_reduce_(0, torch.searchsorted(bounds, x, right=True), x, "amax") + 0.0
+                assert torch.equal(maxs, want), (name, buckets)
+                assert ("bucket_extrema", buckets.bit_length() - 1) in fused._kernels
+    finally:
+        fused.set_enabled(previous)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_give_the_same_bytes(eager_and_fused, monkeypatch, threads):
+    """Kernels split over threads (parts of whole chunks, group runs across part borders, the low-byte
+    plane of wide codes) give the eager path's payloads and values."""
+    monkeypatch.setattr(fused, "MIN_CHUNKS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    codecs = [get_codec("quant", bits=12), get_codec("quant", bits=3, group="tile", group_size=1000),
+              get_codec("sortquant", quant_bits=6, split_bits=2), get_codec("sortquant", quant_bits=9, split_bits=3),
+              get_codec("codebook", bits=4, levels="fit", group="tile", group_size=100)]
+    g = torch.Generator().manual_seed(6)
+    for x in (tensors(seed=3)["relu_ties"], torch.randn(40_000, generator=g)):  # exact and sampled splits
+        for codec in codecs:
+            eager_and_fused(codec, x)
 
 
 def test_non_finite_refused_both_ways():
@@ -189,8 +222,8 @@ def test_not_applicable_returns_false():
     out = torch.empty(10, dtype=torch.uint8)
     small = torch.randn(100)
     assert not fused.encode_uniform(small, small[:1], small[:1], 8, 100, out)
-    assert fused.bucket_maxima(torch.randn(3 * CHUNK), torch.zeros(31), torch.zeros(32), torch.zeros(31),
-                               torch.tensor(1.0)) is None  # S = 5 > MAX_SPLIT_BITS
+    assert fused.bucket_extrema(torch.randn(3 * CHUNK), torch.zeros(31), torch.zeros(31),
+                                (torch.tensor(0.0), torch.tensor(1.0))) is None  # S = 5 > MAX_SPLIT_BITS
 
 
 def test_stochastic_rounding_stays_eager(monkeypatch):

@@ -9,9 +9,9 @@ are unrolled and vectorised:
 
 - :func:`encode_uniform`: ``round((x - lo[g]) / div[g])`` clamped, for groups ``g`` of
   ``group_len`` consecutive values (one group: per-tensor ``quant``), bit-packed;
-- :func:`bucket_maxima` and :func:`encode_buckets`: sort quantization's two passes over
+- :func:`bucket_extrema` and :func:`encode_buckets`: sort quantization's two passes over
   the values (each value's bucket by comparison with the ``2**S - 1`` boundaries, then
-  the per-bucket maximum, then ``bucket * 2**Q + level``), for ``S <= 4``;
+  the min and the per-bucket maxima, then ``bucket * 2**Q + level``), for ``S <= 4``;
 - :func:`decode_uniform` and :func:`decode_buckets`: unpack and ``lo + code * step``;
 - :func:`encode_levels` and :func:`decode_levels`: the codebook codec's nearest level
   (one comparison per midpoint, ``bits <= 4``) and ``level * scale``;
@@ -33,6 +33,11 @@ codes from the eager path. CUDA tensors, stochastic rounding, sort quantization 
 ``S > 4`` or grouped (it sorts each group) and codebooks above 4 bits stay eager. The
 functions return False/None where they do not apply, and the caller runs the eager path.
 
+Threads: a kernel runs on ``torch.get_num_threads()`` threads, as an eager torch op
+would -- each on its own run of whole chunks (the kernels release the GIL), none under
+:data:`MIN_CHUNKS_PER_THREAD` chunks; the parts are disjoint (the min and maxima are
+combined after), so payloads do not depend on the number of threads (tested).
+
 Switch: on by default; ``DGPIPE_FUSED=0`` in the environment or :func:`set_enabled`
 turns it off (the benchmarks measure both in one run). Each kernel compiles on first
 use of its bit width (about 0.5-1.5 s), once for all lengths; if Numba is missing or a
@@ -49,6 +54,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -58,13 +64,14 @@ from .bitpack import CHUNK, layout_planes, layout_word
 
 __all__ = [
     "MIN_VALUES",
+    "MIN_CHUNKS_PER_THREAD",
     "MAX_SPLIT_BITS",
     "enabled",
     "set_enabled",
     "wanted",
     "encode_uniform",
     "decode_uniform",
-    "bucket_maxima",
+    "bucket_extrema",
     "encode_buckets",
     "decode_buckets",
     "MAX_LEVEL_BITS",
@@ -107,19 +114,76 @@ def _applies(*tensors: torch.Tensor) -> bool:
     return enabled() and all(t.device.type == "cpu" for t in tensors)
 
 
-def _call(key: tuple, build: Callable[[], Callable], *args) -> bool:
-    """Run kernel ``key`` (built by ``build`` on first use) on ``args``; False if it cannot run."""
+MIN_CHUNKS_PER_THREAD = 32
+"""Fewest chunks (of :data:`.bitpack.CHUNK` values) a thread is given: smaller parts cost more to hand out than to run."""
+
+_pool: dict = {}
+
+
+def _parts(chunks: int) -> list[tuple[int, int]]:
+    """Chunk ranges ``[c0, c1)`` of the threads a kernel over ``chunks`` chunks runs on:
+    ``torch.get_num_threads()`` equal parts (the intra-op threads an eager torch op would use),
+    fewer where a part would be under :data:`MIN_CHUNKS_PER_THREAD` chunks."""
+    t = max(1, min(torch.get_num_threads(), chunks // MIN_CHUNKS_PER_THREAD))
+    return [(chunks * i // t, chunks * (i + 1) // t) for i in range(t)]
+
+
+def _workers(k: int) -> ThreadPoolExecutor:
+    """A pool of at least ``k`` threads (the kernels release the GIL), created on first use and after a fork."""
+    pool = _pool.get("pool")
+    if pool is None or _pool["size"] < k:
+        if pool is not None:
+            pool.shutdown(wait=False)
+        pool = _pool["pool"] = ThreadPoolExecutor(max_workers=k, thread_name_prefix="dgpipe-fused")
+        _pool["size"] = k
+    return pool
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_pool.clear)
+
+
+def _call(key: tuple, build: Callable[[], Callable], calls: list[tuple]) -> bool:
+    """Run kernel ``key`` (built by ``build`` on first use) on each argument tuple of ``calls`` at
+    once (the first on the calling thread, the others on the pool); False if it cannot run.
+
+    The calls of one kernel cover disjoint parts of its input and output (:func:`_parts`), so
+    the result does not depend on the number of threads.
+    """
     try:
         kernel = _kernels.get(key)
         if kernel is None:
             kernel = _kernels[key] = build()
-        kernel(*args)
+        first, *rest = calls
+        others = [_workers(len(rest)).submit(kernel, *args) for args in rest]
+        try:
+            kernel(*first)
+        finally:
+            for f in others:
+                f.result()
         return True
     except Exception as e:  # Numba missing, a typing or LLVM error: fall back for good, say so once
         _state["failed"] = True
         warnings.warn(f"dgpipe: fused codec kernels unavailable ({type(e).__name__}: {e}); "
                       "using the eager torch path", RuntimeWarning, stacklevel=3)
         return False
+
+
+def _stream_part(stream: np.ndarray, bits: int, n: int, c0: int) -> tuple[np.ndarray, int]:
+    """``(view, rest)``: the packed stream of ``n`` codes of ``bits`` bits seen from chunk ``c0`` on,
+    for the packers of :func:`_chunk_packers` counting chunks from there."""
+    k, r = layout_planes(bits)
+    chunk_bytes = CHUNK * r // 8
+    start = c0 * (CHUNK if k else chunk_bytes)  # the low-byte plane comes first when there is one
+    return stream[start:], k * n + c0 * chunk_bytes - start
+
+
+def _grouped_parts(packed: torch.Tensor, bits: int, a: np.ndarray, b: np.ndarray, table: np.ndarray,
+                   group_len: int, y: torch.Tensor) -> list[tuple]:
+    """The argument tuples of a :func:`_build_grouped_decode` kernel, one per :func:`_parts`."""
+    n, packed, y = y.numel(), packed.numpy(), y.numpy()
+    return [(*_stream_part(packed, bits, n, c0), a, b, table, group_len, c0 * CHUNK, y[c0 * CHUNK : c1 * CHUNK], c1 - c0)
+            for c0, c1 in _parts(n // CHUNK)]
 
 
 def _njit(inline: bool = False):
@@ -138,10 +202,12 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _chunk_packers(bits: int):
-    """Numba functions ``pack(codes, out, n, c)`` / ``unpack(packed, codes, n, c)`` for chunk ``c``.
+    """Numba functions ``pack(codes, out, rest, c)`` / ``unpack(packed, codes, rest, c)`` for chunk ``c``.
 
     ``codes``: float32 ``(CHUNK,)`` buffer of integral codes (exact below ``2**24``; 16-bit
-    codes at most); ``out``/``packed``: the uint8 stream of ``n`` codes. Integer
+    codes at most); ``out``/``packed``: the uint8 stream of the codes from chunk 0 on, or a
+    view of it from a chunk on (:func:`_stream_part`); ``rest``: where in it the planes after
+    the low bytes start (``n`` for a stream of ``n`` codes over 8 bits, 0 up to 8). Integer
     arithmetic would be widened to int64 by Numba and lose the vectorisation, so the
     bytes are cut from the codes with exact float operations (products and quotients by
     powers of two, ``floor``) where the word fits a float32 (``w == 1``: 1, 2, 4, 8-bit
@@ -157,7 +223,7 @@ def _chunk_packers(bits: int):
     lane_div = tuple(np.float32(2.0 ** -(lane * r)) for lane in range(g + 1))
 
     @njit
-    def pack(codes, out, n, c):
+    def pack(codes, out, rest, c):
         i0 = c * CHUNK
         if k:  # bits > 8: the low byte to plane 0, the top r bits stay
             for t in range(CHUNK):
@@ -165,7 +231,7 @@ def _chunk_packers(bits: int):
                 top = np.floor(v * inv256)
                 out[i0 + t] = np.uint8(v - top * f256)
                 codes[t] = top
-        base = k * n + c * chunk_bytes
+        base = (rest if k else 0) + c * chunk_bytes  # a constant 0: index provably >= 0, no wraparound code
         if g == 1:
             for t in range(CHUNK):
                 out[base + t] = np.uint8(codes[t])
@@ -184,9 +250,9 @@ def _chunk_packers(bits: int):
                     out[base + q * cg + j] = np.uint8((word >> (8 * q)) & 255)
 
     @njit
-    def unpack(packed, codes, n, c):
+    def unpack(packed, codes, rest, c):
         i0 = c * CHUNK
-        base = k * n + c * chunk_bytes
+        base = (rest if k else 0) + c * chunk_bytes  # a constant 0: index provably >= 0, no wraparound code
         if g == 1:
             for t in range(CHUNK):
                 codes[t] = np.float32(packed[base + t])
@@ -225,17 +291,17 @@ def _build_encode_uniform(bits: int):
             codes[u] = min(max(v, zero), top)
 
     @njit
-    def kernel(x, lo, div, group_len, out, n, chunks):
+    def kernel(x, lo, div, group_len, start, out, rest, chunks):
         codes = np.empty(CHUNK, np.float32)
         for c in range(chunks):
             i0 = c * CHUNK
             t = 0
             while t < CHUNK:  # runs of one group inside the chunk
-                grp = (i0 + t) // group_len
-                stop = min(CHUNK, (grp + 1) * group_len - i0)
+                grp = (start + i0 + t) // group_len
+                stop = min(CHUNK, (grp + 1) * group_len - start - i0)
                 levels(x[i0 + t : i0 + stop], lo[grp], div[grp], codes[t:stop])
                 t = stop
-            pack(codes, out, n, c)
+            pack(codes, out, rest, c)
 
     return kernel
 
@@ -260,26 +326,30 @@ def encode_uniform(
     n = x.numel()
     if n < MIN_VALUES or not _applies(x, out):
         return False
+    x, lo, div, out = _np(x), _np(lo.reshape(-1)), _np(div.reshape(-1)), out.numpy()
     return _call(("encode_uniform", bits), lambda: _build_encode_uniform(bits),
-                 _np(x), _np(lo.reshape(-1)), _np(div.reshape(-1)), group_len, out.numpy(), n, n // CHUNK)
+                 [(x[c0 * CHUNK : c1 * CHUNK], lo, div, group_len, c0 * CHUNK, *_stream_part(out, bits, n, c0), c1 - c0)
+                  for c0, c1 in _parts(n // CHUNK)])
 
 
 def _build_grouped_decode(bits: int, values):
-    """A decode kernel ``(packed, a, b, table, group_len, y, n, chunks)``: unpack each chunk, then
-    ``values(codes, a[g], b[g], table, y)`` on each run of one group ``g`` (an inlined Numba function)."""
+    """A decode kernel ``(packed, rest, a, b, table, group_len, start, y, chunks)``: unpack each chunk of
+    ``packed``, then ``values(codes, a[g], b[g], table, y)`` on each run of one group ``g`` (an inlined Numba
+    function); ``y`` (a view of the output from value ``start`` on) and ``packed`` (:func:`_stream_part`)
+    from the same chunk on."""
     njit = _njit()
     unpack = _chunk_packers(bits)[1]
 
     @njit
-    def kernel(packed, a, b, table, group_len, y, n, chunks):
+    def kernel(packed, rest, a, b, table, group_len, start, y, chunks):
         codes = np.empty(CHUNK, np.float32)
         for c in range(chunks):
-            unpack(packed, codes, n, c)
+            unpack(packed, codes, rest, c)
             i0 = c * CHUNK
             t = 0
             while t < CHUNK:
-                grp = (i0 + t) // group_len
-                stop = min(CHUNK, (grp + 1) * group_len - i0)
+                grp = (start + i0 + t) // group_len
+                stop = min(CHUNK, (grp + 1) * group_len - start - i0)
                 values(codes[t:stop], a[grp], b[grp], table, y[i0 + t : i0 + stop])
                 t = stop
 
@@ -312,33 +382,40 @@ def decode_uniform(
     n = y.numel()
     if n < MIN_VALUES or not _applies(packed, y):
         return False
-    return _call(("decode_uniform", bits), lambda: _build_decode_uniform(bits), packed.numpy(), _np(lo.reshape(-1)),
-                 _np(step.reshape(-1)), np.zeros(1, np.float32), group_len, y.numpy(), n, n // CHUNK)
+    return _call(("decode_uniform", bits), lambda: _build_decode_uniform(bits),
+                 _grouped_parts(packed, bits, _np(lo.reshape(-1)), _np(step.reshape(-1)), np.zeros(1, np.float32),
+                                group_len, y))
 
 
 # --- sort quantization: 2**S buckets by comparison with S - 1 boundaries ----------------------------
 
 
-def _build_bucket_maxima(split_bits: int):
+def _build_bucket_extrema(split_bits: int):
     njit = _njit()
     nb = (1 << split_bits) - 1
     one, zero = np.float32(1), np.float32(0)
 
     @_njit(inline=True)
-    def update(v, bounds, maxs):
+    def update(v, bounds, ext):
+        """Fold ``v`` into ``ext = [min, max of bucket 0, ...]``; True if ``v`` is NaN."""
         b = 0
         for j in range(nb):
             b += v >= bounds[j]
-        maxs[b] = max(maxs[b], v)
+        ext[1 + b] = max(ext[1 + b], v)
+        ext[0] = min(ext[0], v)
+        return v != v
 
     @njit
-    def kernel(x, bounds, lows, maxs):
-        # Only values in a window [lows[b], ...) of their bucket b can be its maximum: a
-        # vectorised pass flags them (lows[b] picked by exact 0/1 indicators, as in
-        # encode_buckets), a scalar pass takes the max over the flagged few.
+    def kernel(x, bounds, lows, low, ext):
+        # ext starts at values the min and maxima are known to reach: only values above
+        # lows[b] of their bucket b can raise its maximum, and only values below low can
+        # lower the min. A vectorised pass flags them (and NaN; lows[b] picked by exact 0/1
+        # indicators, as in encode_buckets), a scalar pass folds the flagged few in; ties
+        # at those values (the zeros of a ReLU, a saturated top) are never flagged.
         flags = np.zeros(CHUNK, np.uint8)
         words = flags.view(np.uint64)
         n = x.shape[0]
+        nan = False
         for c in range(n // CHUNK):
             xs = x[c * CHUNK : (c + 1) * CHUNK]
             for t in range(CHUNK):
@@ -348,46 +425,61 @@ def _build_bucket_maxima(split_bits: int):
                     cur = np.float32(v >= bounds[j]) if j < nb else zero
                     w += lows[j] * (prev - cur)
                     prev = cur
-                flags[t] = np.uint8(v >= w)
+                flags[t] = np.uint8(v > w) | np.uint8(v < low) | np.uint8(v != v)
             for q in range(CHUNK // 8):
                 if words[q] == 0:
                     continue
                 for t in range(q * 8, q * 8 + 8):
                     if flags[t]:
-                        update(xs[t], bounds, maxs)
+                        nan |= update(xs[t], bounds, ext)
         for i in range(n // CHUNK * CHUNK, n):
-            update(x[i], bounds, maxs)
+            nan |= update(x[i], bounds, ext)
+        if nan:
+            ext[0] = np.nan
 
     return kernel
 
 
-def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, below: torch.Tensor,
-                  hi: torch.Tensor) -> torch.Tensor | None:
-    """Per-bucket maximum of ``x``: ``max(mins[b], max{x_i : bucket(x_i) = b})``, zero made ``+0.0``.
+def bucket_extrema(x: torch.Tensor, bounds: torch.Tensor, below: torch.Tensor,
+                   sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The min of ``x`` and the max of each bucket, in one pass over ``x`` (which replaces ``torch.aminmax``).
 
     Args:
-        x: 1-D float32 CPU values (finite).
+        x: 1-D float32 CPU values.
         bounds: float32 ``(2**S - 1,)`` non-decreasing boundaries; ``bucket(v)`` is the
             number of boundaries ``<= v`` (:class:`.sortquant.BucketIndex`).
-        mins: float32 ``(2**S,)`` bucket minima (``(lo, *bounds)``).
-        below: float32 ``(2**S - 1,)``: for each boundary, a value of ``x`` below it that
-            lies in its bucket, or the bucket's min (e.g. the largest sampled value below
-            it): bucket ``b``'s maximum is at least ``below[b]``, so only values from
-            there up are candidates.
-        hi: 0-d float32, the max of ``x``.
+        below: float32 ``(2**S - 1,)``: for each boundary a value of ``x`` below it in its
+            bucket (the largest sampled one), or ``-inf`` (none sampled): bucket ``b``'s maximum
+            is at least ``below[b]``, so only values from there up are candidates.
+        sample: 0-d float32 ``(min, max)`` of values of ``x`` (of the sample the boundaries
+            come from, so the max lies in the top bucket): only values below the first can
+            lower the min, only values above the second raise the top bucket's max.
 
     Returns:
-        float32 ``(2**S,)``, or None where the fused path does not apply (``S > 4``, CUDA,
-        small ``x``, switched off).
+        ``(lo, maxs)``: 0-d float32 min of ``x`` (NaN if ``x`` holds a NaN) and float32
+        ``(2**S,)`` maxima, such that ``max(maxs, (lo, *bounds))`` is each bucket's max as
+        :class:`.sortquant.SortQuantizer` sends it (an empty bucket's: its min); zeros as found
+        (the caller makes them ``+0.0``). None where the fused path does not apply (``S > 4``,
+        CUDA, small ``x``, switched off).
     """
     s = (bounds.numel() + 1).bit_length() - 1
     if x.numel() < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x):
         return None
-    lows = torch.cat((torch.maximum(below, mins[:-1]), hi.reshape(1)))
-    maxs = mins.detach().clone()
-    if not _call(("bucket_maxima", s), lambda: _build_bucket_maxima(s), _np(x), _np(bounds), _np(lows), maxs.numpy()):
+    low, high = sample
+    # Bucket b > 0 reaches below[b] (a value in it) and its min bounds[b - 1] (where the caller's
+    # max(maxs, mins) puts an empty bucket anyway); the top bucket reaches the sampled max. Bucket 0
+    # reaches below[0]: when none was sampled (-inf), all its values are < low and flagged as such,
+    # and its window is low (finite: an infinite one times a 0 indicator would be NaN).
+    lows = torch.cat((torch.maximum(below, torch.cat((low.reshape(1), bounds[:-1]))), high.reshape(1)))
+    n = x.numel()
+    ends = [(c0 * CHUNK, c1 * CHUNK) for c0, c1 in _parts(n // CHUNK)]
+    ends[-1] = (ends[-1][0], n)  # the last part takes the tail
+    ext = torch.cat((low.reshape(1), below[:1], lows[1:])).repeat(len(ends), 1)  # a row per part
+    x, bounds, lows, low, e = _np(x), _np(bounds), _np(lows), np.float32(low), ext.numpy()
+    if not _call(("bucket_extrema", s), lambda: _build_bucket_extrema(s),
+                 [(x[i:j], bounds, lows, low, e[k]) for k, (i, j) in enumerate(ends)]):
         return None
-    return maxs + 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
+    return ext[:, 0].min(), ext[:, 1:].amax(0)  # min propagates a part's NaN
 
 
 def _build_encode_buckets(quant_bits: int, split_bits: int):
@@ -398,7 +490,7 @@ def _build_encode_buckets(quant_bits: int, split_bits: int):
     one, zero = np.float32(1), np.float32(0)
 
     @njit
-    def kernel(x, bounds, mins, div, out, n, chunks):
+    def kernel(x, bounds, mins, div, out, rest, chunks):
         codes = np.empty(CHUNK, np.float32)
         for c in range(chunks):
             xs = x[c * CHUNK : (c + 1) * CHUNK]
@@ -414,7 +506,7 @@ def _build_encode_buckets(quant_bits: int, split_bits: int):
                     prev = cur
                 q = np.rint((v - m) / d)
                 codes[t] = min(max(q, zero), top) + b * levels
-            pack(codes, out, n, c)
+            pack(codes, out, rest, c)
 
     return kernel
 
@@ -440,8 +532,10 @@ def encode_buckets(
     n, s = x.numel(), (bounds.numel() + 1).bit_length() - 1
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x, out):
         return False
+    x, bounds, mins, div, out = _np(x), _np(bounds), _np(mins), _np(div), out.numpy()
     return _call(("encode_buckets", quant_bits, s), lambda: _build_encode_buckets(quant_bits, s),
-                 _np(x), _np(bounds), _np(mins), _np(div), out.numpy(), n, n // CHUNK)
+                 [(x[c0 * CHUNK : c1 * CHUNK], bounds, mins, div, *_stream_part(out, quant_bits + s, n, c0), c1 - c0)
+                  for c0, c1 in _parts(n // CHUNK)])
 
 
 def _build_decode_buckets(quant_bits: int, split_bits: int):
@@ -451,10 +545,10 @@ def _build_decode_buckets(quant_bits: int, split_bits: int):
     levels, inv_levels = np.float32(1 << quant_bits), np.float32(2.0 ** -quant_bits)
 
     @njit
-    def kernel(packed, mins, step, y, n, chunks):
+    def kernel(packed, rest, mins, step, y, chunks):
         codes = np.empty(CHUNK, np.float32)
         for c in range(chunks):
-            unpack(packed, codes, n, c)
+            unpack(packed, codes, rest, c)
             ys = y[c * CHUNK : (c + 1) * CHUNK]
             for t in range(CHUNK):
                 b = np.floor(codes[t] * inv_levels)
@@ -483,8 +577,10 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
     n, s = y.numel(), mins.numel().bit_length() - 1
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(packed, y):
         return False
+    packed, mins, step, y = packed.numpy(), _np(mins), _np(step), y.numpy()
     return _call(("decode_buckets", quant_bits, s), lambda: _build_decode_buckets(quant_bits, s),
-                 packed.numpy(), _np(mins), _np(step), y.numpy(), n, n // CHUNK)
+                 [(*_stream_part(packed, quant_bits + s, n, c0), mins, step, y[c0 * CHUNK : c1 * CHUNK], c1 - c0)
+                  for c0, c1 in _parts(n // CHUNK)])
 
 
 # --- codebook: the nearest of 2**bits sorted levels ------------------------------------------------
@@ -499,7 +595,7 @@ def _build_encode_levels(bits: int):
     nm = (1 << bits) - 1
 
     @njit
-    def kernel(v, mids, out, n, chunks):
+    def kernel(v, mids, out, rest, chunks):
         codes = np.empty(CHUNK, np.float32)
         for c in range(chunks):
             vs = v[c * CHUNK : (c + 1) * CHUNK]
@@ -509,7 +605,7 @@ def _build_encode_levels(bits: int):
                 for j in range(nm):
                     k += np.float32(x > mids[j])  # torch.bucketize(x, mids): boundaries below x
                 codes[t] = k
-            pack(codes, out, n, c)
+            pack(codes, out, rest, c)
 
     return kernel
 
@@ -530,8 +626,10 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
     n = v.numel()
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not _applies(v, out):
         return False
+    v, mids, out = _np(v), _np(mids), out.numpy()
     return _call(("encode_levels", bits), lambda: _build_encode_levels(bits),
-                 _np(v), _np(mids), out.numpy(), n, n // CHUNK)
+                 [(v[c0 * CHUNK : c1 * CHUNK], mids, *_stream_part(out, bits, n, c0), c1 - c0)
+                  for c0, c1 in _parts(n // CHUNK)])
 
 
 def _build_decode_levels(bits: int):
@@ -562,7 +660,7 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
         return False
     scale = _np(scale.reshape(-1))
     return _call(("decode_levels", bits), lambda: _build_decode_levels(bits),
-                 packed.numpy(), scale, scale, _np(table), group_len, y.numpy(), n, n // CHUNK)
+                 _grouped_parts(packed, bits, scale, scale, _np(table), group_len, y))
 
 
 # --- the Walsh-Hadamard transform of the rotation ---------------------------------------------------
@@ -598,6 +696,6 @@ def fwht(x: torch.Tensor) -> torch.Tensor | None:
     if x.numel() < MIN_VALUES or x.dtype != torch.float32 or not _applies(x):
         return None
     y = x.detach().contiguous().clone()
-    if not _call(("fwht",), _build_fwht, y.view(-1).numpy(), b, np.float32(1.0 / math.sqrt(b))):
+    if not _call(("fwht",), _build_fwht, [(y.view(-1).numpy(), b, np.float32(1.0 / math.sqrt(b)))]):
         return None
     return y

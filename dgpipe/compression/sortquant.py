@@ -22,8 +22,9 @@ has no Python loop over buckets or values:
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
    the bucket; the global min for bucket 0); its max comes with the selection or sort
-   for small tensors, else from one pass over the values (:func:`.fused.bucket_maxima`,
-   or eager one ``scatter_reduce`` over the bucket indices); a zero max is sent as +0.0;
+   for small tensors, else from one pass over the values that also finds the global min
+   (:func:`.fused.bucket_extrema`, or eager ``torch.aminmax`` and one ``scatter_reduce``
+   over the bucket indices); a zero min or max is sent as +0.0;
 4. levels, codes and bit-packing run in one compiled loop on CPU (:mod:`.fused`, up to
    16 buckets), else block by block (:func:`.quantize.blocks`: cache-sized blocks on
    CPU, the whole tensor on a GPU); decoding is a lookup in the ``B * L``-entry table
@@ -74,7 +75,7 @@ from .quantize import (
 )
 
 __all__ = [
-    "SortQuantizer", "sample_size", "sample_positions", "bucket_grid", "select_bounds", "BucketIndex", "bucket_codes",
+    "SortQuantizer", "sample_size", "sample_positions", "bucket_grid", "range_of", "select_bounds", "BucketIndex", "bucket_codes",
     "group_buckets", "fused_bucket_values",
 ]
 
@@ -111,25 +112,28 @@ def sample_positions(n: int, m: int, device: torch.device) -> torch.Tensor:
 
 
 def bucket_grid(
-    flat: torch.Tensor, buckets: int, lo: torch.Tensor, hi: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    flat: torch.Tensor, buckets: int, codec_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Boundaries and per-bucket ranges of ``flat`` split into ``buckets`` equal-count buckets.
 
     Args:
         flat: 1-D float32 values, ``n >= 1``, any device.
         buckets: a power of two >= 2.
-        lo, hi: 0-d float32, the min and max of ``flat``.
+        codec_name: for the error message.
 
     Returns:
-        ``(bounds, mins, maxs, below)``. ``bounds``: the ``buckets - 1`` non-decreasing lower
-        boundaries of buckets ``1 ..``: ``s[(i * m) // buckets]``, ``s`` the sorted
-        :func:`sample_size` values (each a value of ``flat``). ``mins``: per-bucket
-        min, ``(lo, *bounds)`` (exact: ``bounds[i-1]`` is the smallest value of bucket
-        ``i``, unless that is empty). ``maxs``: per-bucket max (= min for an empty
-        bucket) when the split is exact (``s`` is all of ``flat``), else None. ``below``
-        (sampled split only, else None): ``(buckets - 1,)``, for each boundary the
-        largest sampled value below it (the bucket min when none is): a lower bound of
-        that bucket's max (:func:`.fused.bucket_maxima`).
+        ``(bounds, mins, maxs)``. ``bounds``: the
+        ``buckets - 1`` non-decreasing lower boundaries of buckets ``1 ..``:
+        ``s[(i * m) // buckets]``, ``s`` the sorted :func:`sample_size` values (each a value
+        of ``flat``). ``mins``: per-bucket min, ``(lo, *bounds)`` with ``lo`` the min of
+        ``flat`` (exact: ``bounds[i-1]`` is the smallest value of bucket ``i``, unless that
+        is empty). ``maxs``: per-bucket max (= min for an empty bucket; a zero as ``+0.0``)
+        when the split is exact (``s`` is all of ``flat``) or a sampled split's one pass
+        found it (:func:`.fused.bucket_extrema`, which also gives ``lo``), else
+        None (the caller finds it from the buckets).
+
+    Raises:
+        ValueError: ``flat`` holds inf or NaN (:func:`.quantize.finite_range`).
     """
     n = flat.numel()
     m = sample_size(n, buckets)
@@ -138,22 +142,41 @@ def bucket_grid(
         sample = flat.index_select(0, sample_positions(n, m, flat.device))
     if flat.device.type == "cpu" and buckets <= SELECT_MAX_BUCKETS:
         bounds, below = select_bounds(sample, buckets)
-        mins = torch.cat((lo.view(1), bounds))
-        below = torch.maximum(below, mins[:-1])  # the bucket's min when nothing lies below its boundary
         if m < n:
-            return bounds, mins, None, below
-        return bounds, mins, torch.cat((below, hi.view(1))) + 0.0, None  # -0.0 -> +0.0, as bucket_maxima
+            found = fused.bucket_extrema(flat, bounds, below, torch.aminmax(sample))
+            if found is not None:
+                lo, maxs = found
+                lo = lo + 0.0  # -0.0 -> +0.0: which zero a min keeps depends on the order of the values
+                finite_range(lo, maxs[-1], codec_name)
+                mins = torch.cat((lo.view(1), bounds))
+                return bounds, mins, torch.maximum(maxs, mins) + 0.0
+        lo, hi = range_of(flat, codec_name)
+        mins = torch.cat((lo.view(1), bounds))
+        if m < n:
+            return bounds, mins, None
+        below = torch.maximum(below, mins[:-1])  # the bucket's min when nothing lies below its boundary
+        return bounds, mins, torch.cat((below, hi.view(1))) + 0.0
+    lo, hi = range_of(flat, codec_name)
     s = torch.sort(sample).values
     bounds = s[torch.arange(1, buckets, device=flat.device) * m // buckets]
     mins = torch.cat((lo.view(1), bounds))
     if m < n:
-        i = torch.searchsorted(s, bounds).sub_(1)
-        below = torch.where(i >= 0, s[i.clamp(min=0)], mins[:-1])  # largest sampled value below each boundary
-        return bounds, mins, None, below
+        return bounds, mins, None
     # bucket i's max: the largest value below the next boundary (or hi), if the bucket is not empty
     uppers = torch.cat((bounds, hi.view(1)))
     top = torch.cat((s[torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)], hi.view(1)))
-    return bounds, mins, torch.where(uppers > mins, top, mins) + 0.0, None
+    return bounds, mins, torch.where(uppers > mins, top, mins) + 0.0
+
+
+def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)``: 0-d float32 min (a zero as ``+0.0``) and max of the 1-D float32 ``flat``, ``n >= 1``.
+
+    Raises:
+        ValueError: ``flat`` holds inf or NaN (:func:`.quantize.finite_range`).
+    """
+    lo, hi = torch.aminmax(flat)
+    finite_range(lo, hi, codec_name)
+    return lo + 0.0, hi
 
 
 def select_bounds(sample: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,17 +393,14 @@ class SortQuantizer(Codec):
             mins = step = torch.zeros(buckets, device=flat.device)
             packed = flat.to(torch.uint8)
         else:
-            lo, hi = torch.aminmax(flat)
-            finite_range(lo, hi, self.name)
             if s == 0:
-                bounds, mins, maxs, below = None, lo.view(1), hi.view(1), None
+                lo, hi = range_of(flat, self.name)
+                bounds, mins, maxs = None, lo.view(1), hi.view(1)
             else:
-                bounds, mins, maxs, below = bucket_grid(flat, buckets, lo, hi)
+                bounds, mins, maxs = bucket_grid(flat, buckets, self.name)
             search = None if bounds is None else BucketIndex(bounds)
             index = None  # buckets found in a first pass, reused by the second
-            if below is not None:  # sampled split: one pass for the exact maxima (and, eager, the buckets)
-                maxs = fused.bucket_maxima(flat, bounds, mins, below, hi)
-            if maxs is None:
+            if maxs is None:  # sampled split, no fused pass: the maxima (and the buckets) eager
                 index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
                 maxs = mins.clone()
                 for i, j in blocks(flat):
