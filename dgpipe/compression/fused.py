@@ -465,20 +465,25 @@ def bucket_extrema(x: torch.Tensor, bounds: torch.Tensor, below: torch.Tensor,
     s = (bounds.numel() + 1).bit_length() - 1
     if x.numel() < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x):
         return None
-    low, high = sample
-    # Bucket b > 0 reaches below[b] (a value in it) and its min bounds[b - 1] (where the caller's
-    # max(maxs, mins) puts an empty bucket anyway); the top bucket reaches the sampled max. Bucket 0
-    # reaches below[0]: when none was sampled (-inf), all its values are < low and flagged as such,
-    # and its window is low (finite: an infinite one times a 0 indicator would be NaN).
-    lows = torch.cat((torch.maximum(below, torch.cat((low.reshape(1), bounds[:-1]))), high.reshape(1)))
-    n = x.numel()
+    n, nb = x.numel(), bounds.numel()
+    x, bounds, below = _np(x), _np(bounds), _np(below)
+    low, high = (np.float32(v) for v in sample)
+    # (numpy here: a small message's time goes to per-call overheads.) Bucket b > 0 reaches below[b]
+    # (a value in it) and its min bounds[b - 1] (where the caller's max(maxs, mins) puts an empty
+    # bucket anyway); the top bucket reaches the sampled max. Bucket 0 reaches below[0]: when none was
+    # sampled (-inf), its values are all < low and flagged as such, and its window is low (finite: an
+    # infinite one times a 0 indicator would be NaN).
+    lows = np.empty(nb + 1, np.float32)
+    lows[0], lows[1:nb], lows[nb] = low, bounds[:-1], high
+    np.maximum(lows[:nb], below, out=lows[:nb])
     ends = [(c0 * CHUNK, c1 * CHUNK) for c0, c1 in _parts(n // CHUNK)]
     ends[-1] = (ends[-1][0], n)  # the last part takes the tail
-    ext = torch.cat((low.reshape(1), below[:1], lows[1:])).repeat(len(ends), 1)  # a row per part
-    x, bounds, lows, low, e = _np(x), _np(bounds), _np(lows), np.float32(low), ext.numpy()
+    ext = np.empty((len(ends), nb + 2), np.float32)  # a row per part: the known min and maxima
+    ext[:, 0], ext[:, 1], ext[:, 2:] = low, below[0], lows[1:]
     if not _call(("bucket_extrema", s), lambda: _build_bucket_extrema(s),
-                 [(x[i:j], bounds, lows, low, e[k]) for k, (i, j) in enumerate(ends)]):
+                 [(x[i:j], bounds, lows, low, ext[k]) for k, (i, j) in enumerate(ends)]):
         return None
+    ext = torch.from_numpy(ext)
     return ext[:, 0].min(), ext[:, 1:].amax(0)  # min propagates a part's NaN
 
 
