@@ -107,10 +107,10 @@ DELTA_SETTINGS: dict[str, list[str]] = {
     **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
     "sortquant4": PIPELINE_SETTINGS["sortquant4"],
     "delta_sortquant4": PIPELINE_SETTINGS["sortquant4"] + ["--delta"],
-    # The same 2-bit pair evaluated uncompressed: delta trains on reconstructions far closer to the
-    # activations than direct 2-bit coding, which is what compressed evaluation (no cache) still sees.
-    "codebook2_g4_eval32": LOWBIT_SETTINGS["codebook2_g4"] + ["--no-compress-eval"],
-    "delta_codebook2_g4_eval32": LOWBIT_SETTINGS["codebook2_g4"] + ["--delta", "--no-compress-eval"],
+    # The same pairs evaluated uncompressed: delta trains on reconstructions far closer to the
+    # activations than direct low-bit coding, which is what compressed evaluation (no cache) still sees.
+    **{f"{prefix}{label}_eval32": LOWBIT_SETTINGS[label] + flags + ["--no-compress-eval"]
+       for label in ("codebook4", "codebook3_g4", "codebook2_g4") for prefix, flags in (("", []), ("delta_", ["--delta"]))},
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS}
