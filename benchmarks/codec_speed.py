@@ -13,7 +13,9 @@ same bits), print a markdown table of:
 - speedup and MSE ratio against sort quantization in its *original formulation* (below).
 
 One torch thread by default: the original's sort uses one core anyway, so this is the
-like-for-like comparison, and it keeps timings stable on a shared machine.
+like-for-like comparison, and it keeps timings stable on a shared machine. The fused
+kernels follow torch's thread count like the eager ops (``--threads 2`` runs both on
+two cores).
 
 The original formulation, written here from its description: sort the whole flattened
 tensor, split the sorted values into ``2**S`` equal chunks, loop in Python over the
