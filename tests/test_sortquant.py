@@ -214,6 +214,24 @@ def test_bad_options(opts):
         get_codec("sortquant", **opts)
 
 
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 3000), s=st.integers(1, 4), ties=st.booleans(), seed=st.integers(0, 2**31))
+def test_select_bounds_equals_the_sorted_sample(m, s, ties, seed):
+    """The selection's boundaries are the sort's order statistics, and ``below`` the largest value
+    smaller than each boundary in the stretch before its rank (ties and repeated ranks included)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (m,), generator=g).float() if ties else torch.randn(m, generator=g)
+    buckets = 1 << s
+    bounds, below = sq.select_bounds(x, buckets)
+    ranks = [(i * m) // buckets for i in range(1, buckets)]
+    srt = torch.sort(x).values
+    assert torch.equal(bounds, srt[ranks])
+    for i, r in enumerate(ranks):
+        stretch = srt[ranks[i - 1] + 1 if i else 0 : r]
+        smaller = stretch[stretch < bounds[i]]
+        assert below[i].item() == (smaller.max().item() if smaller.numel() else -math.inf)
+
+
 def test_bucket_index_matches_bucketize():
     x = torch.randn(5000)
     for s in (1, 2, 4, 5, 7):

@@ -182,10 +182,12 @@ def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.T
 def select_bounds(sample: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The boundaries ``s[(i * m) // buckets]`` of the sorted ``sample`` without sorting it, and what lies below them.
 
-    A selection (``numpy.partition`` at the ``buckets - 1`` ranks, O(m)) gives the same
-    order statistics as a sort; between two of those ranks lie the values from one
-    boundary up to the next, so the largest value below boundary ``i`` is found in the
-    stretch just before rank ``i`` (or is the previous boundary itself).
+    A selection gives the same order statistics as a sort: the middle rank first, then
+    each half at its own middle rank, recursively (``ndarray.partition`` at one rank at a
+    time, O(m log buckets): numpy's selection at several ranks at once is 3-7x slower);
+    between two of those ranks lie the values from one boundary up to the next, so the
+    largest value below boundary ``i`` is found in the stretch just before rank ``i`` (or
+    is the previous boundary itself).
 
     Args:
         sample: 1-D float32 CPU tensor of ``m`` finite values.
@@ -198,15 +200,22 @@ def select_bounds(sample: torch.Tensor, buckets: int) -> tuple[torch.Tensor, tor
     """
     m = sample.numel()
     ranks = [(i * m) // buckets for i in range(1, buckets)]
-    part = np.partition(sample.detach().numpy(), ranks)  # a copy: the sample may be the codec's input
+    part = sample.detach().numpy().copy()  # the sample may be the codec's input
+    distinct = sorted(set(ranks))  # fewer values than buckets repeat ranks
+    todo = [(0, m, 0, len(distinct))]  # a stretch [lo, hi) of part and the ranks distinct[a:b] inside it
+    while todo:
+        lo, hi, a, b = todo.pop()
+        if a < b:
+            mid = (a + b) // 2
+            r = distinct[mid]
+            part[lo:hi].partition(r - lo)
+            todo += [(lo, r, a, mid), (r + 1, hi, mid + 1, b)]
     bounds = part[ranks]
-    below = np.full(len(ranks), -np.inf, dtype=np.float32)
+    below = np.empty(len(ranks), dtype=np.float32)
     start = 0
     for i, r in enumerate(ranks):
         stretch = part[start:r]
-        smaller = stretch[stretch < bounds[i]]
-        if smaller.size:
-            below[i] = smaller.max()
+        below[i] = np.max(stretch, initial=-np.inf, where=stretch < bounds[i])
         start = r + 1
     return torch.from_numpy(bounds.copy()), torch.from_numpy(below)
 
