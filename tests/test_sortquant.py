@@ -215,21 +215,18 @@ def test_bad_options(opts):
 
 
 @settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 3000), s=st.integers(1, 4), ties=st.booleans(), seed=st.integers(0, 2**31))
-def test_select_bounds_equals_the_sorted_sample(m, s, ties, seed):
-    """The selection's boundaries are the sort's order statistics, and ``below`` the largest value
-    smaller than each boundary in the stretch before its rank (ties and repeated ranks included)."""
+@given(n=st.integers(1, 3000), s=st.integers(1, 4), ties=st.booleans(), seed=st.integers(0, 2**31))
+def test_exact_split_grid_equals_the_sorted_values(n, s, ties, seed):
+    """Below the sample size the grid comes from all values: boundaries at the sorted ranks, each
+    bucket's min and max those of the values counted into it (an empty bucket: its min)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(-3, 4, (m,), generator=g).float() if ties else torch.randn(m, generator=g)
+    x = torch.randint(-3, 4, (n,), generator=g).float() if ties else torch.randn(n, generator=g)
     buckets = 1 << s
-    bounds, below = sq.select_bounds(x, buckets)
-    ranks = [(i * m) // buckets for i in range(1, buckets)]
-    srt = torch.sort(x).values
-    assert torch.equal(bounds, srt[ranks])
-    for i, r in enumerate(ranks):
-        stretch = srt[ranks[i - 1] + 1 if i else 0 : r]
-        smaller = stretch[stretch < bounds[i]]
-        assert below[i].item() == (smaller.max().item() if smaller.numel() else -math.inf)
+    bounds, mins, maxs = sq.bucket_grid(x, buckets, "sortquant")
+    assert torch.equal(bounds, torch.sort(x).values[[(i * n) // buckets for i in range(1, buckets)]])
+    b = torch.searchsorted(bounds, x, right=True)
+    assert mins[0] == x.min()
+    assert torch.equal(maxs, mins.clone().scatter_reduce_(0, b, x, "amax") + 0.0)
 
 
 def test_bucket_index_matches_bucketize():

@@ -448,9 +448,10 @@ def bucket_extrema(x: torch.Tensor, bounds: torch.Tensor, below: torch.Tensor,
         x: 1-D float32 CPU values.
         bounds: float32 ``(2**S - 1,)`` non-decreasing boundaries; ``bucket(v)`` is the
             number of boundaries ``<= v`` (:class:`.sortquant.BucketIndex`).
-        below: float32 ``(2**S - 1,)``: for each boundary a value of ``x`` below it in its
-            bucket (the largest sampled one), or ``-inf`` (none sampled): bucket ``b``'s maximum
-            is at least ``below[b]``, so only values from there up are candidates.
+        below: float32 ``(2**S - 1,)``: for each boundary the largest sampled value below it,
+            or ``-inf`` (none): bucket ``b``'s maximum is at least ``below[b]`` where that lies
+            in bucket ``b``, and at least its min ``bounds[b - 1]`` otherwise, so only values
+            from there up are candidates.
         sample: 0-d float32 ``(min, max)`` of values of ``x`` (of the sample the boundaries
             come from, so the max lies in the top bucket): only values below the first can
             lower the min, only values above the second raise the top bucket's max.

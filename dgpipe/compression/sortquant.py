@@ -17,12 +17,12 @@ has no Python loop over buckets or values:
 1. the ``B - 1`` boundaries ``b_1 <= ... <= b_{B-1}`` are order statistics of the
    tensor -- exactly for small tensors, else of a fixed-seed uniform sample of
    ``max(16384, 64 * B)`` values (the MSE stays within a few percent of the exact
-   split's; ``benchmarks/codec_speed.py`` measures it); found by a selection
-   (:func:`select_bounds`) on CPU with up to 16 buckets, else by a sort;
+   split's; ``benchmarks/codec_speed.py`` measures it), read off the sorted sample
+   (numpy's vectorised sort on CPU);
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
-   the bucket; the global min for bucket 0); its max comes with the selection or sort
-   for small tensors, else from one pass over the values that also finds the global min
+   the bucket; the global min for bucket 0); its max comes with the sort for small
+   tensors, else from one pass over the values that also finds the global min
    (:func:`.fused.bucket_extrema`, or eager ``torch.aminmax`` and one ``scatter_reduce``
    over the bucket indices); a zero min or max is sent as +0.0;
 4. levels, codes and bit-packing run in one compiled loop on CPU (:mod:`.fused`, up to
@@ -46,6 +46,7 @@ uniform quantization within buckets as in :mod:`.quantize`.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import numpy as np
@@ -75,7 +76,7 @@ from .quantize import (
 )
 
 __all__ = [
-    "SortQuantizer", "sample_size", "sample_positions", "bucket_grid", "range_of", "select_bounds", "BucketIndex", "bucket_codes",
+    "SortQuantizer", "sample_size", "sample_positions", "bucket_grid", "range_of", "BucketIndex", "bucket_codes",
     "group_buckets", "fused_bucket_values",
 ]
 
@@ -83,8 +84,6 @@ SAMPLE_MIN = 1 << 14
 """Smallest sample the boundaries of a large tensor are taken from."""
 SAMPLE_PER_BUCKET = 64
 """Sampled values per bucket, when more than :data:`SAMPLE_MIN` in all."""
-SELECT_MAX_BUCKETS = 16
-"""Most buckets whose boundaries a CPU tensor gets by selection (:func:`select_bounds`) instead of a sort."""
 
 SAMPLE_SEED = 0x5EED
 """Seed of the sample positions: the same tensor always gets the same boundaries."""
@@ -140,32 +139,28 @@ def bucket_grid(
     sample = flat
     if m < n:
         sample = flat.index_select(0, sample_positions(n, m, flat.device))
-    if flat.device.type == "cpu" and buckets <= SELECT_MAX_BUCKETS:
-        bounds, below = select_bounds(sample, buckets)
-        if m < n:
-            found = fused.bucket_extrema(flat, bounds, below, torch.aminmax(sample))
-            if found is not None:
-                lo, maxs = found
-                lo = lo + 0.0  # -0.0 -> +0.0: which zero a min keeps depends on the order of the values
-                finite_range(lo, maxs[-1], codec_name)
-                mins = torch.cat((lo.view(1), bounds))
-                return bounds, mins, torch.maximum(maxs, mins) + 0.0
-        lo, hi = range_of(flat, codec_name)
-        mins = torch.cat((lo.view(1), bounds))
-        if m < n:
-            return bounds, mins, None
-        below = torch.maximum(below, mins[:-1])  # the bucket's min when nothing lies below its boundary
-        return bounds, mins, torch.cat((below, hi.view(1))) + 0.0
-    lo, hi = range_of(flat, codec_name)
-    s = torch.sort(sample).values
+    if flat.device.type == "cpu":  # numpy's vectorised sort: ~10x torch.sort's on CPU, and robust to ties
+        s = torch.from_numpy(np.sort(sample.detach().numpy()))
+    else:
+        s = torch.sort(sample).values
     bounds = s[torch.arange(1, buckets, device=flat.device) * m // buckets]
+    at = torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)  # the largest sampled value below each boundary
+    below = s[at]
+    if m < n:
+        found = fused.bucket_extrema(flat, bounds, torch.where(below < bounds, below, -math.inf), (s[0], s[-1]))
+        if found is not None:
+            lo, maxs = found
+            lo = lo + 0.0  # -0.0 -> +0.0: which zero a min keeps depends on the order of the values
+            finite_range(lo, maxs[-1], codec_name)
+            mins = torch.cat((lo.view(1), bounds))
+            return bounds, mins, torch.maximum(maxs, mins) + 0.0
+    lo, hi = range_of(flat, codec_name)
     mins = torch.cat((lo.view(1), bounds))
     if m < n:
         return bounds, mins, None
     # bucket i's max: the largest value below the next boundary (or hi), if the bucket is not empty
     uppers = torch.cat((bounds, hi.view(1)))
-    top = torch.cat((s[torch.searchsorted(s, bounds).sub_(1).clamp_(min=0)], hi.view(1)))
-    return bounds, mins, torch.where(uppers > mins, top, mins) + 0.0
+    return bounds, mins, torch.where(uppers > mins, torch.cat((below, hi.view(1))), mins) + 0.0
 
 
 def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,47 +172,6 @@ def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.T
     lo, hi = torch.aminmax(flat)
     finite_range(lo, hi, codec_name)
     return lo + 0.0, hi
-
-
-def select_bounds(sample: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The boundaries ``s[(i * m) // buckets]`` of the sorted ``sample`` without sorting it, and what lies below them.
-
-    A selection gives the same order statistics as a sort: the middle rank first, then
-    each half at its own middle rank, recursively (``ndarray.partition`` at one rank at a
-    time, O(m log buckets): numpy's selection at several ranks at once is 3-7x slower);
-    between two of those ranks lie the values from one boundary up to the next, so the
-    largest value below boundary ``i`` is found in the stretch just before rank ``i`` (or
-    is the previous boundary itself).
-
-    Args:
-        sample: 1-D float32 CPU tensor of ``m`` finite values.
-        buckets: a power of two >= 2.
-
-    Returns:
-        ``(bounds, below)``: float32 ``(buckets - 1,)`` each; ``below[i]`` the largest value
-        of the stretch before rank ``i`` that is smaller than ``bounds[i]`` (``-inf`` when
-        there is none): the caller takes its max with the bucket's min.
-    """
-    m = sample.numel()
-    ranks = [(i * m) // buckets for i in range(1, buckets)]
-    part = sample.detach().numpy().copy()  # the sample may be the codec's input
-    distinct = sorted(set(ranks))  # fewer values than buckets repeat ranks
-    todo = [(0, m, 0, len(distinct))]  # a stretch [lo, hi) of part and the ranks distinct[a:b] inside it
-    while todo:
-        lo, hi, a, b = todo.pop()
-        if a < b:
-            mid = (a + b) // 2
-            r = distinct[mid]
-            part[lo:hi].partition(r - lo)
-            todo += [(lo, r, a, mid), (r + 1, hi, mid + 1, b)]
-    bounds = part[ranks]
-    below = np.empty(len(ranks), dtype=np.float32)
-    start = 0
-    for i, r in enumerate(ranks):
-        stretch = part[start:r]
-        below[i] = np.max(stretch, initial=-np.inf, where=stretch < bounds[i])
-        start = r + 1
-    return torch.from_numpy(bounds.copy()), torch.from_numpy(below)
 
 
 class BucketIndex:
