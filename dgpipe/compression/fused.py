@@ -440,40 +440,40 @@ def _build_bucket_extrema(split_bits: int):
     return kernel
 
 
-def bucket_extrema(x: torch.Tensor, bounds: torch.Tensor, below: torch.Tensor,
-                   sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np.float32,
+                   high: np.float32) -> tuple[np.float32, np.ndarray] | None:
     """The min of ``x`` and the max of each bucket, in one pass over ``x`` (which replaces ``torch.aminmax``).
 
+    Takes and gives numpy (a view of the CPU tensor): a small message's time goes to
+    per-call overheads, and numpy's are a fraction of torch's.
+
     Args:
-        x: 1-D float32 CPU values.
+        x: 1-D float32 values.
         bounds: float32 ``(2**S - 1,)`` non-decreasing boundaries; ``bucket(v)`` is the
             number of boundaries ``<= v`` (:class:`.sortquant.BucketIndex`).
         below: float32 ``(2**S - 1,)``: for each boundary the largest sampled value below it,
             or ``-inf`` (none): bucket ``b``'s maximum is at least ``below[b]`` where that lies
             in bucket ``b``, and at least its min ``bounds[b - 1]`` otherwise, so only values
             from there up are candidates.
-        sample: 0-d float32 ``(min, max)`` of values of ``x`` (of the sample the boundaries
+        low, high: float32 min and max of values of ``x`` (of the sample the boundaries
             come from, so the max lies in the top bucket): only values below the first can
             lower the min, only values above the second raise the top bucket's max.
 
     Returns:
-        ``(lo, maxs)``: 0-d float32 min of ``x`` (NaN if ``x`` holds a NaN) and float32
+        ``(lo, maxs)``: float32 min of ``x`` (NaN if ``x`` holds a NaN) and float32
         ``(2**S,)`` maxima, such that ``max(maxs, (lo, *bounds))`` is each bucket's max as
         :class:`.sortquant.SortQuantizer` sends it (an empty bucket's: its min); zeros as found
         (the caller makes them ``+0.0``). None where the fused path does not apply (``S > 4``,
-        CUDA, small ``x``, switched off).
+        small ``x``, switched off).
     """
-    s = (bounds.numel() + 1).bit_length() - 1
-    if x.numel() < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x):
+    s = (bounds.size + 1).bit_length() - 1
+    if x.size < MIN_VALUES or s > MAX_SPLIT_BITS or not enabled():
         return None
-    n, nb = x.numel(), bounds.numel()
-    x, bounds, below = _np(x), _np(bounds), _np(below)
-    low, high = (np.float32(v) for v in sample)
-    # (numpy here: a small message's time goes to per-call overheads.) Bucket b > 0 reaches below[b]
-    # (a value in it) and its min bounds[b - 1] (where the caller's max(maxs, mins) puts an empty
-    # bucket anyway); the top bucket reaches the sampled max. Bucket 0 reaches below[0]: when none was
-    # sampled (-inf), its values are all < low and flagged as such, and its window is low (finite: an
-    # infinite one times a 0 indicator would be NaN).
+    n, nb = x.size, bounds.size
+    # Bucket b > 0 reaches below[b] (a value in it) and its min bounds[b - 1] (where the caller's
+    # max(maxs, mins) puts an empty bucket anyway); the top bucket reaches the sampled max. Bucket 0
+    # reaches below[0]: when none was sampled (-inf), its values are all < low and flagged as such,
+    # and its window is low (finite: an infinite one times a 0 indicator would be NaN).
     lows = np.empty(nb + 1, np.float32)
     lows[0], lows[1:nb], lows[nb] = low, bounds[:-1], high
     np.maximum(lows[:nb], below, out=lows[:nb])
@@ -484,8 +484,7 @@ def bucket_extrema(x: torch.Tensor, bounds: torch.Tensor, below: torch.Tensor,
     if not _call(("bucket_extrema", s), lambda: _build_bucket_extrema(s),
                  [(x[i:j], bounds, lows, low, ext[k]) for k, (i, j) in enumerate(ends)]):
         return None
-    ext = torch.from_numpy(ext)
-    return ext[:, 0].min(), ext[:, 1:].amax(0)  # min propagates a part's NaN
+    return ext[:, 0].min(), ext[:, 1:].max(0)  # min and max propagate a part's NaN
 
 
 def _build_encode_buckets(quant_bits: int, split_bits: int):
