@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -152,11 +153,11 @@ def make_payload(
         params: codec-specific integers, at most 64.
         tensors: payload tensors; they are flattened (made contiguous, 1-D).
     """
-    flat = tuple(t.reshape(-1) for t in tensors)
+    flat = tuple(t if t.dim() == 1 else t.reshape(-1) for t in tensors)
     fields = [MAGIC, codec_id, code_from_dtype(dtype), len(shape), *shape, len(params), *params, len(flat)]
     for t in flat:
         fields += [code_from_dtype(t.dtype), t.numel()]
-    return Payload(torch.tensor(fields, dtype=torch.int64), flat)
+    return Payload(torch.from_numpy(np.array(fields, dtype=np.int64)), flat)  # numpy: ~3x faster than torch.tensor
 
 
 def parse_header(header: torch.Tensor, expected_codec_id: int | None = None) -> Header:
@@ -174,15 +175,16 @@ def parse_header(header: torch.Tensor, expected_codec_id: int | None = None) -> 
     h = header.tolist()
     pos = 0
 
-    def take(field: str, lo: int, hi: int) -> int:
+    def take(field: str, lo: int, hi: int, index: int | None = None) -> int:
+        """The next field; ``field`` (``field % index`` when indexed: formatted only for an error)."""
         nonlocal pos
-        if pos >= len(h):
-            raise ValueError(f"corrupt header: truncated before field {field!r}")
-        v = h[pos]
+        if pos >= len(h) or not lo <= h[pos] <= hi:
+            name = field if index is None else field % index
+            if pos >= len(h):
+                raise ValueError(f"corrupt header: truncated before field {name!r}")
+            raise ValueError(f"corrupt header: field {name!r} = {h[pos]} outside [{lo}, {hi}]")
         pos += 1
-        if not lo <= v <= hi:
-            raise ValueError(f"corrupt header: field {field!r} = {v} outside [{lo}, {hi}]")
-        return v
+        return h[pos - 1]
 
     take("magic", MAGIC, MAGIC)
     codec_id = take("codec_id", 0, 1 << 16)
@@ -193,16 +195,17 @@ def parse_header(header: torch.Tensor, expected_codec_id: int | None = None) -> 
         )
     dtype = dtype_from_code(take("dtype", 0, 255))
     ndim = take("ndim", 0, MAX_NDIM)
-    shape = tuple(take(f"shape[{i}]", 0, MAX_NUMEL) for i in range(ndim))
+    shape = tuple(take("shape[%d]", 0, MAX_NUMEL, i) for i in range(ndim))
     if math.prod(shape) > MAX_NUMEL:
         raise ValueError(f"corrupt header: field 'shape' has {math.prod(shape)} values, over {MAX_NUMEL}")
     n_params = take("n_params", 0, MAX_PARAMS)
-    params = tuple(take(f"params[{i}]", -(1 << 62), 1 << 62) for i in range(n_params))
+    params = tuple(take("params[%d]", -(1 << 62), 1 << 62, i) for i in range(n_params))
     n_tensors = take("n_tensors", 0, MAX_TENSORS)
     specs = []
     for i in range(n_tensors):
-        dt = dtype_from_code(take(f"tensors[{i}].dtype", 0, 255), f"tensors[{i}].dtype")
-        specs.append((dt, take(f"tensors[{i}].numel", 0, MAX_NUMEL)))
+        code = take("tensors[%d].dtype", 0, 255, i)
+        dt = _CODE_TO_DTYPE.get(code) or dtype_from_code(code, f"tensors[{i}].dtype")  # the latter raises
+        specs.append((dt, take("tensors[%d].numel", 0, MAX_NUMEL, i)))
     if pos != len(h):
         raise ValueError(f"corrupt header: {len(h) - pos} trailing fields after 'tensors'")
     return Header(codec_id, dtype, shape, params, tuple(specs))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import fused
@@ -103,17 +104,23 @@ def finite_range(lo: torch.Tensor, hi: torch.Tensor, codec_name: str) -> None:
 
     min/max propagate NaN and inf, so checking the ends checks every value they cover.
     """
-    if not bool(torch.isfinite(hi - lo).all()):
-        if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
-            raise ValueError(
-                f"{codec_name} codec got inf/NaN values; lossy quantizers refuse them: replace them "
-                "first (e.g. torch.nan_to_num) or send this tensor with codec 'none' or 'fp16'"
-            )
-        raise ValueError(f"{codec_name} codec got a value range wider than float32 can hold (max - min overflows)")
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (lo, hi)):
+        with np.errstate(over="ignore", invalid="ignore"):  # numpy: a fraction of torch's per-call cost
+            if bool(np.isfinite(hi.detach().numpy() - lo.detach().numpy()).all()):
+                return
+    elif bool(torch.isfinite(hi - lo).all()):
+        return
+    if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
+        raise ValueError(
+            f"{codec_name} codec got inf/NaN values; lossy quantizers refuse them: replace them "
+            "first (e.g. torch.nan_to_num) or send this tensor with codec 'none' or 'fp16'"
+        )
+    raise ValueError(f"{codec_name} codec got a value range wider than float32 can hold (max - min overflows)")
 
 
 def grid_step(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> torch.Tensor:
-    """Step of the uniform grid of ``levels`` points from ``lo`` to ``hi`` (float32, same shape)."""
+    """Step of the uniform grid of ``levels`` points from ``lo`` to ``hi`` (float32, same shape;
+    torch tensors or numpy arrays, the same float32 division)."""
     return (hi - lo) / (levels - 1)
 
 
@@ -138,7 +145,12 @@ def grid_levels(v: torch.Tensor, div: torch.Tensor, levels: int, stochastic: boo
 
 
 def grid_divisor(step: torch.Tensor) -> torch.Tensor:
-    """``step`` with its zeros (constant ranges) replaced by 1: the ``div`` of :func:`grid_levels`."""
+    """``step`` with its zeros (constant ranges) replaced by 1: the ``div`` of :func:`grid_levels`
+    (a torch tensor, or a float32 numpy array for a numpy one)."""
+    if isinstance(step, np.ndarray):
+        return np.where(step > 0, step, np.float32(1.0))
+    if step.device.type == "cpu" and step.dtype == torch.float32:  # numpy: a fraction of torch's per-call cost
+        return torch.from_numpy(grid_divisor(step.detach().numpy()))
     return torch.where(step > 0, step, 1.0)
 
 
@@ -256,6 +268,13 @@ def grid_meta(
         ``(meta, lo32, div32)``: ``meta`` 1-D ``cat(lo, step)`` in the metadata dtype;
         ``lo32``/``div32`` float32 of ``lo``'s shape (:func:`grid_divisor`).
     """
+    if grouping.meta_dtype == lo.dtype == hi.dtype == torch.float32 and lo.device.type == "cpu":  # numpy: cheaper
+        lo32, hi32 = lo.detach().numpy(), hi.detach().numpy()
+        step = grid_step(lo32, hi32, levels)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(step).all():
+                meta = torch.from_numpy(np.concatenate((lo32.reshape(-1), step.reshape(-1))))
+                return meta, lo.detach(), torch.from_numpy(grid_divisor(step))
     lo_m = round_meta(lo, grouping.meta_dtype, False, "min", codec)
     lo32 = lo_m.float()
     step_m = round_meta(grid_step(lo32, hi, levels), grouping.meta_dtype, True, "step", codec)

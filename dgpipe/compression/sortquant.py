@@ -404,8 +404,12 @@ class SortQuantizer(Codec):
                     index[i:j] = b
                     maxs.scatter_reduce_(0, b, flat[i:j], "amax")
                 maxs += 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
-            step = grid_step(mins, maxs, levels)
-            div = grid_divisor(step)
+            if flat.device.type == "cpu":  # numpy: a fraction of torch's per-call cost on these few values
+                step_np = grid_step(mins.numpy(), maxs.numpy(), levels)
+                step, div = torch.from_numpy(step_np), torch.from_numpy(grid_divisor(step_np))
+            else:
+                step = grid_step(mins, maxs, levels)
+                div = grid_divisor(step)
 
             def codes_of(i: int, j: int) -> torch.Tensor:
                 if bounds is None:
