@@ -30,6 +30,7 @@ and refuses ranges over 65504); float16 has 3 more bits of precision.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -135,16 +136,7 @@ class Grouping:
         Raises:
             ValueError: ``corrupt header`` naming the option that is out of range.
         """
-        kind, rotate, dcode, axis, size = param & 3, param >> 2 & 1, param >> 3 & 255, param >> 11 & 15, param >> 15
-        dtypes = {v: k for k, v in SCALE_DTYPES.items()}
-        dt = dtype_from_code(dcode, "params (scale_dtype)")
-        if dt not in dtypes or axis >= max(len(shape), 1):
-            bad = "scale_dtype" if dt not in dtypes else "axis"
-            raise ValueError(f"corrupt header: field 'params' (grouping: {bad}) of {codec} is out of range")
-        try:
-            return cls(GROUPS[kind], size, axis, ROTATIONS[rotate], dtypes[dt]).validate(codec)
-        except ValueError as e:
-            raise ValueError(f"corrupt header: field 'params' (grouping) of {codec}: {e}") from None
+        return _grouping_of(cls, param, len(shape), codec)
 
     def rotation(self, shape: tuple[int, ...]) -> HadamardRotation | None:
         """The rotation of the last axis of ``shape`` (None without one)."""
@@ -184,6 +176,8 @@ class Grouping:
 
         May be a view of ``x``: do not modify it in place.
         """
+        if self.plain:
+            return x.reshape(1, -1)
         shape = tuple(x.shape)
         rot = self.rotation(shape)
         y = x.reshape(-1, shape[-1] if shape else 1)
@@ -207,10 +201,14 @@ class Grouping:
 
     def sent(self, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The ``n_sent`` values of ``rows`` (any dtype) in wire order: 1-D, the tile padding dropped."""
+        if self.plain:
+            return rows.reshape(-1)
         return rows.reshape(-1)[: self.counts(shape)[2]]
 
     def restore(self, values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """Inverse of :meth:`rows`: the 1-D ``n_sent`` float32 values in wire order -> a tensor of ``shape``."""
+        if self.plain:
+            return values.reshape(shape)
         rshape = self.rotated_shape(shape)
         if self.group == "channel":
             axis = self.axis % len(rshape)
@@ -222,3 +220,19 @@ class Grouping:
         if rot is not None:
             y = rot.inverse(y.reshape(-1, rot.width))
         return y.reshape(shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _grouping_of(cls: type, param: int, ndim: int, codec: str) -> Grouping:
+    """:meth:`Grouping.from_param` for a tensor of ``ndim`` dimensions, cached (a pipeline decodes
+    the same header step after step; errors are raised, not cached)."""
+    kind, rotate, dcode, axis, size = param & 3, param >> 2 & 1, param >> 3 & 255, param >> 11 & 15, param >> 15
+    dtypes = {v: k for k, v in SCALE_DTYPES.items()}
+    dt = dtype_from_code(dcode, "params (scale_dtype)")
+    if dt not in dtypes or axis >= max(ndim, 1):
+        bad = "scale_dtype" if dt not in dtypes else "axis"
+        raise ValueError(f"corrupt header: field 'params' (grouping: {bad}) of {codec} is out of range")
+    try:
+        return cls(GROUPS[kind], size, axis, ROTATIONS[rotate], dtypes[dt]).validate(codec)
+    except ValueError as e:
+        raise ValueError(f"corrupt header: field 'params' (grouping) of {codec}: {e}") from None

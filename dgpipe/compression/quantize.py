@@ -96,7 +96,8 @@ def flat_float32(x: torch.Tensor, codec_name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{codec_name} codec needs a floating tensor (float32/float16/bfloat16/float64), got {got}")
-    return x.reshape(-1).to(torch.float32)
+    flat = x.reshape(-1)
+    return flat if flat.dtype == torch.float32 else flat.to(torch.float32)
 
 
 def finite_range(lo: torch.Tensor, hi: torch.Tensor, codec_name: str) -> None:
