@@ -373,11 +373,12 @@ class UniformQuantizer(Codec):
         packed, meta = payload.tensors
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
-        lo, step = meta[:ng].float(), meta[ng:].float()
+        lo, step = (meta[:ng], meta[ng:]) if meta.dtype == torch.float32 else (meta[:ng].float(), meta[ng:].float())
         values = fused_uniform_decode(packed, bits, n_sent, lo, step, g)  # in wire order, as gp.sent gives
         if values is None and ng == 1:  # one grid: a table lookup per value
             values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
         elif values is None:
             codes = gp.unsent(unpack_bits(packed, bits, n_sent, dtype=torch.int32).to(torch.float32), h.shape)
             values = gp.sent(lo[:, None] + codes * step[:, None], h.shape)  # as the table: multiply, then add
-        return gp.restore(values, h.shape).to(h.dtype)
+        values = gp.restore(values, h.shape)
+        return values if values.dtype == h.dtype else values.to(h.dtype)

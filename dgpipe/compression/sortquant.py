@@ -439,7 +439,7 @@ class SortQuantizer(Codec):
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
         m = ng * buckets
-        mins, steps = meta[:m].float(), meta[m:].float()
+        mins, steps = (meta[:m], meta[m:]) if meta.dtype == torch.float32 else (meta[:m].float(), meta[m:].float())
         values = fused_bucket_values(packed, q, s, n_sent, mins, steps) if ng == 1 else None
         if values is None:
             tables = grid_table(mins, steps, 1 << q).view(ng, -1)
@@ -448,4 +448,5 @@ class SortQuantizer(Codec):
             else:
                 codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
                 values = gp.sent(torch.gather(tables, 1, codes), h.shape)
-        return gp.restore(values, h.shape).to(h.dtype)
+        values = gp.restore(values, h.shape)
+        return values if values.dtype == h.dtype else values.to(h.dtype)
