@@ -33,6 +33,7 @@ __all__ = [
     "decode_table",
     "flat_float32",
     "finite_range",
+    "tame",
     "grid_step",
     "grid_divisor",
     "grid_levels",
@@ -100,16 +101,25 @@ def flat_float32(x: torch.Tensor, codec_name: str) -> torch.Tensor:
     return flat if flat.dtype == torch.float32 else flat.to(torch.float32)
 
 
+_HALF_MAX = float(2**127)
+"""Magnitude below which a float32 difference ``hi - lo`` cannot overflow (half of float32's range)."""
+
+
+def tame(*ends: np.ndarray) -> bool:
+    """Whether the float32 arrays ``ends`` are all finite and below :data:`_HALF_MAX` in magnitude,
+    so that the differences of their values are finite: a check in numpy without an error-state
+    context (whose own cost is a good part of a small message's); NaN fails it."""
+    return all(float(np.abs(e).max()) < _HALF_MAX for e in ends)
+
+
 def finite_range(lo: torch.Tensor, hi: torch.Tensor, codec_name: str) -> None:
     """Raise ``ValueError`` unless all ``lo``/``hi`` (range ends, float32) and ``hi - lo`` are finite.
 
     min/max propagate NaN and inf, so checking the ends checks every value they cover.
     """
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (lo, hi)):
-        with np.errstate(over="ignore", invalid="ignore"):  # numpy: a fraction of torch's per-call cost
-            if bool(np.isfinite(hi.detach().numpy() - lo.detach().numpy()).all()):
-                return
-    elif bool(torch.isfinite(hi - lo).all()):
+    if lo.device.type == "cpu" and lo.dtype == hi.dtype == torch.float32 and tame(lo.detach().numpy(), hi.detach().numpy()):
+        return  # numpy: a fraction of torch's per-call cost
+    if bool(torch.isfinite(hi - lo).all()):
         return
     if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
         raise ValueError(
@@ -269,13 +279,12 @@ def grid_meta(
         ``(meta, lo32, div32)``: ``meta`` 1-D ``cat(lo, step)`` in the metadata dtype;
         ``lo32``/``div32`` float32 of ``lo``'s shape (:func:`grid_divisor`).
     """
-    if grouping.meta_dtype == lo.dtype == hi.dtype == torch.float32 and lo.device.type == "cpu":  # numpy: cheaper
+    if grouping.meta_dtype == lo.dtype == hi.dtype == torch.float32 and lo.device.type == "cpu":
         lo32, hi32 = lo.detach().numpy(), hi.detach().numpy()
-        step = grid_step(lo32, hi32, levels)
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(step).all():
-                meta = torch.from_numpy(np.concatenate((lo32.reshape(-1), step.reshape(-1))))
-                return meta, lo.detach(), torch.from_numpy(grid_divisor(step))
+        if tame(lo32, hi32):  # numpy: a fraction of torch's per-call cost
+            step = grid_step(lo32, hi32, levels)
+            meta = torch.from_numpy(np.concatenate((lo32.reshape(-1), step.reshape(-1))))
+            return meta, lo.detach(), torch.from_numpy(grid_divisor(step))
     lo_m = round_meta(lo, grouping.meta_dtype, False, "min", codec)
     lo32 = lo_m.float()
     step_m = round_meta(grid_step(lo32, hi, levels), grouping.meta_dtype, True, "step", codec)

@@ -63,6 +63,7 @@ from .quantize import (
     decode_table,
     encode_blocks,
     finite_range,
+    tame,
     flat_float32,
     grid_divisor,
     grid_levels,
@@ -181,9 +182,8 @@ def _cpu_bucket_grid(
         # bucket i's max: the largest value below the next boundary (or the top), if the bucket is not empty
         maxs = np.append(below, top)
     lo = lo + np.float32(0.0)  # -0.0 -> +0.0: which zero a min keeps depends on the order of the values
-    with np.errstate(over="ignore", invalid="ignore"):
-        if not np.isfinite(top - lo):
-            finite_range(torch.tensor(lo), torch.tensor(top), codec_name)  # raises, naming the cause
+    if not tame(lo, top):
+        finite_range(torch.tensor(lo), torch.tensor(top), codec_name)  # raises if the range is not finite
     mins = np.append(lo, bounds)
     if m == n:
         maxs = np.where(np.append(bounds, top) > mins, maxs, mins)
