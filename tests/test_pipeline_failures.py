@@ -125,23 +125,47 @@ CTRL_C_PARENT = textwrap.dedent(
 )
 
 
-def test_ctrl_c_ends_every_rank(tmp_path):
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie that nobody has reaped yet counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
+def test_stopping_the_launcher_ends_every_rank(tmp_path, how):
+    """Ctrl-C (SIGINT to the terminal's process group), SIGTERM to the launcher alone (what a job
+    runner or ``kill`` sends; the launcher stops its ranks) and SIGKILL to the launcher alone
+    (the ranks' parent-death signal, Linux) all leave no rank running."""
+    if how == "sigkill" and not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
     script = tmp_path / "parent.py"
     script.write_text(CTRL_C_PARENT)
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    pids = []
     try:
         deadline = time.monotonic() + 90
         while len(list(tmp_path.glob("rank*.pid"))) < 2:
             assert parent.poll() is None and time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.2)
+        time.sleep(0.5)  # the ranks have written their pids: let both reach their sleep
         pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
-        os.killpg(parent.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        if how == "ctrl-c":
+            os.killpg(parent.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        else:
+            os.kill(parent.pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         parent.communicate(timeout=30)
+        deadline = time.monotonic() + 15
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
+        for pid in pids:  # never leave a rank behind, whatever the outcome
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
     assert parent.returncode != 0
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert all(_gone(pid) for pid in pids), f"ranks still running after {how} to the launcher"

@@ -14,8 +14,9 @@ One machine, from Python::
 
 ``spawn`` binds the rendezvous to 127.0.0.1 on a free port. If a rank raises or dies,
 the others are terminated and :class:`SpawnError` names the failed rank with its
-traceback (sent to the parent as UTF-8 text over a pipe, not pickled). Ctrl-C ends
-every rank. Inside the ranks, every blocking receive has a timeout (the process
+traceback (sent to the parent as UTF-8 text over a pipe, not pickled). Ctrl-C or
+SIGTERM to the launcher ends every rank, and on Linux a rank also ends when its
+launcher dies any other way (SIGKILL included: a parent-death signal). Inside the ranks, every blocking receive has a timeout (the process
 group's and the pipeline's), so ranks launched any way end with an error naming the
 peer when it fails or stalls.
 """
@@ -133,9 +134,40 @@ def init_distributed(backend: str = "auto", timeout: float = 300.0) -> tuple[int
     return dist.get_rank(), dist.get_world_size()
 
 
+def _raise_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM raise ``SystemExit(143)`` in the launcher (its default would end it at once and
+    leave the ranks running); returns the function that restores the previous handler. Only
+    the main thread can set handlers: elsewhere nothing changes (the ranks' parent-death
+    signal still ends them when the launcher dies)."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel send this rank SIGTERM when its launcher dies, however it dies
+    (``prctl(PR_SET_PDEATHSIG)``); exit now if it already has. Elsewhere nothing happens."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
+
+
 def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, host: str, port: int,
-           timeout: float, err_conn) -> None:
+           timeout: float, err_conn, parent: int) -> None:
     """Body of one spawned rank: rendezvous, run ``fn``, report a failure as text, exit."""
+    _die_with_parent(parent)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR=host, MASTER_PORT=str(port),
@@ -201,6 +233,7 @@ def spawn(
         SpawnError: a rank raised or died; the others were terminated. It names the
             first rank that failed on its own (rather than because a peer had failed).
         KeyboardInterrupt: Ctrl-C; every rank was terminated.
+        SystemExit: SIGTERM to the launcher (exit status 143); every rank was terminated.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -210,19 +243,22 @@ def spawn(
     ctx = mp.get_context(start_method)
     port = free_port(host)
     readers, procs = [], []
-    for rank in range(world_size):
-        r, w = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(rank, world_size, fn, tuple(args), backend, host, port, timeout, w),
-                        name=f"dgpipe-rank{rank}")
-        p.start()
-        w.close()
-        readers.append(r)
-        procs.append(p)
+    terminate = _raise_on_sigterm()
     try:
+        for rank in range(world_size):
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(rank, world_size, fn, tuple(args), backend, host, port, timeout, w,
+                                                 os.getpid()), name=f"dgpipe-rank{rank}")
+            p.start()
+            w.close()
+            readers.append(r)
+            procs.append(p)
         order, texts, by_peer = _monitor(procs, readers)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, SIGTERM (as SystemExit), or an error here: no rank outlives its launcher
         _stop(procs)
         raise
+    finally:
+        terminate()
     if not order:
         return
     _stop(procs)
