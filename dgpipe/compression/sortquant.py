@@ -47,7 +47,6 @@ uniform quantization within buckets as in :mod:`.quantize`.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable
 
 import numpy as np
