@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -172,7 +173,14 @@ def parse_header(header: torch.Tensor, expected_codec_id: int | None = None) -> 
     """
     if not isinstance(header, torch.Tensor) or header.dim() != 1 or header.dtype != torch.int64:
         raise ValueError("corrupt header: field 'header' must be a 1-D int64 tensor")
-    h = header.tolist()
+    return _parse_fields(tuple(header.tolist()), expected_codec_id)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_fields(h: tuple[int, ...], expected_codec_id: int | None) -> Header:
+    """:func:`parse_header` of the header's integers, cached: a pipeline receives the same few
+    headers step after step (errors are raised, not cached; at most 1024 entries, whatever a
+    peer sends)."""
     pos = 0
 
     def take(field: str, lo: int, hi: int, index: int | None = None) -> int:

@@ -484,6 +484,8 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np
     if not _call(("bucket_extrema", s), lambda: _build_bucket_extrema(s),
                  [(x[i:j], bounds, lows, low, ext[k]) for k, (i, j) in enumerate(ends)]):
         return None
+    if len(ends) == 1:
+        return ext[0, 0], ext[0, 1:]
     return ext[:, 0].min(), ext[:, 1:].max(0)  # min and max propagate a part's NaN
 
 
