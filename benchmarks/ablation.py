@@ -27,6 +27,8 @@ Usage::
     python benchmarks/ablation.py --job nlp --settings lowbit --seeds 0,1,2 --out benchmarks/results/quality_sst2 \
         -- --task sst2 --heldout 4000 ...                                         # the quality benchmark
     python benchmarks/ablation.py --job nlp --settings delta --seeds 0,1,2 --out ... -- --epochs 3 ...  # AQ-SGD delta
+    python benchmarks/ablation.py --job nlp --settings delta --only none,codebook4 --seeds 0,1,2 --out ... --no-run
+                                                                                # tabulate what is there, run nothing
 """
 
 from __future__ import annotations
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for the logs, outputs and the plot")
     parser.add_argument("--title", help="plot title")
     parser.add_argument("--seeds", help="comma-separated seeds: run every setting once per seed, paired table")
+    parser.add_argument("--no-run", action="store_true",
+                        help="run nothing: tabulate and plot the logs already in --out (e.g. while runs go on elsewhere)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="runs at a time (default 1; more on a machine with cores or a GPU to spare)")
     args = parser.parse_args(argv)
@@ -349,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--seeds {args.seeds!r}: write integers separated by commas, e.g. 0,1,2")
         if "--seed" in common:
             parser.error("--seeds gives the seeds; do not pass --seed after --")
-        ok = run_all(args.job, [(f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)])
-                                for k in seeds for lab in labels], out, args.parallel)
+        runs = [(f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)]) for k in seeds for lab in labels]
+        ok = all(has_summary(out / f"{r[0]}.jsonl") for r in runs) if args.no_run else run_all(args.job, runs, out, args.parallel)
         table_md = seeds_table(out, labels, seeds)
         (out / "table.md").write_text(table_md + "\n")
         print(table_md)
@@ -363,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         if png:
             print(f"wrote {png}")
         return 0 if ok else 1
-    ok = run_all(args.job, [(lab, settings[lab], common) for lab in labels], out, args.parallel)
+    runs = [(lab, settings[lab], common) for lab in labels]
+    ok = all(has_summary(out / f"{lab}.jsonl") for lab in labels) if args.no_run else run_all(args.job, runs, out, args.parallel)
     print(table(out, labels))
     done = [out / f"{lab}.jsonl" for lab in labels if has_summary(out / f"{lab}.jsonl")]
     deltas = delta_table({p.stem: [p] for p in done})

@@ -70,3 +70,16 @@ def test_seeds_table_pairs_each_seed_with_its_own_baseline(tmp_path):
     assert table[3].startswith("| q | 3 | 4.00 | 4.00 | ")
     assert f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]" in table[3]
     assert ablation.seeds_plot(tmp_path, ["none", "q"], [0, 1, 2]).is_file()
+
+
+def test_no_run_tabulates_the_logs_present_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """``--no-run`` starts no process: it tables the finished logs and exits 1 while some are missing."""
+    monkeypatch.setattr(ablation, "run_setting", lambda *a: pytest.fail("--no-run started a run"))
+    for k in range(2):
+        _log(tmp_path / f"none_seed{k}.jsonl", 4000, 500, 4000, 0.8, 0.84)
+        _log(tmp_path / f"quant4_seed{k}.jsonl", 500, 500, 4000, 0.8, 0.80)
+    argv = ["--job", "nlp", "--settings", "lowbit", "--only", "none,quant4", "--out", str(tmp_path), "--no-run"]
+    assert ablation.main(argv + ["--seeds", "0,1"]) == 0
+    assert "| quant4 | 2 | 4.00 | 4.00 | " in capsys.readouterr().out
+    assert ablation.main(argv + ["--seeds", "0,1,2"]) == 1  # seed 2 has no logs: not complete, still tabled
+    assert "| quant4 | 2 | " in (tmp_path / "table.md").read_text()
