@@ -154,7 +154,7 @@ def make_payload(
         params: codec-specific integers, at most 64.
         tensors: payload tensors; they are flattened (made contiguous, 1-D).
     """
-    flat = tuple(t if t.dim() == 1 else t.reshape(-1) for t in tensors)
+    flat = tuple(t.reshape(-1) for t in tensors)
     fields = [MAGIC, codec_id, code_from_dtype(dtype), len(shape), *shape, len(params), *params, len(flat)]
     for t in flat:
         fields += [code_from_dtype(t.dtype), t.numel()]
@@ -183,16 +183,15 @@ def _parse_fields(h: tuple[int, ...], expected_codec_id: int | None) -> Header:
     peer sends)."""
     pos = 0
 
-    def take(field: str, lo: int, hi: int, index: int | None = None) -> int:
-        """The next field; ``field`` (``field % index`` when indexed: formatted only for an error)."""
+    def take(field: str, lo: int, hi: int) -> int:
         nonlocal pos
-        if pos >= len(h) or not lo <= h[pos] <= hi:
-            name = field if index is None else field % index
-            if pos >= len(h):
-                raise ValueError(f"corrupt header: truncated before field {name!r}")
-            raise ValueError(f"corrupt header: field {name!r} = {h[pos]} outside [{lo}, {hi}]")
+        if pos >= len(h):
+            raise ValueError(f"corrupt header: truncated before field {field!r}")
+        v = h[pos]
         pos += 1
-        return h[pos - 1]
+        if not lo <= v <= hi:
+            raise ValueError(f"corrupt header: field {field!r} = {v} outside [{lo}, {hi}]")
+        return v
 
     take("magic", MAGIC, MAGIC)
     codec_id = take("codec_id", 0, 1 << 16)
@@ -203,17 +202,16 @@ def _parse_fields(h: tuple[int, ...], expected_codec_id: int | None) -> Header:
         )
     dtype = dtype_from_code(take("dtype", 0, 255))
     ndim = take("ndim", 0, MAX_NDIM)
-    shape = tuple(take("shape[%d]", 0, MAX_NUMEL, i) for i in range(ndim))
+    shape = tuple(take(f"shape[{i}]", 0, MAX_NUMEL) for i in range(ndim))
     if math.prod(shape) > MAX_NUMEL:
         raise ValueError(f"corrupt header: field 'shape' has {math.prod(shape)} values, over {MAX_NUMEL}")
     n_params = take("n_params", 0, MAX_PARAMS)
-    params = tuple(take("params[%d]", -(1 << 62), 1 << 62, i) for i in range(n_params))
+    params = tuple(take(f"params[{i}]", -(1 << 62), 1 << 62) for i in range(n_params))
     n_tensors = take("n_tensors", 0, MAX_TENSORS)
     specs = []
     for i in range(n_tensors):
-        code = take("tensors[%d].dtype", 0, 255, i)
-        dt = _CODE_TO_DTYPE.get(code) or dtype_from_code(code, f"tensors[{i}].dtype")  # the latter raises
-        specs.append((dt, take("tensors[%d].numel", 0, MAX_NUMEL, i)))
+        dt = dtype_from_code(take(f"tensors[{i}].dtype", 0, 255), f"tensors[{i}].dtype")
+        specs.append((dt, take(f"tensors[{i}].numel", 0, MAX_NUMEL)))
     if pos != len(h):
         raise ValueError(f"corrupt header: {len(h) - pos} trailing fields after 'tensors'")
     return Header(codec_id, dtype, shape, params, tuple(specs))

@@ -110,8 +110,8 @@ def wanted(t: torch.Tensor, n: int | None = None) -> bool:
     return enabled() and t.device.type == "cpu" and (t.numel() if n is None else n) >= MIN_VALUES
 
 
-def _applies(*tensors: torch.Tensor | np.ndarray) -> bool:
-    return enabled() and all(isinstance(t, np.ndarray) or t.device.type == "cpu" for t in tensors)
+def _applies(*tensors: torch.Tensor) -> bool:
+    return enabled() and all(t.device.type == "cpu" for t in tensors)
 
 
 MIN_CHUNKS_PER_THREAD = 32
@@ -194,8 +194,8 @@ def _njit(inline: bool = False):
     return numba.njit(boundscheck=False, error_model="numpy", nogil=True, inline="always" if inline else "never")
 
 
-def _np(t: torch.Tensor | np.ndarray) -> np.ndarray:
-    return t if isinstance(t, np.ndarray) else t.detach().contiguous().numpy()
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
 
 
 # --- packing one chunk of codes (the bitpack layout) ---------------------------------------------

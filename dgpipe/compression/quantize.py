@@ -97,8 +97,7 @@ def flat_float32(x: torch.Tensor, codec_name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{codec_name} codec needs a floating tensor (float32/float16/bfloat16/float64), got {got}")
-    flat = x.reshape(-1)
-    return flat if flat.dtype == torch.float32 else flat.to(torch.float32)
+    return x.reshape(-1).to(torch.float32)
 
 
 _HALF_MAX = float(2**127)
@@ -382,12 +381,11 @@ class UniformQuantizer(Codec):
         packed, meta = payload.tensors
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
-        lo, step = (meta[:ng], meta[ng:]) if meta.dtype == torch.float32 else (meta[:ng].float(), meta[ng:].float())
+        lo, step = meta[:ng].float(), meta[ng:].float()
         values = fused_uniform_decode(packed, bits, n_sent, lo, step, g)  # in wire order, as gp.sent gives
         if values is None and ng == 1:  # one grid: a table lookup per value
             values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
         elif values is None:
             codes = gp.unsent(unpack_bits(packed, bits, n_sent, dtype=torch.int32).to(torch.float32), h.shape)
             values = gp.sent(lo[:, None] + codes * step[:, None], h.shape)  # as the table: multiply, then add
-        values = gp.restore(values, h.shape)
-        return values if values.dtype == h.dtype else values.to(h.dtype)
+        return gp.restore(values, h.shape).to(h.dtype)

@@ -203,7 +203,8 @@ def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.T
 class BucketIndex:
     """Bucket of every value: ``BucketIndex(boundaries)(x)`` is the number of boundaries ``<= x``.
 
-    Built once per tensor, applied block by block; whole-tensor steps, faster on CPU
+    Built once per tensor, prepared on first use (the fused kernels need none), applied
+    block by block; whole-tensor steps, faster on CPU
     than ``torch.bucketize``: with up to 15 distinct boundaries, one compare-and-add
     per distinct boundary (weighted by its multiplicity); beyond, a binary search of
     ``log2(len(boundaries) + 1)`` steps (gather the middle boundary of each value's
@@ -215,8 +216,11 @@ class BucketIndex:
 
     def __init__(self, boundaries: torch.Tensor) -> None:
         self.boundaries = boundaries
-        distinct, mult = torch.unique_consecutive(boundaries, return_counts=True)
-        self._compares = list(zip(distinct, mult.tolist())) if distinct.numel() <= 15 else None
+
+    @functools.cached_property
+    def _compares(self) -> list[tuple[torch.Tensor, int]] | None:
+        distinct, mult = torch.unique_consecutive(self.boundaries, return_counts=True)
+        return list(zip(distinct, mult.tolist())) if distinct.numel() <= 15 else None
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
         """Buckets of the 1-D float32 ``flat``: int64, same shape."""
@@ -387,13 +391,7 @@ class SortQuantizer(Codec):
                 bounds, mins, maxs = None, lo.view(1), hi.view(1)
             else:
                 bounds, mins, maxs = bucket_grid(flat, buckets, self.name)
-            searches: list[BucketIndex] = []  # built on first use: the fused kernels need none
-
-            def search(v: torch.Tensor) -> torch.Tensor:
-                if not searches:
-                    searches.append(BucketIndex(bounds))
-                return searches[0](v)
-
+            search = None if bounds is None else BucketIndex(bounds)
             index = None  # buckets found in a first pass, reused by the second
             if maxs is None:  # sampled split, no fused pass: the maxima (and the buckets) eager
                 index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
@@ -403,15 +401,11 @@ class SortQuantizer(Codec):
                     index[i:j] = b
                     maxs.scatter_reduce_(0, b, flat[i:j], "amax")
                 maxs += 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
-            if flat.device.type == "cpu":  # numpy: a fraction of torch's per-call cost on these few values
-                step_np = grid_step(mins.numpy(), maxs.numpy(), levels)
-                step, div = torch.from_numpy(step_np), torch.from_numpy(grid_divisor(step_np))
-            else:
-                step = grid_step(mins, maxs, levels)
-                div = grid_divisor(step)
+            step = grid_step(mins, maxs, levels)
+            div = grid_divisor(step)
 
             def codes_of(i: int, j: int) -> torch.Tensor:
-                if bounds is None:
+                if search is None:
                     b = None
                 else:
                     b = search(flat[i:j]) if index is None else index[i:j].long()
@@ -438,7 +432,7 @@ class SortQuantizer(Codec):
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
         m = ng * buckets
-        mins, steps = (meta[:m], meta[m:]) if meta.dtype == torch.float32 else (meta[:m].float(), meta[m:].float())
+        mins, steps = meta[:m].float(), meta[m:].float()
         values = fused_bucket_values(packed, q, s, n_sent, mins, steps) if ng == 1 else None
         if values is None:
             tables = grid_table(mins, steps, 1 << q).view(ng, -1)
@@ -447,5 +441,4 @@ class SortQuantizer(Codec):
             else:
                 codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
                 values = gp.sent(torch.gather(tables, 1, codes), h.shape)
-        values = gp.restore(values, h.shape)
-        return values if values.dtype == h.dtype else values.to(h.dtype)
+        return gp.restore(values, h.shape).to(h.dtype)
