@@ -169,3 +169,15 @@ def test_stopping_the_launcher_ends_every_rank(tmp_path, how):
             os.killpg(parent.pid, signal.SIGKILL)
     assert parent.returncode != 0
     assert all(_gone(pid) for pid in pids), f"ranks still running after {how} to the launcher"
+
+
+def _abort_at_teardown(rank, world_size):
+    """Finishes its work, then leaves a handler that aborts the process in interpreter teardown,
+    as a C++ thread that takes the GIL during finalization does (pytorch/pytorch#38228)."""
+    import atexit
+
+    atexit.register(os.abort)
+
+
+def test_a_rank_that_finished_is_not_failed_by_interpreter_teardown():
+    spawn(_abort_at_teardown, 2, timeout=60, start_method="spawn")

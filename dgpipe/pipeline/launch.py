@@ -18,7 +18,10 @@ traceback (sent to the parent as UTF-8 text over a pipe, not pickled). Ctrl-C or
 SIGTERM to the launcher ends every rank, and on Linux a rank also ends when its
 launcher dies any other way (SIGKILL included: a parent-death signal). Inside the ranks, every blocking receive has a timeout (the process
 group's and the pipeline's), so ranks launched any way end with an error naming the
-peer when it fails or stalls.
+peer when it fails or stalls. A rank whose ``fn`` returned ends at once after
+``destroy_process_group`` and a flush of stdout/stderr, without interpreter teardown (as
+multiprocessing's fork children do): close the files ``fn`` writes, and do not rely on
+``atexit`` inside a rank.
 """
 
 from __future__ import annotations
@@ -188,6 +191,12 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
         os._exit(130 if isinstance(err, KeyboardInterrupt) else 1)  # skip teardown that could block on dead peers
     dist.destroy_process_group()
     err_conn.close()
+    # End as multiprocessing's fork children do, without interpreter teardown: in it, a C++
+    # thread (gloo's, autograd's) that takes the GIL aborts the process ("terminate called
+    # without an active exception", pytorch/pytorch#38228), failing a rank whose work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _stop(procs: list) -> None:
@@ -216,7 +225,9 @@ def spawn(
     MASTER_PORT, and has torch.distributed initialised (:func:`init_distributed`)
     before ``fn`` runs. Unless OMP_NUM_THREADS is set, each process uses
     ``cpu_count // world_size`` intra-op threads (at least one), so that the ranks
-    share the cores instead of spinning against each other.
+    share the cores instead of spinning against each other. A rank whose ``fn`` returned
+    destroys the process group, flushes stdout and stderr and ends without interpreter
+    teardown (module docstring): ``atexit`` handlers do not run in the ranks.
 
     Args:
         fn: a module-level function (it is imported by the child processes).
