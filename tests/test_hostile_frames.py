@@ -33,7 +33,8 @@ OPTIONS = {"quant": {"bits": 5, "group": "token", "rotate": "hadamard", "scale_d
 
 def _message(name: str) -> tuple[torch.Tensor, object]:
     codec = get_codec(name, **OPTIONS.get(name, {}))
-    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 2, (3, 40), generator=g) if name == "intpack" else torch.randn(3, 40, generator=g)  # a mask
     return wire_message([codec.encode(x)], [1, 2]), codec
 
 

@@ -5,6 +5,7 @@ See :mod:`dgpipe.compression.base` for the protocol and the wire header.
 
 from .base import Codec, Payload, available_codecs, get_codec, parse_header, register_codec
 from . import cast  # noqa: F401  (registers none, fp16, bf16)
+from . import intpack  # noqa: F401  (registers intpack: lossless integer and bool tensors)
 from . import lowrank, quantize, sortquant, sparsify  # noqa: F401  (registers quant, sortquant, topk, randomk, lowrank)
 from .feedback import ErrorFeedback
 from .delta import DeltaCache, DeltaCoder, DeltaSpec

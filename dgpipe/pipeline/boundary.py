@@ -8,8 +8,10 @@ that required grad, the other way.
 Which tensors are compressed:
 
 - training forward: floating tensors that require grad go through the boundary's
-  activation codec and arrive as leaves that require grad; every other tensor
-  (integer or bool masks, floating tensors without grad) goes losslessly (``none``);
+  activation codec and arrive as leaves that require grad; every other tensor goes
+  losslessly: integer or bool tensors (masks) packed in the fewest bits their range
+  needs (``intpack``: a 0/1 mask at 1 bit a value), floating tensors without grad as
+  they are (``none``);
 - backward: every gradient goes through the gradient codec; a ``None`` gradient (the
   tensor did not influence the loss) is sent as "absent";
 - evaluation (no gradients exist to tell tensors apart): floating tensors go through
@@ -70,6 +72,26 @@ DTYPE_SHIFT = 4  # a delta-coded tensor's flag carries its dtype code above the 
 _VALID_FLAGS = {ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD}
 _FLOAT_CODES = {c for d, c in DTYPE_CODES.items() if d.is_floating_point}
 _LOSSLESS = get_codec("none")
+_INTS = get_codec("intpack")  # integer and bool tensors (masks): lossless, in the fewest bits their range needs
+_LOSSLESS_BY_ID = {c.codec_id: c for c in (_LOSSLESS, _INTS)}
+
+
+def _lossless(t: torch.Tensor) -> Codec:
+    """The lossless codec of a tensor: ``none`` for floating tensors, ``intpack`` for the others."""
+    return _LOSSLESS if t.is_floating_point() else _INTS
+
+
+def _decode_lossless(payload: Payload) -> torch.Tensor:
+    """Decode a lossless payload with the codec its header names (``none`` or ``intpack``).
+
+    Raises:
+        ValueError: the header names another codec, or is corrupt.
+    """
+    h = payload.header
+    codec = _LOSSLESS_BY_ID.get(int(h[1])) if h.dim() == 1 and h.numel() > 1 else None
+    if codec is None:
+        raise ValueError("corrupt payload: a lossless tensor's header names neither 'none' nor 'intpack'")
+    return codec.decode(payload)
 
 
 def codec_factory(spec: CodecSpec) -> Callable[[], Codec]:
@@ -338,7 +360,7 @@ class Boundary:
                         payloads.append(coder.encode(t.detach(), ids))
                         continue
                     coder.refresh(t.detach(), ids)
-                codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
+                codec = self._codec(direction, slot, pos) if f & CODED else _lossless(t)
                 payloads.append(codec.encode(t.detach()))
         encode_seconds = _now(self._device) - start
         meta = [int(atomic) | (HAS_IDS if ids is not None else 0), n_micro, slot, _float_bits(loss), *flags]
@@ -370,9 +392,10 @@ class Boundary:
                     tensors.append(None)
                 elif f & DELTA:
                     tensors.append(self._recv_delta(pos, f, next(it), ids))
+                elif f & CODED:
+                    tensors.append(self._codec(direction, slot, pos).decode(next(it)))
                 else:
-                    codec = self._codec(direction, slot, pos) if f & CODED else _LOSSLESS
-                    tensors.append(codec.decode(next(it)))
+                    tensors.append(_decode_lossless(next(it)))
         except ValueError as err:
             raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
         decode_seconds = _now(self._device) - start
