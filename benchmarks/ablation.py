@@ -37,14 +37,16 @@ import argparse
 import math
 import statistics
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from scipy import stats
 
 from plot_ablation import ablation_points, plot
 
+from dgpipe.pipeline import raise_on_sigterm, stop_process_group
 from dgpipe.train.runlog import read_records, read_summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +129,10 @@ def has_summary(log: Path) -> bool:
         return False
 
 
+_LIVE: set[subprocess.Popen] = set()  # the runs in progress
+_LIVE_LOCK = threading.Lock()
+
+
 def run_setting(job: str, label: str, flags: list[str], common: list[str], out: Path) -> bool:
     """Run the job's CLI for one setting (``label`` names its log); returns True if it wrote a summary."""
     log = out / f"{label}.jsonl"
@@ -137,7 +143,15 @@ def run_setting(job: str, label: str, flags: list[str], common: list[str], out: 
     cmd = [sys.executable, str(CLIS[job]), *common, *flags, "--log", str(log), "--no-progress"]
     print(f"[{label}] {' '.join(cmd)}", flush=True)
     with open(out / f"{label}.out", "w") as stdout:
-        rc = subprocess.call(cmd, stdout=stdout, stderr=subprocess.STDOUT)
+        # its own process group, so that stopping the runner can end the run and its ranks (run_all)
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True)
+        with _LIVE_LOCK:
+            _LIVE.add(proc)
+        try:
+            rc = proc.wait()
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
     ok = rc == 0 and has_summary(log)
     status = "ok" if ok else f"FAILED (exit {rc}), see {stdout.name}"
     print(f"[{label}] {status}", flush=True)
@@ -146,9 +160,19 @@ def run_setting(job: str, label: str, flags: list[str], common: list[str], out: 
 
 def run_all(job: str, runs: list[tuple[str, list[str], list[str]]], out: Path, parallel: int) -> bool:
     """:func:`run_setting` for each ``(label, flags, common)``, ``parallel`` at a time, in order of
-    submission; True if every run wrote a summary."""
+    submission; True if every run wrote a summary. Ctrl-C or SIGTERM to the runner ends the runs
+    in progress, ranks included (a finished run's log stays; the interrupted one is redone next
+    time), and starts no other."""
     with ThreadPoolExecutor(parallel) as pool:
-        done = list(pool.map(lambda r: run_setting(job, r[0], r[1], r[2], out), runs))
+        try:
+            done = list(pool.map(lambda r: run_setting(job, r[0], r[1], r[2], out), runs))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            with _LIVE_LOCK:
+                live = list(_LIVE)
+            for proc in live:
+                stop_process_group(proc)
+            raise
     return all(done)
 
 
@@ -320,7 +344,14 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns 0 when every setting produced a summary."""
-    argv = sys.argv[1:] if argv is None else argv
+    restore = raise_on_sigterm()  # SIGTERM as SystemExit, so that run_all stops the runs in progress
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        restore()
+
+
+def _main(argv: list[str]) -> int:
     common: list[str] = []
     if "--" in argv:
         i = argv.index("--")

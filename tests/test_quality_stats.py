@@ -83,3 +83,49 @@ def test_no_run_tabulates_the_logs_present_and_runs_nothing(tmp_path, monkeypatc
     assert "| quant4 | 2 | 4.00 | 4.00 | " in capsys.readouterr().out
     assert ablation.main(argv + ["--seeds", "0,1,2"]) == 1  # seed 2 has no logs: not complete, still tabled
     assert "| quant4 | 2 | " in (tmp_path / "table.md").read_text()
+
+
+def test_stopping_the_runner_ends_the_run_in_progress_and_starts_no_other(tmp_path):
+    """SIGTERM to the runner ends the CLI it started (and what that CLI started: the run has its
+    own process group) instead of leaving it running, and the next setting never starts."""
+    import os
+    import signal
+    import subprocess
+    import textwrap
+    import time
+
+    sleeper = tmp_path / "sleeper.py"  # stands in for a job's CLI: a child of its own, then sleeps
+    sleeper.write_text(textwrap.dedent("""
+        import subprocess, sys, time
+        from pathlib import Path
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        log = Path(sys.argv[sys.argv.index("--log") + 1])
+        log.with_suffix(".pid").write_text(f"{child.pid}")
+        time.sleep(120)
+    """))
+    driver = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        import ablation
+        ablation.CLIS["nlp"] = {str(sleeper)!r}
+        sys.exit(ablation.main(["--job", "nlp", "--settings", "lowbit", "--only", "none,codebook4",
+                                "--out", {str(tmp_path)!r}]))
+    """)
+    runner = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pid_file = tmp_path / "none.pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and runner.poll() is None, runner.stdout.read() if runner.poll() else ""
+        time.sleep(0.1)
+    grandchild = int(pid_file.read_text())
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 143
+    deadline = time.monotonic() + 10
+    while True:  # the run's own child is gone too (reaped by init once its parent was ended)
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the run's child outlived the stopped runner"
+        time.sleep(0.1)
+    assert not (tmp_path / "codebook4.out").exists()  # the next setting never started

@@ -15,7 +15,8 @@ Modules (one idea each):
 - :mod:`~dgpipe.pipeline.launch` -- ``spawn(fn, world_size, args=(), backend="gloo",
   timeout=300)`` for one machine; ``init_distributed(backend="auto", timeout=300)``
   under ``torchrun`` (env://, multi-node); ``stop_process_group(proc)`` ends a launched
-  command and the ranks it started.
+  command and the ranks it started; ``raise_on_sigterm()`` lets a launcher stop its children
+  on SIGTERM.
 
 Pipeline API::
 
@@ -52,7 +53,7 @@ Pipeline API::
   :class:`SpawnError` names the failed rank.
 """
 
-from .launch import SpawnError, free_port, init_distributed, resolve_backend, spawn, stop_process_group
+from .launch import SpawnError, free_port, init_distributed, raise_on_sigterm, resolve_backend, spawn, stop_process_group
 from .partition import (
     balance_by_params,
     balance_by_time,
@@ -78,5 +79,6 @@ __all__ = [
     "spawn",
     "split_layers",
     "stop_process_group",
+    "raise_on_sigterm",
     "validate_placement",
 ]

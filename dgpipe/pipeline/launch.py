@@ -43,7 +43,8 @@ import torch.multiprocessing as mp
 
 from dgpipe.comm.transport import TransportError
 
-__all__ = ["SpawnError", "free_port", "resolve_backend", "init_distributed", "spawn", "stop_process_group"]
+__all__ = ["SpawnError", "free_port", "resolve_backend", "init_distributed", "spawn", "stop_process_group",
+           "raise_on_sigterm"]
 
 _MAX_ERROR_BYTES = 32_000
 
@@ -137,11 +138,12 @@ def init_distributed(backend: str = "auto", timeout: float = 300.0) -> tuple[int
     return dist.get_rank(), dist.get_world_size()
 
 
-def _raise_on_sigterm() -> Callable[[], None]:
-    """Make SIGTERM raise ``SystemExit(143)`` in the launcher (its default would end it at once and
-    leave the ranks running); returns the function that restores the previous handler. Only
-    the main thread can set handlers: elsewhere nothing changes (the ranks' parent-death
-    signal still ends them when the launcher dies)."""
+def raise_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM raise ``SystemExit(143)`` in this process, so that a launcher can stop what it
+    started (the default would end it at once and leave its children running); returns the
+    function that restores the previous handler. Only the main thread can set handlers:
+    elsewhere nothing changes (the ranks' parent-death signal still ends them when the
+    launcher dies)."""
     def handler(signum, frame):
         raise SystemExit(128 + signum)
 
@@ -254,7 +256,7 @@ def spawn(
     ctx = mp.get_context(start_method)
     port = free_port(host)
     readers, procs = [], []
-    terminate = _raise_on_sigterm()
+    terminate = raise_on_sigterm()
     try:
         for rank in range(world_size):
             r, w = ctx.Pipe(duplex=False)
