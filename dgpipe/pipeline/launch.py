@@ -18,14 +18,15 @@ traceback (sent to the parent as UTF-8 text over a pipe, not pickled). Ctrl-C or
 SIGTERM to the launcher ends every rank, and on Linux a rank also ends when its
 launcher dies any other way (SIGKILL included: a parent-death signal). Inside the ranks, every blocking receive has a timeout (the process
 group's and the pipeline's), so ranks launched any way end with an error naming the
-peer when it fails or stalls. A rank whose ``fn`` returned ends at once after
-``destroy_process_group`` and a flush of stdout/stderr, without interpreter teardown (as
-multiprocessing's fork children do): close the files ``fn`` writes, and do not rely on
-``atexit`` inside a rank.
+peer when it fails or stalls. A rank whose ``fn`` returned destroys the process group,
+runs its ``atexit`` handlers, flushes stdout/stderr and ends without interpreter teardown
+(as multiprocessing's fork children do; pytorch/pytorch#38228): close the files ``fn``
+writes, and do not count on non-daemon threads being joined.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -193,9 +194,11 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
         os._exit(130 if isinstance(err, KeyboardInterrupt) else 1)  # skip teardown that could block on dead peers
     dist.destroy_process_group()
     err_conn.close()
-    # End as multiprocessing's fork children do, without interpreter teardown: in it, a C++
-    # thread (gloo's, autograd's) that takes the GIL aborts the process ("terminate called
+    # Run the atexit handlers (multiprocessing's among them: it unlinks the semaphores the rank
+    # made), then end without interpreter teardown, as multiprocessing's fork children do: in
+    # it, a thread inside torch that takes the GIL back aborts the process ("terminate called
     # without an active exception", pytorch/pytorch#38228), failing a rank whose work is done.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -228,8 +231,8 @@ def spawn(
     before ``fn`` runs. Unless OMP_NUM_THREADS is set, each process uses
     ``cpu_count // world_size`` intra-op threads (at least one), so that the ranks
     share the cores instead of spinning against each other. A rank whose ``fn`` returned
-    destroys the process group, flushes stdout and stderr and ends without interpreter
-    teardown (module docstring): ``atexit`` handlers do not run in the ranks.
+    destroys the process group, runs its ``atexit`` handlers, flushes stdout and stderr and
+    ends without interpreter teardown (module docstring).
 
     Args:
         fn: a module-level function (it is imported by the child processes).
