@@ -15,9 +15,9 @@ tokenizer). Under torchrun (one process per rank) the same flags apply.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dgpipe.data import GLUE_TASKS
+from dgpipe.pipeline import exit_without_teardown
 from dgpipe.train import loop
 from dgpipe.train.args import common_parser
 from dgpipe.train.nlp import TINY_CONFIGS, GlueJob
@@ -53,4 +53,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # a rank under torchrun: see dgpipe.pipeline.exit_without_teardown

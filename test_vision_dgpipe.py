@@ -13,8 +13,8 @@ Under torchrun (one process per rank, any number of machines) the same flags app
 from __future__ import annotations
 
 import argparse
-import sys
 
+from dgpipe.pipeline import exit_without_teardown
 from dgpipe.train import loop
 from dgpipe.train.args import common_parser
 from dgpipe.train.vision import VisionJob
@@ -50,4 +50,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # a rank under torchrun: see dgpipe.pipeline.exit_without_teardown

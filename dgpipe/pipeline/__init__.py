@@ -16,7 +16,7 @@ Modules (one idea each):
   timeout=300)`` for one machine; ``init_distributed(backend="auto", timeout=300)``
   under ``torchrun`` (env://, multi-node); ``stop_process_group(proc)`` ends a launched
   command and the ranks it started; ``raise_on_sigterm()`` lets a launcher stop its children
-  on SIGTERM.
+  on SIGTERM; ``exit_without_teardown(status)`` ends a finished rank or CLI safely.
 
 Pipeline API::
 
@@ -53,7 +53,8 @@ Pipeline API::
   :class:`SpawnError` names the failed rank.
 """
 
-from .launch import SpawnError, free_port, init_distributed, raise_on_sigterm, resolve_backend, spawn, stop_process_group
+from .launch import (SpawnError, exit_without_teardown, free_port, init_distributed, raise_on_sigterm, resolve_backend,
+                     spawn, stop_process_group)
 from .partition import (
     balance_by_params,
     balance_by_time,
@@ -80,5 +81,6 @@ __all__ = [
     "split_layers",
     "stop_process_group",
     "raise_on_sigterm",
+    "exit_without_teardown",
     "validate_placement",
 ]

@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 from dgpipe.comm.transport import TransportError
 
 __all__ = ["SpawnError", "free_port", "resolve_backend", "init_distributed", "spawn", "stop_process_group",
-           "raise_on_sigterm"]
+           "raise_on_sigterm", "exit_without_teardown"]
 
 _MAX_ERROR_BYTES = 32_000
 
@@ -194,14 +194,24 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
         os._exit(130 if isinstance(err, KeyboardInterrupt) else 1)  # skip teardown that could block on dead peers
     dist.destroy_process_group()
     err_conn.close()
-    # Run the atexit handlers (multiprocessing's among them: it unlinks the semaphores the rank
-    # made), then end without interpreter teardown, as multiprocessing's fork children do: in
-    # it, a thread inside torch that takes the GIL back aborts the process ("terminate called
-    # without an active exception", pytorch/pytorch#38228), failing a rank whose work is done.
+    exit_without_teardown(0)
+
+
+def exit_without_teardown(status: int) -> None:
+    """End this process with ``status`` after its work is done, skipping interpreter teardown.
+
+    Runs the ``atexit`` handlers (multiprocessing's among them: it unlinks the semaphores
+    the process made), flushes stdout and stderr, then ``os._exit(status)``, as
+    multiprocessing's fork children end. In interpreter teardown a thread still inside
+    torch aborts the process as it takes the GIL back ("terminate called without an
+    active exception", pytorch/pytorch#38228): a rank whose work was done would end
+    with SIGABRT and be reported failed. Non-daemon threads are not joined. Spawned ranks
+    end this way; so do the main-job CLIs (a rank under torchrun). Never returns.
+    """
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _stop(procs: list) -> None:
