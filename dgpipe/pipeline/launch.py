@@ -36,7 +36,7 @@ import sys
 import time
 import traceback
 from multiprocessing import connection
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -197,7 +197,7 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, backend: str, 
     exit_without_teardown(0)
 
 
-def exit_without_teardown(status: int) -> None:
+def exit_without_teardown(status: int) -> NoReturn:
     """End this process with ``status`` after its work is done, skipping interpreter teardown.
 
     Runs the ``atexit`` handlers (multiprocessing's among them: it unlinks the semaphores
