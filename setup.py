@@ -19,5 +19,6 @@ setup(
         "scipy",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    # triton: the GPU codec kernels' tests run it interpreted on CPU (a CUDA build of torch brings it anyway)
+    extras_require={"test": ["pytest", "hypothesis", "triton"]},
 )

@@ -1,9 +1,16 @@
 """Shared pytest fixtures, and the order of the tests."""
 
+import os
+
 import pytest
 import torch
 
 from dgpipe.train.args import TORCHRUN_VARS
+
+if not torch.cuda.is_available():
+    # Without a GPU, tests/test_fused_triton.py runs the Triton kernels under Triton's interpreter,
+    # which must be on before Triton is imported (nothing here imports it; no test imports it earlier).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
@@ -31,5 +38,6 @@ def no_torchrun(monkeypatch):
 
 def pytest_collection_modifyitems(items):
     """Run the tests that use CUDA last: once a process has run autograd on CUDA, a forked
-    child cannot use autograd, and several modules fork their ranks (spawn_checks)."""
-    items.sort(key=lambda item: "cuda" in item.nodeid.lower())
+    child cannot use autograd, and several modules fork their ranks (spawn_checks). The
+    Triton kernels' tests use CUDA where there is a GPU."""
+    items.sort(key=lambda item: "cuda" in item.nodeid.lower() or "triton" in item.nodeid.lower())

@@ -29,9 +29,13 @@ kernels take the values in wire order (:meth:`.grouping.Grouping.sent`, where gr
 is the values ``i * group_len ..`` for every grouping), so grouped and rotated codecs
 use them too (the rotation, the per-group ranges and the scaling stay torch ops). The
 packed chunks of the :mod:`.bitpack` layout come from here and the ``n % CHUNK`` tail
-codes from the eager path. CUDA tensors, stochastic rounding, sort quantization with
-``S > 4`` or grouped (it sorts each group) and codebooks above 4 bits stay eager. The
-functions return False/None where they do not apply, and the caller runs the eager path.
+codes from the eager path. Stochastic rounding, sort quantization with ``S > 4`` or
+grouped (it sorts each group) and codebooks above 4 bits stay eager. The functions
+return False/None where they do not apply, and the caller runs the eager path.
+
+GPU: CUDA tensors go to the Triton twins of these kernels (:mod:`.fused_triton`, same
+bytes; :func:`gpu_kernels`), any number of buckets, and for a sampled split the
+per-bucket maxima (:func:`bucket_maxima`); without Triton they stay eager.
 
 Threads: a kernel runs on ``torch.get_num_threads()`` threads, as an eager torch op
 would -- each on its own run of whole chunks (the kernels release the GIL), none under
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -72,6 +77,8 @@ __all__ = [
     "encode_uniform",
     "decode_uniform",
     "bucket_extrema",
+    "bucket_maxima",
+    "gpu_kernels",
     "encode_buckets",
     "decode_buckets",
     "MAX_LEVEL_BITS",
@@ -105,13 +112,27 @@ def set_enabled(flag: bool) -> bool:
 
 
 def wanted(t: torch.Tensor, n: int | None = None) -> bool:
-    """Whether the fused kernels would take ``t`` (on, a CPU tensor, at least :data:`MIN_VALUES` values:
-    ``t.numel()``, or ``n`` for a packed stream of ``n`` codes); callers check it before allocating outputs."""
-    return enabled() and t.device.type == "cpu" and (t.numel() if n is None else n) >= MIN_VALUES
+    """Whether the fused kernels would take ``t`` (on, a CPU tensor or one :func:`gpu_kernels` takes, at least
+    :data:`MIN_VALUES` values: ``t.numel()``, or ``n`` for a packed stream of ``n`` codes); callers check it
+    before allocating outputs."""
+    if (t.numel() if n is None else n) < MIN_VALUES:
+        return False
+    return gpu_kernels(t) is not None or (enabled() and t.device.type == "cpu")
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
     return enabled() and all(t.device.type == "cpu" for t in tensors)
+
+
+def gpu_kernels(t: torch.Tensor):
+    """The Triton kernels (:mod:`.fused_triton`) if they take ``t`` -- a CUDA tensor, or a CPU one after
+    :func:`.fused_triton.run_on_cpu` -- and the switch is on; else None (on CPU this module's Numba kernels
+    run). Each public kernel here hands such tensors to its twin there."""
+    if not _state["enabled"] or (t.device.type != "cuda" and "dgpipe.compression.fused_triton" not in sys.modules):
+        return None
+    from . import fused_triton  # imported on first use: importing Triton takes a while
+
+    return fused_triton if fused_triton.available(t) else None
 
 
 MIN_CHUNKS_PER_THREAD = 32
@@ -323,7 +344,9 @@ def encode_uniform(
     Returns:
         True if done; False where the fused path does not apply (caller: eager path).
     """
-    n = x.numel()
+    n, gpu = x.numel(), gpu_kernels(x)
+    if gpu is not None and n >= MIN_VALUES:
+        return gpu.encode_uniform(x, lo, div, bits, group_len, out)
     if n < MIN_VALUES or not _applies(x, out):
         return False
     x, lo, div, out = _np(x), _np(lo.reshape(-1)), _np(div.reshape(-1)), out.numpy()
@@ -379,7 +402,9 @@ def decode_uniform(
     Returns:
         True if done; False where the fused path does not apply.
     """
-    n = y.numel()
+    n, gpu = y.numel(), gpu_kernels(y)
+    if gpu is not None and n >= MIN_VALUES:
+        return gpu.decode_uniform(packed, bits, lo, step, group_len, y)
     if n < MIN_VALUES or not _applies(packed, y):
         return False
     return _call(("decode_uniform", bits), lambda: _build_decode_uniform(bits),
@@ -489,6 +514,13 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np
     return ext[:, 0].min(), ext[:, 1:].max(0)  # min and max propagate a part's NaN
 
 
+def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
+    """Sort quantization's per-bucket maxima of a sampled split on the GPU (:func:`.fused_triton.bucket_maxima`);
+    None on CPU, where :func:`bucket_extrema` finds them with the min, or where the kernels do not apply."""
+    gpu = gpu_kernels(x)
+    return None if gpu is None or x.numel() < MIN_VALUES else gpu.bucket_maxima(x, bounds, mins)
+
+
 def _build_encode_buckets(quant_bits: int, split_bits: int):
     njit = _njit()
     pack = _chunk_packers(quant_bits + split_bits)[0]
@@ -536,7 +568,9 @@ def encode_buckets(
     Returns:
         True if done; False where the fused path does not apply.
     """
-    n, s = x.numel(), (bounds.numel() + 1).bit_length() - 1
+    n, s, gpu = x.numel(), (bounds.numel() + 1).bit_length() - 1, gpu_kernels(x)
+    if gpu is not None and n >= MIN_VALUES:
+        return gpu.encode_buckets(x, bounds, mins, div, quant_bits, out)
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(x, out):
         return False
     x, bounds, mins, div, out = _np(x), _np(bounds), _np(mins), _np(div), out.numpy()
@@ -581,7 +615,9 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
     Returns:
         True if done; False where the fused path does not apply.
     """
-    n, s = y.numel(), mins.numel().bit_length() - 1
+    n, s, gpu = y.numel(), mins.numel().bit_length() - 1, gpu_kernels(y)
+    if gpu is not None and n >= MIN_VALUES:
+        return gpu.decode_buckets(packed, quant_bits, mins, step, y)
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not _applies(packed, y):
         return False
     packed, mins, step, y = packed.numpy(), _np(mins), _np(step), y.numpy()
@@ -630,7 +666,9 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
     Returns:
         True if done; False where the fused path does not apply.
     """
-    n = v.numel()
+    n, gpu = v.numel(), gpu_kernels(v)
+    if gpu is not None and n >= MIN_VALUES and bits <= MAX_LEVEL_BITS:
+        return gpu.encode_levels(v, mids, bits, out)
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not _applies(v, out):
         return False
     v, mids, out = _np(v), _np(mids), out.numpy()
@@ -662,7 +700,9 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
     Returns:
         True if done; False where the fused path does not apply.
     """
-    n = y.numel()
+    n, gpu = y.numel(), gpu_kernels(y)
+    if gpu is not None and n >= MIN_VALUES and bits <= MAX_LEVEL_BITS:
+        return gpu.decode_levels(packed, bits, table, scale, group_len, y)
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not _applies(packed, y):
         return False
     scale = _np(scale.reshape(-1))

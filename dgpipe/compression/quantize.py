@@ -170,6 +170,16 @@ def grid_table(lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tenso
     return (lo[:, None] + k * step[:, None]).reshape(-1)
 
 
+_NUMPY_DTYPES = {torch.uint8: np.uint8, torch.float32: np.float32}
+
+
+def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised 1-D tensor of ``n`` values: allocated by numpy on CPU (cheaper per call), by torch elsewhere."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.empty(n, _NUMPY_DTYPES[dtype]))
+    return torch.empty(n, dtype=dtype, device=device)
+
+
 def fused_encode(
     values: torch.Tensor, bits: int, kernel: Callable[[torch.Tensor], bool], tail: Callable[[int], torch.Tensor]
 ) -> torch.Tensor | None:
@@ -186,7 +196,7 @@ def fused_encode(
     n = values.numel()
     if not fused.wanted(values):
         return None
-    out = torch.from_numpy(np.empty(packed_nbytes(n, bits), np.uint8))  # numpy: cheaper per call
+    out = _empty(packed_nbytes(n, bits), torch.uint8, values.device)
     if not kernel(out):
         return None
     full = n - n % CHUNK
@@ -229,7 +239,7 @@ def fused_decode(
     """
     if not fused.wanted(packed, n):
         return None
-    y = torch.from_numpy(np.empty(n, np.float32))  # numpy: cheaper per call
+    y = _empty(n, torch.float32, packed.device)
     if not kernel(y):
         return None
     full = n - n % CHUNK

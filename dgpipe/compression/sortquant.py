@@ -393,6 +393,8 @@ class SortQuantizer(Codec):
                 bounds, mins, maxs = bucket_grid(flat, buckets, self.name)
             search = None if bounds is None else BucketIndex(bounds)
             index = None  # buckets found in a first pass, reused by the second
+            if maxs is None:  # sampled split on a GPU: the maxima in one kernel
+                maxs = fused.bucket_maxima(flat, bounds, mins)
             if maxs is None:  # sampled split, no fused pass: the maxima (and the buckets) eager
                 index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
                 maxs = mins.clone()

@@ -1,0 +1,397 @@
+"""Fused GPU kernels (Triton) for the hot quantizers: values read once, packed codes written once.
+
+The GPU twin of :mod:`.fused` (whose kernels are CPU loops compiled by Numba). One
+Triton program codes one chunk of :data:`.bitpack.CHUNK` values: it loads them as a
+``(g, CHUNK / g)`` block -- lane ``l`` of the :mod:`.bitpack` layout is row ``l`` --
+computes their codes, ORs the lanes into words (a sum over the lane axis: the bit
+fields are disjoint) and stores the words' bytes, plane by plane; decoding reverses
+it. The eager torch path does the same in a chain of whole-tensor kernels, each a
+pass over memory.
+
+- :func:`encode_uniform` / :func:`decode_uniform`: ``quant`` per tensor or per group
+  (:mod:`.quantize`), and sort quantization with one bucket;
+- :func:`bucket_maxima`, :func:`encode_buckets` / :func:`decode_buckets`: sort
+  quantization's per-bucket maxima (a partial max per program, then their max) and
+  codes ``bucket * 2**Q + level`` (the bucket by comparison with the boundaries), any
+  number of buckets;
+- :func:`encode_levels` / :func:`decode_levels`: the codebook codec's nearest level and
+  ``level * scale`` (:mod:`.codebook`).
+
+Same float32 operations as the eager torch path, in the same order, so the bytes are
+meant to be identical to it: division with IEEE rounding (``tl.math.div_rn``; Triton's
+``/`` on NVIDIA GPUs is an approximate division), rounding half to even like
+``torch.round`` (adding and subtracting ``1.5 * 2**23``, exact below ``2**22``, and
+codes are clamped far below that), and no fused multiply-add (``enable_fp_fusion=False``:
+``lo + code * step`` rounds twice, as torch's two kernels do). Under Triton's own
+interpreter (``TRITON_INTERPRET=1`` before Triton is imported, then :func:`run_on_cpu`)
+the kernels run on CPU tensors with numpy's IEEE float32 arithmetic: that is how
+``tests/test_fused_triton.py`` checks them against the eager path, byte for byte,
+without a GPU; with one it checks the compiled kernels on it.
+
+Compilation: once per kernel and code width (and grouped or not), on first use; the
+lengths are not specialised on (``do_not_specialize``), so a last partial batch or
+another sequence length reuses the compiled kernel.
+
+Scope: float32 values in wire order with at least :data:`.fused.MIN_VALUES` of them,
+rounding to nearest; codes of 1..16 bits (codebooks up to :data:`.fused.MAX_LEVEL_BITS`).
+The whole chunks come from here, the ``n % CHUNK`` tail from the eager path (the
+callers in :mod:`.quantize`). Each function returns False where it does not apply
+(Triton missing, or a compilation or launch that failed: one ``RuntimeWarning``, then
+the eager path for the rest of the process), and the caller runs the eager path.
+
+Reference: Tillet et al., "Triton: an intermediate language and compiler for tiled
+neural network computations", MAPL 2019; the layout is :mod:`.bitpack`'s and the
+arithmetic that of :mod:`.quantize` and :mod:`.codebook`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from .bitpack import CHUNK, layout_planes, layout_word
+
+__all__ = [
+    "available", "interpreting", "run_on_cpu", "encode_uniform", "decode_uniform", "bucket_maxima", "encode_buckets",
+    "decode_buckets", "encode_levels", "decode_levels",
+]
+
+try:  # a CUDA build of torch brings Triton; a CPU build needs it only to run the interpreter
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+_state = {"failed": False, "cpu": False}
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1`` when Triton was imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0", "false", "no", "off")
+
+
+def run_on_cpu(flag: bool) -> bool:
+    """Also take CPU tensors (instead of :mod:`.fused`'s Numba kernels), run by Triton's interpreter:
+    how the GPU kernels are tested without a GPU. Returns the previous setting.
+
+    Raises:
+        RuntimeError: turning it on without Triton, or with the interpreter off (``TRITON_INTERPRET=1``
+            must be set before Triton is imported: its own library functions are built at import).
+    """
+    if flag and (triton is None or not interpreting()):
+        raise RuntimeError("running the Triton kernels on CPU needs Triton and TRITON_INTERPRET=1 "
+                           "set before Triton is imported")
+    previous, _state["cpu"] = _state["cpu"], bool(flag)
+    return previous
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether these kernels take tensors on ``t``'s device: Triton imported, no earlier failure, and a CUDA
+    tensor (or a CPU one after :func:`run_on_cpu`)."""
+    if triton is None or _state["failed"]:
+        return False
+    return t.device.type == "cuda" or (t.device.type == "cpu" and _state["cpu"])
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
+    """Run ``kernel[grid](*args, **constexprs)`` without fused multiply-add; False (and one warning,
+    and the eager path from then on) if it cannot run."""
+    try:
+        kernel[grid](*args, enable_fp_fusion=False, **constexprs)
+        return True
+    except Exception as e:  # a compilation or launch error: fall back for good, say so once
+        _state["failed"] = True
+        warnings.warn(f"dgpipe: Triton codec kernels unavailable ({type(e).__name__}: {e}); "
+                      "using the eager torch path", RuntimeWarning, stacklevel=3)
+        return False
+
+
+def _layout(bits: int) -> dict[str, int]:
+    """The constexprs of the :mod:`.bitpack` layout of ``bits``-bit codes (K low-byte planes, R top bits
+    in words of G lanes, W bytes each)."""
+    k, r = layout_planes(bits)
+    g, w = layout_word(r)[:2]
+    return {"K": k, "R": r, "G": g, "W": w}
+
+
+if triton is not None:
+    _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + _ROUND) - _ROUND rounds v half to even for |v| < 2**22
+    _CHUNK = tl.constexpr(CHUNK)
+
+    @triton.jit
+    def _lanes(c, G: tl.constexpr):
+        """Indices ``(G, CHUNK / G)`` of chunk ``c``'s values: lane ``l`` is row ``l``."""
+        return c * _CHUNK + tl.arange(0, G)[:, None] * (_CHUNK // G) + tl.arange(0, _CHUNK // G)[None, :]
+
+    @triton.jit
+    def _pack(out_ptr, codes, c, n, K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        """Store chunk ``c``'s int32 codes ``(G, CHUNK / G)`` into the uint8 stream of ``n`` codes."""
+        CG: tl.constexpr = _CHUNK // G
+        lane = tl.arange(0, G)[:, None]
+        if K:  # bits > 8: byte 0 of every code goes to the plane before the chunks
+            tl.store(out_ptr + c * _CHUNK + lane * CG + tl.arange(0, CG)[None, :], (codes & 255).to(tl.uint8))
+            codes = codes >> 8
+        if W > 4:
+            word = tl.sum(codes.to(tl.int64) << (lane * R).to(tl.int64), axis=0)
+        else:
+            word = tl.sum(codes << (lane * R), axis=0)
+        base = K * n + c * (_CHUNK * R // 8)
+        j = tl.arange(0, CG)
+        for q in tl.static_range(W):
+            tl.store(out_ptr + base + q * CG + j, ((word >> (8 * q)) & 255).to(tl.uint8))
+
+    @triton.jit
+    def _unpack(packed_ptr, c, n, K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        """Chunk ``c``'s codes ``(G, CHUNK / G)``, int32, from the uint8 stream of ``n`` codes."""
+        CG: tl.constexpr = _CHUNK // G
+        lane = tl.arange(0, G)[:, None]
+        j = tl.arange(0, CG)
+        base = K * n + c * (_CHUNK * R // 8)
+        if W > 4:
+            word = tl.zeros((CG,), tl.int64)
+            for q in tl.static_range(W):
+                word |= tl.load(packed_ptr + base + q * CG + j).to(tl.int64) << (8 * q)
+            codes = ((word[None, :] >> (lane * R).to(tl.int64)) & ((1 << R) - 1)).to(tl.int32)
+        else:
+            word = tl.zeros((CG,), tl.int32)
+            for q in tl.static_range(W):
+                word |= tl.load(packed_ptr + base + q * CG + j).to(tl.int32) << (8 * q)
+            codes = (word[None, :] >> (lane * R)) & ((1 << R) - 1)
+        if K:
+            codes = (codes << 8) | tl.load(packed_ptr + c * _CHUNK + lane * CG + j[None, :]).to(tl.int32)
+        return codes
+
+    @triton.jit
+    def _group(i, group_len, GROUPED: tl.constexpr):
+        """The group of each value index (0 for one group: no integer division)."""
+        if GROUPED:
+            grp = i // group_len
+        else:
+            grp = tl.zeros(i.shape, tl.int64)
+        return grp
+
+    @triton.jit(do_not_specialize=["n", "group_len"])
+    def _encode_uniform_kernel(x_ptr, lo_ptr, div_ptr, out_ptr, n, group_len, GROUPED: tl.constexpr,
+                               TOP: tl.constexpr, K: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
+                               W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        i = _lanes(c, G)
+        grp = _group(i, group_len, GROUPED)
+        v = tl.math.div_rn(tl.load(x_ptr + i) - tl.load(lo_ptr + grp), tl.load(div_ptr + grp))
+        v = (v + _ROUND) - _ROUND
+        v = tl.minimum(tl.maximum(v, 0.0), TOP)
+        _pack(out_ptr, v.to(tl.int32), c, n, K, R, G, W)
+
+    @triton.jit(do_not_specialize=["n", "group_len"])
+    def _decode_uniform_kernel(packed_ptr, lo_ptr, step_ptr, y_ptr, n, group_len, GROUPED: tl.constexpr,
+                               K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        i = _lanes(c, G)
+        grp = _group(i, group_len, GROUPED)
+        codes = _unpack(packed_ptr, c, n, K, R, G, W).to(tl.float32)
+        tl.store(y_ptr + i, tl.load(lo_ptr + grp) + codes * tl.load(step_ptr + grp))
+
+    @triton.jit
+    def _bucket_of(v, bounds_ptr, NB: tl.constexpr):
+        """Each value's bucket: the number of the ``NB`` boundaries ``<= v`` (int32)."""
+        b = tl.zeros(v.shape, tl.int32)
+        for j in tl.static_range(NB):
+            b += (v >= tl.load(bounds_ptr + j)).to(tl.int32)
+        return b
+
+    @triton.jit(do_not_specialize=["n"])
+    def _bucket_maxima_kernel(x_ptr, bounds_ptr, part_ptr, n, NB: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        i = c * _CHUNK + tl.arange(0, _CHUNK)
+        v = tl.load(x_ptr + i, mask=i < n, other=float("-inf"))
+        b = _bucket_of(v, bounds_ptr, NB)
+        for bb in tl.static_range(NB + 1):
+            tl.store(part_ptr + c * (NB + 1) + bb, tl.max(tl.where(b == bb, v, float("-inf")), axis=0))
+
+    @triton.jit(do_not_specialize=["n"])
+    def _encode_buckets_kernel(x_ptr, bounds_ptr, mins_ptr, div_ptr, out_ptr, n, NB: tl.constexpr,
+                               Q: tl.constexpr, K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        v = tl.load(x_ptr + _lanes(c, G))
+        b = _bucket_of(v, bounds_ptr, NB)
+        q = tl.math.div_rn(v - tl.load(mins_ptr + b), tl.load(div_ptr + b))
+        q = tl.minimum(tl.maximum((q + _ROUND) - _ROUND, 0.0), (1 << Q) - 1.0)
+        _pack(out_ptr, q.to(tl.int32) + (b << Q), c, n, K, R, G, W)
+
+    @triton.jit(do_not_specialize=["n"])
+    def _decode_buckets_kernel(packed_ptr, mins_ptr, step_ptr, y_ptr, n, Q: tl.constexpr,
+                               K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        codes = _unpack(packed_ptr, c, n, K, R, G, W)
+        b = codes >> Q
+        level = (codes & ((1 << Q) - 1)).to(tl.float32)
+        tl.store(y_ptr + _lanes(c, G), tl.load(mins_ptr + b) + level * tl.load(step_ptr + b))
+
+    @triton.jit(do_not_specialize=["n"])
+    def _encode_levels_kernel(v_ptr, mids_ptr, out_ptr, n, NM: tl.constexpr,
+                              K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        v = tl.load(v_ptr + _lanes(c, G))
+        codes = tl.zeros(v.shape, tl.int32)
+        for j in tl.static_range(NM):  # torch.bucketize(v, mids): the midpoints below v
+            codes += (v > tl.load(mids_ptr + j)).to(tl.int32)
+        _pack(out_ptr, codes, c, n, K, R, G, W)
+
+    @triton.jit(do_not_specialize=["n", "group_len"])
+    def _decode_levels_kernel(packed_ptr, table_ptr, scale_ptr, y_ptr, n, group_len, GROUPED: tl.constexpr,
+                              K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        i = _lanes(c, G)
+        codes = _unpack(packed_ptr, c, n, K, R, G, W)
+        tl.store(y_ptr + i, tl.load(table_ptr + codes) * tl.load(scale_ptr + _group(i, group_len, GROUPED)))
+
+
+def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: int, group_len: int,
+                   out: torch.Tensor) -> bool:
+    """:func:`.fused.encode_uniform` on the GPU: ``clamp(round((x - lo[g]) / div[g]), 0, 2**bits - 1)``
+    of the whole chunks of ``x``, packed into ``out``.
+
+    Args:
+        x: 1-D float32, ``n`` values in wire order (contiguous), on the GPU.
+        lo, div: float32 ``(n_groups,)`` on ``x``'s device; group ``i // group_len`` holds value ``i``.
+        bits: code width, 1..16.
+        group_len: values per group (``n`` for one group).
+        out: uint8 ``(ceil(n * bits / 8),)`` on ``x``'s device; codes ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where it does not apply (the caller runs the eager path).
+    """
+    chunks = x.numel() // CHUNK
+    if not (available(x) and chunks and x.is_contiguous()):
+        return False
+    return _launch(_encode_uniform_kernel, (chunks,), x, lo.reshape(-1).contiguous(), div.reshape(-1).contiguous(),
+                   out, x.numel(), group_len, GROUPED=group_len < x.numel(), TOP=float((1 << bits) - 1),
+                   **_layout(bits))
+
+
+def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torch.Tensor, group_len: int,
+                   y: torch.Tensor) -> bool:
+    """:func:`.fused.decode_uniform` on the GPU: ``y[i] = lo[g] + code[i] * step[g]`` for the whole chunks.
+
+    Args:
+        packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits, on the GPU.
+        lo, step: float32 ``(n_groups,)`` on the same device.
+        group_len: values per group.
+        y: float32 ``(n,)`` output (contiguous); values ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where it does not apply.
+    """
+    chunks = y.numel() // CHUNK
+    if not (available(y) and chunks and y.is_contiguous()):
+        return False
+    return _launch(_decode_uniform_kernel, (chunks,), packed, lo.reshape(-1).contiguous(),
+                   step.reshape(-1).contiguous(), y, y.numel(), group_len, GROUPED=group_len < y.numel(),
+                   **_layout(bits))
+
+
+def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Tensor) -> bool:
+    """:func:`.fused.encode_levels` on the GPU: the nearest level's index ``#{j : v > mids[j]}`` of the whole
+    chunks of ``v``, packed into ``out``.
+
+    Args:
+        v: 1-D float32 values (scaled), wire order, contiguous, on the GPU.
+        mids: float32 ``(2**bits - 1,)`` ascending midpoints, on ``v``'s device.
+        bits: 1..:data:`.fused.MAX_LEVEL_BITS`.
+        out: uint8 stream of ``v.numel()`` codes on ``v``'s device (the tail is left to the caller).
+
+    Returns:
+        True if done; False where it does not apply.
+    """
+    chunks = v.numel() // CHUNK
+    if not (available(v) and chunks and v.is_contiguous()):
+        return False
+    return _launch(_encode_levels_kernel, (chunks,), v, mids.contiguous(), out, v.numel(), NM=(1 << bits) - 1,
+                   **_layout(bits))
+
+
+def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: torch.Tensor, group_len: int,
+                  y: torch.Tensor) -> bool:
+    """:func:`.fused.decode_levels` on the GPU: ``y[i] = table[code[i]] * scale[i // group_len]`` (whole chunks).
+
+    Args:
+        packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits, on the GPU.
+        table: float32 ``(2**bits,)`` levels; scale: float32 ``(n_groups,)``; both on the same device.
+        group_len: values per group.
+        y: float32 ``(n,)`` output (contiguous); values ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where it does not apply.
+    """
+    chunks = y.numel() // CHUNK
+    if not (available(y) and chunks and y.is_contiguous()):
+        return False
+    return _launch(_decode_levels_kernel, (chunks,), packed, table.contiguous(), scale.reshape(-1).contiguous(), y,
+                   y.numel(), group_len, GROUPED=group_len < y.numel(), **_layout(bits))
+
+
+def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
+    """Per-bucket maxima of sort quantization on the GPU: ``max(mins[b], max of the values in bucket b)``
+    with a zero as ``+0.0`` -- the eager path's ``scatter_reduce`` over the buckets.
+
+    Args:
+        x: 1-D float32 values (finite, contiguous), on the GPU.
+        bounds: float32 ``(2**S - 1,)`` boundaries; a value's bucket is the number of them ``<= x``.
+        mins: float32 ``(2**S,)`` per-bucket mins (``bounds`` after the global min).
+
+    Returns:
+        float32 ``(2**S,)``, or None where it does not apply. One program per chunk writes its
+        bucket maxima; their max over programs follows (torch), so the result does not depend
+        on the order of the values.
+    """
+    chunks = -(-x.numel() // CHUNK)
+    if not (available(x) and chunks and x.is_contiguous()):
+        return None
+    part = torch.empty(chunks, mins.numel(), dtype=torch.float32, device=x.device)
+    if not _launch(_bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(), NB=bounds.numel()):
+        return None
+    return torch.maximum(mins, part.amax(0)) + 0.0
+
+
+def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, div: torch.Tensor, quant_bits: int,
+                   out: torch.Tensor) -> bool:
+    """:func:`.fused.encode_buckets` on the GPU: codes ``bucket * 2**Q + level`` of the whole chunks of ``x``.
+
+    Args:
+        x: 1-D float32 values (contiguous) on the GPU.
+        bounds: float32 ``(2**S - 1,)``; mins, div: float32 ``(2**S,)``; on ``x``'s device.
+        quant_bits: Q.
+        out: uint8 stream of ``x.numel()`` codes of ``Q + S`` bits (tail left to the caller).
+
+    Returns:
+        True if done; False where it does not apply.
+    """
+    chunks = x.numel() // CHUNK
+    if not (available(x) and chunks and x.is_contiguous()):
+        return False
+    bits = quant_bits + (bounds.numel() + 1).bit_length() - 1
+    return _launch(_encode_buckets_kernel, (chunks,), x, bounds.contiguous(), mins.contiguous(), div.contiguous(),
+                   out, x.numel(), NB=bounds.numel(), Q=quant_bits, **_layout(bits))
+
+
+def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,
+                   y: torch.Tensor) -> bool:
+    """:func:`.fused.decode_buckets` on the GPU: ``y = mins[b] + level * step[b]`` for the whole chunks.
+
+    Args:
+        packed: uint8 stream of ``n = y.numel()`` codes of ``Q + S`` bits, on the GPU.
+        quant_bits: Q.
+        mins, step: float32 ``(2**S,)`` as sent, on the same device.
+        y: float32 ``(n,)`` output (contiguous); values ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where it does not apply.
+    """
+    chunks = y.numel() // CHUNK
+    if not (available(y) and chunks and y.is_contiguous()):
+        return False
+    bits = quant_bits + mins.numel().bit_length() - 1
+    return _launch(_decode_buckets_kernel, (chunks,), packed, mins.contiguous(), step.contiguous(), y, y.numel(),
+                   Q=quant_bits, **_layout(bits))

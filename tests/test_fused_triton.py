@@ -1,0 +1,155 @@
+"""The Triton kernels (dgpipe.compression.fused_triton) against the eager torch path.
+
+With a GPU they run compiled, on CUDA tensors; without one on CPU tensors under
+Triton's own interpreter (``TRITON_INTERPRET=1``, set by conftest.py before Triton is
+imported; numpy's IEEE float32 arithmetic, like torch's CPU ops). Payloads must be
+byte-identical and decoded tensors bit-identical to the eager path's on the same device,
+the Triton path must really be taken, and a failing launch must fall back to the eager
+path with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dgpipe.compression import fused, get_codec
+from dgpipe.compression.bitpack import CHUNK
+from dgpipe.compression.sortquant import BucketIndex
+from test_fused import CODEBOOK, QUANT, SORTQUANT, eager_and_fused, tensors  # noqa: F401 (a fixture)
+
+pytest.importorskip("triton")
+from dgpipe.compression import fused_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS = ("encode_uniform", "decode_uniform", "encode_buckets", "decode_buckets", "encode_levels", "decode_levels")
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not fused_triton.interpreting(),
+                                reason="no GPU, and Triton's interpreter was off when Triton was imported")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_on_cpu():
+    """Without a GPU: the Triton kernels take CPU tensors (interpreted) for this module's tests."""
+    previous = fused_triton.run_on_cpu(DEVICE == "cpu")
+    yield
+    fused_triton.run_on_cpu(previous)
+
+
+def data(seed: int) -> dict[str, torch.Tensor]:
+    """:func:`test_fused.tensors` on this module's device."""
+    return {name: x.to(DEVICE) for name, x in tensors(seed).items()}
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Counts the Triton kernel calls that ran (returned True), by name."""
+    counts: dict[str, int] = {}
+    for name in KERNELS:
+        def spy(*args, _real=getattr(fused_triton, name), _name=name):
+            done = _real(*args)
+            counts[_name] = counts.get(_name, 0) + bool(done)
+            return done
+
+        monkeypatch.setattr(fused_triton, name, spy)
+    return counts
+
+
+@pytest.mark.parametrize("opts", QUANT, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_quant_triton_equals_eager(eager_and_fused, taken, opts):
+    codec = get_codec("quant", **opts)
+    for name, x in data(seed=4).items():
+        if name == "wide" and opts.get("scale_dtype") == "float16":
+            continue  # refused by both paths: the ranges overflow float16 scales
+        if opts.get("group") == "token" and x.dim() < 2:
+            x = x[: x.numel() // 64 * 64].view(-1, 64)
+        eager_and_fused(codec, x)
+    assert taken.get("encode_uniform", 0) >= 10 and taken.get("decode_uniform", 0) >= 10, taken
+
+
+@pytest.mark.parametrize("qs", SORTQUANT + [(2, 6)], ids=lambda qs: f"{qs[0]}+{qs[1]}")
+def test_sortquant_triton_equals_eager(eager_and_fused, taken, qs):
+    """Also 64 buckets, beyond the CPU kernels' 16."""
+    q, s = qs
+    codec = get_codec("sortquant", quant_bits=q, split_bits=s)
+    for x in data(seed=5).values():
+        eager_and_fused(codec, x)
+    kind = "buckets" if s else "uniform"
+    assert taken.get(f"encode_{kind}", 0) >= 10 and taken.get(f"decode_{kind}", 0) >= 10, taken
+
+
+@pytest.mark.parametrize("opts", CODEBOOK, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_codebook_triton_equals_eager(eager_and_fused, taken, opts):
+    codec = get_codec("codebook", **opts)
+    x = data(seed=6)
+    for name in ("randn", "relu_ties", "signed_zeros", "outliers", "hidden", "non_contiguous", "bf16"):
+        t = x[name]
+        if opts.get("group") == "channel":
+            t = t[: t.numel() // 96 * 96].reshape(4, 24, -1)
+        eager_and_fused(codec, t)
+    assert taken.get("encode_levels", 0) >= 7 and taken.get("decode_levels", 0) >= 7, taken
+
+
+@pytest.mark.parametrize("name", ["randn", "relu_ties", "integers", "constant", "signed_zeros", "outliers"])
+def test_bucket_maxima_equal_the_eager_scatter_reduce(name):
+    """The maxima of a sampled split (GPU path): ``max(min, values)`` per bucket, empty buckets at their min,
+    a zero max as +0.0, as the eager ``scatter_reduce`` gives them -- bit for bit."""
+    flat = data(seed=7)[name].reshape(-1).contiguous()
+    for buckets in (2, 4, 16, 64):
+        s = torch.sort(flat[:: 7]).values
+        bounds = s[torch.arange(1, buckets, device=DEVICE) * s.numel() // buckets]
+        mins = torch.cat((flat.min().view(1), bounds))
+        want = mins.clone().scatter_reduce_(0, BucketIndex(bounds)(flat), flat, "amax") + 0.0
+        got = fused_triton.bucket_maxima(flat, bounds, mins)
+        assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32)), (buckets, got, want)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU routing")
+def test_cpu_tensors_go_to_triton_only_when_asked():
+    x = torch.randn(3 * CHUNK)
+    assert fused.gpu_kernels(x) is fused_triton
+    fused_triton.run_on_cpu(False)
+    try:
+        assert fused.gpu_kernels(x) is None and fused.wanted(x)  # Numba's
+    finally:
+        fused_triton.run_on_cpu(True)
+    previous = fused.set_enabled(False)
+    try:
+        assert fused.gpu_kernels(x) is None and not fused.wanted(x)
+    finally:
+        fused.set_enabled(previous)
+
+
+def test_not_applicable_returns_false():
+    small, out = torch.randn(CHUNK - 1, device=DEVICE), torch.empty(CHUNK, dtype=torch.uint8, device=DEVICE)
+    assert not fused_triton.encode_uniform(small, small[:1], small[:1], 8, small.numel(), out)
+    strided = torch.randn(2 * CHUNK, 2, device=DEVICE)[:, 0]
+    assert not fused_triton.encode_uniform(strided, strided[:1], strided[:1], 8, strided.numel(), out)
+
+
+def test_launch_failure_falls_back_with_one_warning(monkeypatch):
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no ptxas here")
+
+            return launch
+
+    monkeypatch.setattr(fused_triton, "_encode_uniform_kernel", Broken())
+    monkeypatch.setitem(fused_triton._state, "failed", False)
+    x = torch.randn(5 * CHUNK + 1, device=DEVICE)
+    codec = get_codec("quant", bits=8)
+    with pytest.warns(RuntimeWarning, match="Triton codec kernels unavailable.*no ptxas here"):
+        p = codec.encode(x)
+    assert fused.gpu_kernels(x) is None  # for the rest of the process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # only one warning
+        y = codec.decode(p)
+        get_codec("sortquant", quant_bits=6, split_bits=2).encode(x)
+    previous = fused.set_enabled(False)
+    try:
+        ref = codec.encode(x)
+    finally:
+        fused.set_enabled(previous)
+    assert all(torch.equal(a, b) for a, b in zip(p.tensors, ref.tensors)) and torch.equal(y, codec.decode(ref))
