@@ -10,7 +10,12 @@ path with one warning.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +158,27 @@ def test_launch_failure_falls_back_with_one_warning(monkeypatch):
     finally:
         fused.set_enabled(previous)
     assert all(torch.equal(a, b) for a, b in zip(p.tensors, ref.tensors)) and torch.equal(y, codec.decode(ref))
+
+
+#: The float32 instructions the kernels may use: IEEE-rounded add, subtract, multiply and divide (torch's CUDA
+#: kernels use the same), int -> float conversion, and truncation of an integral float to int.
+ALLOWED_FLOAT_OPS = {"add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "cvt.rn.f32", "cvt.rzi.s32.f32"}
+
+
+def test_kernels_compile_for_nvidia_gpus_with_ieee_division_and_no_fma():
+    """Every kernel, at every width, bucket count and grouping the codecs launch, compiles ahead of time for
+    sm_80 and sm_90 (Triton's own ptxas; no GPU needed), and its PTX does only IEEE-rounded float operations:
+    no fused multiply-add, no approximate division -- the operations the interpreted tests above check, so
+    the compiled kernels give the same bytes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter builds no PTX
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_ptx.py"))], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {r["kernel"] for r in rows} == {name for name in vars(fused_triton) if name.endswith("_kernel")}
+    assert {r["sm"] for r in rows} == {80, 90} and len(rows) >= 120
+    for r in rows:
+        ops = r["float_ops"]
+        assert set(ops) <= ALLOWED_FLOAT_OPS, r
+        if r["kernel"] in ("_encode_uniform_kernel", "_encode_buckets_kernel"):
+            assert ops.get("div.rn.f32", 0) > 0, r

@@ -26,7 +26,10 @@ codes are clamped far below that), and no fused multiply-add (``enable_fp_fusion
 interpreter (``TRITON_INTERPRET=1`` before Triton is imported, then :func:`run_on_cpu`)
 the kernels run on CPU tensors with numpy's IEEE float32 arithmetic: that is how
 ``tests/test_fused_triton.py`` checks them against the eager path, byte for byte,
-without a GPU; with one it checks the compiled kernels on it.
+without a GPU; with one it checks the compiled kernels on it. ``tests/triton_ptx.py``
+compiles every kernel ahead of time for sm_80/sm_90 (no GPU needed) and the tests check
+that the PTX does only IEEE-rounded float operations (``/`` would compile to the
+approximate ``div.full.f32``).
 
 Compilation: once per kernel and code width (and grouped or not), on first use; the
 lengths are not specialised on (``do_not_specialize``), so a last partial batch or
@@ -54,7 +57,7 @@ import torch
 from .bitpack import CHUNK, layout_planes, layout_word
 
 __all__ = [
-    "available", "interpreting", "run_on_cpu", "encode_uniform", "decode_uniform", "bucket_maxima", "encode_buckets",
+    "COMPILE_OPTIONS", "available", "interpreting", "run_on_cpu", "encode_uniform", "decode_uniform", "bucket_maxima", "encode_buckets",
     "decode_buckets", "encode_levels", "decode_levels",
 ]
 
@@ -95,11 +98,16 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (t.device.type == "cpu" and _state["cpu"])
 
 
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+"""Triton compile options of every launch: no fused multiply-add (``lo + code * step`` rounds twice, as the
+eager path's separate kernels do)."""
+
+
 def _launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
-    """Run ``kernel[grid](*args, **constexprs)`` without fused multiply-add; False (and one warning,
+    """Run ``kernel[grid](*args, **constexprs)`` with :data:`COMPILE_OPTIONS`; False (and one warning,
     and the eager path from then on) if it cannot run."""
     try:
-        kernel[grid](*args, enable_fp_fusion=False, **constexprs)
+        kernel[grid](*args, **COMPILE_OPTIONS, **constexprs)
         return True
     except Exception as e:  # a compilation or launch error: fall back for good, say so once
         _state["failed"] = True

@@ -1,0 +1,62 @@
+"""Compile every Triton codec kernel ahead of time for NVIDIA GPUs -- no GPU needed -- and print
+what its PTX does with floats, one JSON object per kernel and configuration.
+
+Run without ``TRITON_INTERPRET`` (the interpreter builds no PTX); ``tests/test_fused_triton.py``
+runs it in a subprocess and checks the output. Each configuration is compiled with the
+launch's own options (:data:`dgpipe.compression.fused_triton.COMPILE_OPTIONS`) through
+ptxas (Triton's wheel ships it), so a kernel that would not compile on a GPU fails here.
+
+Usage::
+
+    python tests/triton_ptx.py    # JSON lines: kernel, target, config, PTX float-op counts
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dgpipe.compression import fused_triton as ft
+
+BYTE_POINTERS = {"out_ptr", "packed_ptr"}
+SORTQUANT = [(1, 1), (3, 1), (6, 2), (2, 2), (9, 3), (5, 3), (12, 4), (4, 4), (2, 6)]
+FLOAT_OP = re.compile(r"\b((?:fma|div|add|sub|mul|cvt)\.[a-z0-9.]*f32)\b")
+
+
+def configs():
+    """``(kernel, constexprs)`` of the widths, bucket counts and groupings the codecs launch."""
+    for bits in range(1, 17):
+        grouped = bits % 2 == 0  # both kinds, across the widths
+        yield ft._encode_uniform_kernel, {"GROUPED": grouped, "TOP": float((1 << bits) - 1), **ft._layout(bits)}
+        yield ft._decode_uniform_kernel, {"GROUPED": not grouped, **ft._layout(bits)}
+    for q, s in SORTQUANT:
+        yield ft._encode_buckets_kernel, {"NB": (1 << s) - 1, "Q": q, **ft._layout(q + s)}
+        yield ft._decode_buckets_kernel, {"Q": q, **ft._layout(q + s)}
+        yield ft._bucket_maxima_kernel, {"NB": (1 << s) - 1}
+    for bits in range(1, 5):
+        yield ft._encode_levels_kernel, {"NM": (1 << bits) - 1, **ft._layout(bits)}
+        yield ft._decode_levels_kernel, {"GROUPED": bits % 2 == 0, **ft._layout(bits)}
+
+
+def signature(kernel, constexprs: dict) -> dict[str, str]:
+    return {name: "constexpr" if name in constexprs else "*u8" if name in BYTE_POINTERS
+            else "*fp32" if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
+
+
+def main() -> None:
+    for kernel, constexprs in configs():
+        for capability in (80, 90):
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs),
+                                      target=GPUTarget("cuda", capability, 32), options=dict(ft.COMPILE_OPTIONS))
+            print(json.dumps({"kernel": kernel.fn.__name__, "sm": capability, "config": constexprs,
+                              "float_ops": Counter(FLOAT_OP.findall(compiled.asm["ptx"])),
+                              "cubin_bytes": len(compiled.asm["cubin"])}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
