@@ -206,6 +206,26 @@ def test_threads_give_the_same_bytes(eager_and_fused, monkeypatch, threads):
             eager_and_fused(codec, x)
 
 
+def test_sort_sample_equals_numpy_sort():
+    """The radix sort of the boundary sample gives numpy's sorted values (zeros: -0.0 first), with or
+    without sample positions, on every adversarial tensor; NaN and inf are kept."""
+    g = np.random.default_rng(0)
+    cases = {name: x.float().reshape(-1).contiguous().numpy() for name, x in tensors(seed=8).items()}
+    cases["specials"] = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0, 1e-45, -1e-45, 3.4e38, -3.4e38] * 500, np.float32)
+    for name, flat in cases.items():
+        for positions in (None, g.integers(0, flat.size, 4096)):
+            want = np.sort(flat if positions is None else flat[positions])
+            got = fused.sort_sample(flat, positions)
+            assert got is not None and got.dtype == np.float32 and got.shape == want.shape
+            finite = ~np.isnan(want)
+            assert np.array_equal(np.sort(got[~np.isnan(got)]), want[finite]) and np.isnan(got).sum() == (~finite).sum()
+            vals = got[~np.isnan(got)]
+            assert np.all(vals[:-1] <= vals[1:]), name
+            zeros = np.signbit(vals[vals == 0])
+            assert not np.any(~zeros[:-1] & zeros[1:]), name  # no -0.0 after a +0.0
+    assert ("sort_sample",) in fused._kernels
+
+
 def test_non_finite_refused_both_ways():
     x = torch.randn(3 * CHUNK)
     x[CHUNK + 7] = float("nan")

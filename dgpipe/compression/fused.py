@@ -9,6 +9,7 @@ are unrolled and vectorised:
 
 - :func:`encode_uniform`: ``round((x - lo[g]) / div[g])`` clamped, for groups ``g`` of
   ``group_len`` consecutive values (one group: per-tensor ``quant``), bit-packed;
+- :func:`sort_sample`: the sort of sort quantization's boundary sample, as a radix sort;
 - :func:`bucket_extrema` and :func:`encode_buckets`: sort quantization's two passes over
   the values (each value's bucket by comparison with the ``2**S - 1`` boundaries, then
   the min and the per-bucket maxima, then ``bucket * 2**Q + level``), for ``S <= 4``;
@@ -76,6 +77,8 @@ __all__ = [
     "wanted",
     "encode_uniform",
     "decode_uniform",
+    "RADIX_BITS",
+    "sort_sample",
     "bucket_extrema",
     "bucket_maxima",
     "gpu_kernels",
@@ -413,6 +416,77 @@ def decode_uniform(
 
 
 # --- sort quantization: 2**S buckets by comparison with S - 1 boundaries ----------------------------
+
+
+RADIX_BITS = 11
+"""Bits per digit of :func:`sort_sample`'s radix sort: three passes over 32-bit keys, 2,048 counters each."""
+
+
+def _build_sort_sample():
+    njit = _njit()
+    sign = np.uint32(1 << 31)
+    mask = np.uint32((1 << RADIX_BITS) - 1)
+    shifts = (0, RADIX_BITS, 2 * RADIX_BITS)
+
+    @njit
+    def kernel(x, pos, out):
+        # keys: float32 bits made unsigned-monotone (negatives flipped, positives' sign bit set)
+        m = out.shape[0]
+        keys = np.empty(m, np.uint32)
+        tmp = np.empty(m, np.uint32)
+        hist = np.zeros((3, mask + 1), np.int64)
+        xb = x.view(np.uint32)
+        for i in range(m):
+            u = xb[pos[i]] if pos.shape[0] else xb[i]
+            k = ~u if u & sign else u | sign
+            keys[i] = k
+            for p in range(3):
+                hist[p, (k >> shifts[p]) & mask] += 1
+        for p in range(3):  # least significant digit first; each pass is stable
+            h = hist[p]
+            if h[(keys[0] >> shifts[p]) & mask] == m:
+                continue  # one digit for all keys: the pass would move nothing
+            total = 0
+            for b in range(mask + 1):
+                c = h[b]
+                h[b] = total
+                total += c
+            for i in range(m):
+                k = keys[i]
+                d = (k >> shifts[p]) & mask
+                tmp[h[d]] = k
+                h[d] += 1
+            keys, tmp = tmp, keys
+        ob = out.view(np.uint32)
+        for i in range(m):
+            k = keys[i]
+            ob[i] = k ^ sign if k & sign else ~k
+
+    return kernel
+
+
+def sort_sample(x: np.ndarray, positions: np.ndarray | None) -> np.ndarray | None:
+    """``np.sort(x[positions])`` (or of all of ``x``) as an LSD radix sort of the float32 bits: three
+    passes of :data:`RADIX_BITS`-bit digits, 2-3x numpy's sort on the 2k-16k values of sort
+    quantization's boundary sample, and no input is a bad case (ties, constants).
+
+    Args:
+        x: 1-D float32, contiguous.
+        positions: int64 indices into ``x`` (the sample), or None for all of ``x``.
+
+    Returns:
+        float32 ``(m,)`` ascending, or None where the kernel does not apply (the caller sorts with numpy).
+        Equal to numpy's result value for value, except that the order among equal values may differ:
+        ``-0.0`` before ``+0.0``, and NaN (any sign bit) at the end for a positive, the start for a
+        negative sign (numpy puts NaN last).
+    """
+    if not enabled() or x.dtype != np.float32 or not x.flags.c_contiguous:
+        return None
+    pos = np.empty(0, np.int64) if positions is None else positions
+    out = np.empty(x.size if positions is None else positions.size, np.float32)
+    if not out.size or not _call(("sort_sample",), _build_sort_sample, [(x, pos, out)]):
+        return None
+    return out
 
 
 def _build_bucket_extrema(split_bits: int):

@@ -108,7 +108,8 @@ def tame(*ends: np.ndarray) -> bool:
     """Whether the float32 arrays ``ends`` are all finite and below :data:`_HALF_MAX` in magnitude,
     so that the differences of their values are finite: a check in numpy without an error-state
     context (whose own cost is a good part of a small message's); NaN fails it."""
-    return all(e.size == 0 or float(np.abs(e).max()) < _HALF_MAX for e in ends)
+    return all(abs(e.item()) < _HALF_MAX if e.size == 1 else e.size == 0 or float(np.abs(e).max()) < _HALF_MAX
+               for e in ends)  # one value (a per-tensor range): a Python comparison, no ufunc call
 
 
 def finite_range(lo: torch.Tensor, hi: torch.Tensor, codec_name: str) -> None:
