@@ -18,8 +18,8 @@ has no Python loop over buckets or values:
    tensor -- exactly for small tensors, else of a fixed-seed uniform sample of
    :func:`sample_size` values (1,024 per bucket up to 16,384, then 64 per bucket: the
    MSE stays within a few percent of the exact split's, above or below it;
-   ``benchmarks/codec_speed.py`` measures it), read off the sorted sample (numpy's
-   vectorised sort on CPU);
+   ``benchmarks/codec_speed.py`` measures it), read off the sorted sample (on CPU a
+   radix sort, :func:`.fused.sort_sample`, else numpy's sort); a zero boundary is +0.0;
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
    the bucket; the global min for bucket 0); its max comes with the sort for small
@@ -167,8 +167,9 @@ def _cpu_bucket_grid(
     flat: torch.Tensor, buckets: int, m: int, codec_name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`bucket_grid` of a CPU tensor from a sample of ``m`` values, with the same results as
-    the torch steps, in numpy: its sort is ~10x torch's here and robust to ties, and a small
-    message's encode is mostly per-call overhead, of which numpy's is a fraction of torch's."""
+    the torch steps, in numpy: the sample's radix sort (or numpy's) is several times torch's and
+    robust to ties, and a small message's encode is mostly per-call overhead, of which numpy's is
+    a fraction of torch's."""
     n = flat.numel()
     xs = flat.detach().numpy()
     positions = None if m == n else sample_positions(n, m, flat.device).numpy()
