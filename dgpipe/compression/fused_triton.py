@@ -116,6 +116,15 @@ def _launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
         return False
 
 
+def _run(kernel, t: torch.Tensor, *args, **constexprs) -> bool:
+    """:func:`_launch` ``kernel`` with one program per whole chunk of ``t`` (the tensor read or written
+    chunk by chunk); False where the kernels do not apply to ``t`` (device, no whole chunk, not contiguous)."""
+    chunks = t.numel() // CHUNK
+    if not (available(t) and chunks and t.is_contiguous()):
+        return False
+    return _launch(kernel, (chunks,), *args, **constexprs)
+
+
 def _layout(bits: int) -> dict[str, int]:
     """The constexprs of the :mod:`.bitpack` layout of ``bits``-bit codes (K low-byte planes, R top bits
     in words of G lanes, W bytes each)."""
@@ -271,10 +280,7 @@ def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: i
     Returns:
         True if done; False where it does not apply (the caller runs the eager path).
     """
-    chunks = x.numel() // CHUNK
-    if not (available(x) and chunks and x.is_contiguous()):
-        return False
-    return _launch(_encode_uniform_kernel, (chunks,), x, lo.reshape(-1).contiguous(), div.reshape(-1).contiguous(),
+    return _run(_encode_uniform_kernel, x, x, lo.reshape(-1).contiguous(), div.reshape(-1).contiguous(),
                    out, x.numel(), group_len, GROUPED=group_len < x.numel(), TOP=float((1 << bits) - 1),
                    **_layout(bits))
 
@@ -292,10 +298,7 @@ def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torc
     Returns:
         True if done; False where it does not apply.
     """
-    chunks = y.numel() // CHUNK
-    if not (available(y) and chunks and y.is_contiguous()):
-        return False
-    return _launch(_decode_uniform_kernel, (chunks,), packed, lo.reshape(-1).contiguous(),
+    return _run(_decode_uniform_kernel, y, packed, lo.reshape(-1).contiguous(),
                    step.reshape(-1).contiguous(), y, y.numel(), group_len, GROUPED=group_len < y.numel(),
                    **_layout(bits))
 
@@ -313,10 +316,7 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
     Returns:
         True if done; False where it does not apply.
     """
-    chunks = v.numel() // CHUNK
-    if not (available(v) and chunks and v.is_contiguous()):
-        return False
-    return _launch(_encode_levels_kernel, (chunks,), v, mids.contiguous(), out, v.numel(), NM=(1 << bits) - 1,
+    return _run(_encode_levels_kernel, v, v, mids.contiguous(), out, v.numel(), NM=(1 << bits) - 1,
                    **_layout(bits))
 
 
@@ -333,10 +333,7 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
     Returns:
         True if done; False where it does not apply.
     """
-    chunks = y.numel() // CHUNK
-    if not (available(y) and chunks and y.is_contiguous()):
-        return False
-    return _launch(_decode_levels_kernel, (chunks,), packed, table.contiguous(), scale.reshape(-1).contiguous(), y,
+    return _run(_decode_levels_kernel, y, packed, table.contiguous(), scale.reshape(-1).contiguous(), y,
                    y.numel(), group_len, GROUPED=group_len < y.numel(), **_layout(bits))
 
 
@@ -376,11 +373,8 @@ def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, di
     Returns:
         True if done; False where it does not apply.
     """
-    chunks = x.numel() // CHUNK
-    if not (available(x) and chunks and x.is_contiguous()):
-        return False
     bits = quant_bits + (bounds.numel() + 1).bit_length() - 1
-    return _launch(_encode_buckets_kernel, (chunks,), x, bounds.contiguous(), mins.contiguous(), div.contiguous(),
+    return _run(_encode_buckets_kernel, x, x, bounds.contiguous(), mins.contiguous(), div.contiguous(),
                    out, x.numel(), NB=bounds.numel(), Q=quant_bits, **_layout(bits))
 
 
@@ -397,9 +391,6 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
     Returns:
         True if done; False where it does not apply.
     """
-    chunks = y.numel() // CHUNK
-    if not (available(y) and chunks and y.is_contiguous()):
-        return False
     bits = quant_bits + mins.numel().bit_length() - 1
-    return _launch(_decode_buckets_kernel, (chunks,), packed, mins.contiguous(), step.contiguous(), y, y.numel(),
+    return _run(_decode_buckets_kernel, y, packed, mins.contiguous(), step.contiguous(), y, y.numel(),
                    Q=quant_bits, **_layout(bits))
