@@ -224,6 +224,7 @@ def test_sort_sample_equals_numpy_sort():
             zeros = np.signbit(vals[vals == 0])
             assert not np.any(~zeros[:-1] & zeros[1:]), name  # no -0.0 after a +0.0
     assert ("sort_sample",) in fused._kernels
+    assert fused.sort_sample(cases["randn"], np.arange(fused.MIN_SORT_VALUES - 1)) is None  # numpy's turn
 
 
 def test_non_finite_refused_both_ways():

@@ -78,6 +78,7 @@ __all__ = [
     "encode_uniform",
     "decode_uniform",
     "RADIX_BITS",
+    "MIN_SORT_VALUES",
     "sort_sample",
     "bucket_extrema",
     "bucket_maxima",
@@ -421,6 +422,10 @@ def decode_uniform(
 RADIX_BITS = 11
 """Bits per digit of :func:`sort_sample`'s radix sort: three passes over 32-bit keys, 2,048 counters each."""
 
+MIN_SORT_VALUES = 2048
+"""Smallest sample :func:`sort_sample` takes: below it numpy's sort is as fast (measured: 7 vs 8 us at
+1,024 values, 11 vs 18 at 2,048)."""
+
 
 def _build_sort_sample():
     njit = _njit()
@@ -475,18 +480,18 @@ def sort_sample(x: np.ndarray, positions: np.ndarray | None) -> np.ndarray | Non
         positions: int64 indices into ``x`` (the sample), or None for all of ``x``.
 
     Returns:
-        float32 ``(m,)`` ascending, or None where the kernel does not apply (the caller sorts with numpy).
+        float32 ``(m,)`` ascending, or None where the kernel does not apply (fewer than
+        :data:`MIN_SORT_VALUES` values, or off: the caller sorts with numpy).
         Equal to numpy's result value for value, except that the order among equal values may differ:
         ``-0.0`` before ``+0.0``, and NaN (any sign bit) at the end for a positive, the start for a
         negative sign (numpy puts NaN last).
     """
-    if not enabled() or x.dtype != np.float32 or not x.flags.c_contiguous:
+    m = x.size if positions is None else positions.size
+    if m < MIN_SORT_VALUES or not enabled() or x.dtype != np.float32 or not x.flags.c_contiguous:
         return None
     pos = np.empty(0, np.int64) if positions is None else positions
-    out = np.empty(x.size if positions is None else positions.size, np.float32)
-    if not out.size or not _call(("sort_sample",), _build_sort_sample, [(x, pos, out)]):
-        return None
-    return out
+    out = np.empty(m, np.float32)
+    return out if _call(("sort_sample",), _build_sort_sample, [(x, pos, out)]) else None
 
 
 def _build_bucket_extrema(split_bits: int):
