@@ -141,7 +141,7 @@ def test_sortquant_fused_equals_eager(eager_and_fused, qs):
     for name, x in tensors(seed=1).items():
         eager_and_fused(codec, x)
     if s:
-        for key in (("encode_buckets", q, s), ("decode_buckets", q, s)):
+        for key in (("encode_buckets", q, s), ("decode_buckets", q, s), ("sampled_grid", s, q)):
             assert key in fused._kernels, f"fused path not taken: {key}"
 
 

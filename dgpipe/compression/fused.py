@@ -10,6 +10,8 @@ are unrolled and vectorised:
 - :func:`encode_uniform`: ``round((x - lo[g]) / div[g])`` clamped, for groups ``g`` of
   ``group_len`` consecutive values (one group: per-tensor ``quant``), bit-packed;
 - :func:`sort_sample`: the sort of sort quantization's boundary sample, as a radix sort;
+  :func:`sampled_grid`: that sort, the boundaries, the extrema pass and the steps in one
+  call, for a message small enough for one thread;
 - :func:`bucket_extrema` and :func:`encode_buckets`: sort quantization's two passes over
   the values (each value's bucket by comparison with the ``2**S - 1`` boundaries, then
   the min and the per-bucket maxima, then ``bucket * 2**Q + level``), for ``S <= 4``;
@@ -81,6 +83,7 @@ __all__ = [
     "MIN_SORT_VALUES",
     "sort_sample",
     "bucket_extrema",
+    "sampled_grid",
     "bucket_maxima",
     "gpu_kernels",
     "encode_buckets",
@@ -427,14 +430,15 @@ MIN_SORT_VALUES = 2048
 1,024 values, 11 vs 18 at 2,048)."""
 
 
-def _build_sort_sample():
-    njit = _njit()
+def _radix_sorter():
+    """An inlined Numba function ``sort(x, pos, out)``: ``out[:] = sorted x[pos]`` (all of ``x`` for an empty
+    ``pos``), an LSD radix sort of the float32 bits (:func:`sort_sample`)."""
     sign = np.uint32(1 << 31)
     mask = np.uint32((1 << RADIX_BITS) - 1)
     shifts = (0, RADIX_BITS, 2 * RADIX_BITS)
 
-    @njit
-    def kernel(x, pos, out):
+    @_njit(inline=True)
+    def sort(x, pos, out):
         # keys: float32 bits made unsigned-monotone (negatives flipped, positives' sign bit set)
         m = out.shape[0]
         keys = np.empty(m, np.uint32)
@@ -466,6 +470,16 @@ def _build_sort_sample():
         for i in range(m):
             k = keys[i]
             ob[i] = k ^ sign if k & sign else ~k
+
+    return sort
+
+
+def _build_sort_sample():
+    sort = _radix_sorter()
+
+    @_njit()
+    def kernel(x, pos, out):
+        sort(x, pos, out)
 
     return kernel
 
@@ -591,6 +605,83 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np
     if len(ends) == 1:
         return ext[0, 0], ext[0, 1:]
     return ext[:, 0].min(), ext[:, 1:].max(0)  # min and max propagate a part's NaN
+
+
+def _build_sampled_grid(split_bits: int, quant_bits: int):
+    sort, extrema = _radix_sorter(), _build_bucket_extrema(split_bits)
+    nb = (1 << split_bits) - 1
+    zero, one, ninf = np.float32(0), np.float32(1), np.float32(-np.inf)
+    steps = np.float32((1 << quant_bits) - 1)
+
+    @_njit()
+    def kernel(x, pos, ranks, s, grid):
+        # the steps of sortquant._cpu_bucket_grid (sampled) and sortquant._bucket_steps, in one call
+        sort(x, pos, s)
+        m = s.shape[0]
+        bounds = np.empty(nb, np.float32)
+        lows = np.empty(nb + 1, np.float32)
+        ext = np.empty(nb + 2, np.float32)
+        lows[0], lows[nb] = s[0], s[m - 1]
+        for j in range(nb):
+            bound = s[ranks[j]] + zero  # a zero as +0.0
+            bounds[j] = bound
+            grid[0, j + 1] = bound
+            if j + 1 < nb:
+                lows[j + 1] = bound
+            a, b = 0, m  # np.searchsorted(s, bound): the first sampled value >= bound
+            while a < b:
+                mid = (a + b) // 2
+                if s[mid] < bound:
+                    a = mid + 1
+                else:
+                    b = mid
+            below = s[max(a - 1, 0)]  # the largest sampled value below the boundary, if any
+            below = below if below < bound else ninf
+            lows[j] = max(lows[j], below)
+            if j == 0:
+                ext[1] = below
+        ext[0] = s[0]
+        ext[2:] = lows[1:]
+        extrema(x, bounds, lows, s[0], ext)
+        grid[0, 0] = ext[0] + zero  # the min, a zero as +0.0
+        grid[3, 0], grid[3, 1] = ext[0], ext[nb + 1]  # the range, for the caller's check
+        for j in range(nb + 1):
+            top = max(ext[1 + j], grid[0, j]) + zero
+            step = (top - grid[0, j]) / steps
+            grid[1, j] = step
+            grid[2, j] = step if step > zero else one
+
+    return kernel
+
+
+def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_bits: int) -> np.ndarray | None:
+    """Sort quantization's whole grid of a sampled split in one call -- the sample's radix sort
+    (:func:`sort_sample`), its boundaries, the extrema pass (:func:`bucket_extrema`) and the steps --
+    for a tensor small enough for one thread (a pipeline's messages: the per-call cost of the
+    separate steps was most of their time).
+
+    Args:
+        x: 1-D float32 values, contiguous.
+        positions: int64 sample positions, at least :data:`MIN_SORT_VALUES` of them.
+        ranks: int64 ``(2**S - 1,)`` ranks of the boundaries in the sorted sample, ``S <= 4``.
+        quant_bits: Q (the step is ``(max - min) / (2**Q - 1)``).
+
+    Returns:
+        float32 ``(4, 2**S)``: rows ``mins`` (``min, *boundaries``, zeros as +0.0), ``step`` (so
+        rows 0-1 are the metadata sent), the divisor (``step``, or 1 where it is 0), and the min and
+        max of ``x`` in its first two entries (NaN if ``x`` holds one; the caller checks the range);
+        the same float32 values as the separate steps. None where it does not apply (off, more than
+        one thread's share of values, a smaller sample, ``S > 4``).
+    """
+    s = ranks.size.bit_length()
+    if (x.size < MIN_VALUES or positions.size < MIN_SORT_VALUES or s > MAX_SPLIT_BITS or not enabled()
+            or len(_parts(x.size // CHUNK)) > 1 or not x.flags.c_contiguous):
+        return None
+    grid = np.empty((4, 1 << s), np.float32)
+    sample = np.empty(positions.size, np.float32)
+    ok = _call(("sampled_grid", s, quant_bits), lambda: _build_sampled_grid(s, quant_bits),
+               [(x, positions, ranks, sample, grid)])
+    return grid if ok else None
 
 
 def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:

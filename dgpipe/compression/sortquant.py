@@ -19,7 +19,8 @@ has no Python loop over buckets or values:
    :func:`sample_size` values (1,024 per bucket up to 16,384, then 64 per bucket: the
    MSE stays within a few percent of the exact split's, above or below it;
    ``benchmarks/codec_speed.py`` measures it), read off the sorted sample (on CPU a
-   radix sort, :func:`.fused.sort_sample`, else numpy's sort); a zero boundary is +0.0;
+   radix sort, :func:`.fused.sort_sample`, else numpy's sort); a zero boundary is +0.0
+   (a small message's whole grid comes from one compiled call, :func:`.fused.sampled_grid`);
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
    the bucket; the global min for bucket 0); its max comes with the sort for small
@@ -279,6 +280,30 @@ def bucket_codes(
     return codes.add_(bucket.to(torch.int32), alpha=levels)
 
 
+def _fused_sampled_grid(
+    flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(bounds, mins, step, div, meta)`` of a sampled split from :func:`.fused.sampled_grid` (one compiled
+    call for a CPU tensor small enough for one thread), the values of :func:`_cpu_bucket_grid` and
+    :func:`_bucket_steps`; None where it does not apply.
+
+    Raises:
+        ValueError: ``flat`` holds inf or NaN (:func:`.quantize.finite_range`).
+    """
+    n = flat.numel()
+    m = sample_size(n, buckets)
+    if flat.device.type != "cpu" or m == n:
+        return None
+    positions = sample_positions(n, m, flat.device).numpy()
+    grid = fused.sampled_grid(flat.detach().numpy(), positions, _boundary_ranks(m, buckets), quant_bits)
+    if grid is None:
+        return None
+    if not tame(grid[3, :2]):  # the min and max of flat: raises if the range is not finite
+        finite_range(torch.from_numpy(grid[3, :1].copy()), torch.from_numpy(grid[3, 1:2].copy()), codec_name)
+    g = torch.from_numpy(grid)
+    return g[0, 1:], g[0], g[1], g[2], g[:2].reshape(-1)
+
+
 def _bucket_steps(mins: torch.Tensor, maxs: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(step, div, meta)`` of the per-bucket grids (float32 ``(B,)``): the step, its divisor
     (:func:`.quantize.grid_divisor`) and the metadata sent, ``cat(mins, step)``; in numpy on CPU
@@ -410,24 +435,29 @@ class SortQuantizer(Codec):
             meta = torch.zeros(2 * buckets, device=flat.device)
             packed = flat.to(torch.uint8)
         else:
-            if s == 0:
-                lo, hi = range_of(flat, self.name)
-                bounds, mins, maxs = None, lo.view(1), hi.view(1)
-            else:
-                bounds, mins, maxs = bucket_grid(flat, buckets, self.name)
-            search = None if bounds is None else BucketIndex(bounds)
             index = None  # buckets found in a first pass, reused by the second
-            if maxs is None:  # sampled split on a GPU: the maxima in one kernel
-                maxs = fused.bucket_maxima(flat, bounds, mins)
-            if maxs is None:  # sampled split, no fused pass: the maxima (and the buckets) eager
-                index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
-                maxs = mins.clone()
-                for i, j in blocks(flat):
-                    b = search(flat[i:j])
-                    index[i:j] = b
-                    maxs.scatter_reduce_(0, b, flat[i:j], "amax")
-                maxs += 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
-            step, div, meta = _bucket_steps(mins, maxs, levels)
+            fast = _fused_sampled_grid(flat, buckets, q, self.name) if s else None
+            if fast is not None:  # a small CPU tensor: the grid in one compiled call
+                bounds, mins, step, div, meta = fast
+                search = BucketIndex(bounds)
+            else:
+                if s == 0:
+                    lo, hi = range_of(flat, self.name)
+                    bounds, mins, maxs = None, lo.view(1), hi.view(1)
+                else:
+                    bounds, mins, maxs = bucket_grid(flat, buckets, self.name)
+                search = None if bounds is None else BucketIndex(bounds)
+                if maxs is None:  # sampled split on a GPU: the maxima in one kernel
+                    maxs = fused.bucket_maxima(flat, bounds, mins)
+                if maxs is None:  # sampled split, no fused pass: the maxima (and the buckets) eager
+                    index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
+                    maxs = mins.clone()
+                    for i, j in blocks(flat):
+                        b = search(flat[i:j])
+                        index[i:j] = b
+                        maxs.scatter_reduce_(0, b, flat[i:j], "amax")
+                    maxs += 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
+                step, div, meta = _bucket_steps(mins, maxs, levels)
 
             def codes_of(i: int, j: int) -> torch.Tensor:
                 if search is None:
