@@ -11,7 +11,7 @@ are unrolled and vectorised:
   ``group_len`` consecutive values (one group: per-tensor ``quant``), bit-packed;
 - :func:`sort_sample`: the sort of sort quantization's boundary sample, as a radix sort;
   :func:`sampled_grid`: that sort, the boundaries, the extrema pass and the steps in one
-  call, for a message small enough for one thread;
+  call, where the kernels run on one thread (small messages);
 - :func:`bucket_extrema` and :func:`encode_buckets`: sort quantization's two passes over
   the values (each value's bucket by comparison with the ``2**S - 1`` boundaries, then
   the min and the per-bucket maxima, then ``bucket * 2**Q + level``), for ``S <= 4``;
@@ -657,8 +657,9 @@ def _build_sampled_grid(split_bits: int, quant_bits: int):
 def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_bits: int) -> np.ndarray | None:
     """Sort quantization's whole grid of a sampled split in one call -- the sample's radix sort
     (:func:`sort_sample`), its boundaries, the extrema pass (:func:`bucket_extrema`) and the steps --
-    for a tensor small enough for one thread (a pipeline's messages: the per-call cost of the
-    separate steps was most of their time).
+    when the kernels run on one thread (:func:`_parts`: a tensor under 64 chunks, as a pipeline's
+    messages are, whose time went mostly to the per-call cost of the separate steps; or one
+    intra-op thread).
 
     Args:
         x: 1-D float32 values, contiguous.
