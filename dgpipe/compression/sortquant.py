@@ -284,7 +284,7 @@ def _fused_sampled_grid(
     flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(bounds, mins, step, div, meta)`` of a sampled split from :func:`.fused.sampled_grid` (one compiled
-    call for a CPU tensor small enough for one thread), the values of :func:`_cpu_bucket_grid` and
+    call for a CPU tensor whose kernels run on one thread), the values of :func:`_cpu_bucket_grid` and
     :func:`_bucket_steps`; None where it does not apply.
 
     Raises:
