@@ -103,14 +103,17 @@ CODEBOOK = [
 ]
 
 
+def codebook_inputs(x: dict[str, torch.Tensor], opts: dict):
+    """The :func:`tensors` the codebook tests code, shaped for ``opts`` (channels need a channel axis)."""
+    for name in ("randn", "relu_ties", "signed_zeros", "outliers", "hidden", "non_contiguous", "bf16"):
+        t = x[name]
+        yield t[: t.numel() // 96 * 96].reshape(4, 24, -1) if opts.get("group") == "channel" else t
+
+
 @pytest.mark.parametrize("opts", CODEBOOK, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_codebook_fused_equals_eager(eager_and_fused, opts):
     codec = get_codec("codebook", **opts)
-    x = tensors(seed=2)
-    for name in ("randn", "relu_ties", "signed_zeros", "outliers", "hidden", "non_contiguous", "bf16"):
-        t = x[name]
-        if opts.get("group") == "channel":
-            t = t[: t.numel() // 96 * 96].reshape(4, 24, -1)
+    for t in codebook_inputs(tensors(seed=2), opts):
         eager_and_fused(codec, t)
     assert ("encode_levels", opts["bits"]) in fused._kernels and ("decode_levels", opts["bits"]) in fused._kernels
 

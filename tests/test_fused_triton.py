@@ -23,7 +23,7 @@ import torch
 from dgpipe.compression import fused, get_codec
 from dgpipe.compression.bitpack import CHUNK
 from dgpipe.compression.sortquant import BucketIndex
-from test_fused import CODEBOOK, QUANT, SORTQUANT, eager_and_fused, tensors  # noqa: F401 (a fixture)
+from test_fused import CODEBOOK, QUANT, SORTQUANT, codebook_inputs, eager_and_fused, tensors  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton")
 from dgpipe.compression import fused_triton  # noqa: E402
@@ -87,11 +87,7 @@ def test_sortquant_triton_equals_eager(eager_and_fused, taken, qs):
 @pytest.mark.parametrize("opts", CODEBOOK, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_codebook_triton_equals_eager(eager_and_fused, taken, opts):
     codec = get_codec("codebook", **opts)
-    x = data(seed=6)
-    for name in ("randn", "relu_ties", "signed_zeros", "outliers", "hidden", "non_contiguous", "bf16"):
-        t = x[name]
-        if opts.get("group") == "channel":
-            t = t[: t.numel() // 96 * 96].reshape(4, 24, -1)
+    for t in codebook_inputs(data(seed=6), opts):
         eager_and_fused(codec, t)
     assert taken.get("encode_levels", 0) >= 7 and taken.get("decode_levels", 0) >= 7, taken
 
