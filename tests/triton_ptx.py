@@ -22,9 +22,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dgpipe.compression import fused_triton as ft
+from test_fused import SORTQUANT as CPU_SORTQUANT  # this script's folder is on sys.path
 
 BYTE_POINTERS = {"out_ptr", "packed_ptr"}
-SORTQUANT = [(1, 1), (3, 1), (6, 2), (2, 2), (9, 3), (5, 3), (12, 4), (4, 4), (2, 6)]
+SORTQUANT = [(q, s) for q, s in CPU_SORTQUANT if s] + [(2, 6)]  # the widths the tests run, and 64 buckets
 FLOAT_OP = re.compile(r"\b((?:fma|div|add|sub|mul|cvt)\.[a-z0-9.]*f32)\b")
 
 

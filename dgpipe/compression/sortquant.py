@@ -282,8 +282,8 @@ def bucket_codes(
 
 def _fused_sampled_grid(
     flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(bounds, mins, step, div, meta)`` of a sampled split from :func:`.fused.sampled_grid` (one compiled
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(bounds, mins, div, meta)`` of a sampled split from :func:`.fused.sampled_grid` (one compiled
     call for a CPU tensor whose kernels run on one thread), the values of :func:`_cpu_bucket_grid` and
     :func:`_bucket_steps`; None where it does not apply.
 
@@ -301,20 +301,20 @@ def _fused_sampled_grid(
     if not tame(grid[3, :2]):  # the min and max of flat: raises if the range is not finite
         finite_range(torch.from_numpy(grid[3, :1].copy()), torch.from_numpy(grid[3, 1:2].copy()), codec_name)
     g = torch.from_numpy(grid)
-    return g[0, 1:], g[0], g[1], g[2], g[:2].reshape(-1)
+    return g[0, 1:], g[0], g[2], g[:2].reshape(-1)
 
 
-def _bucket_steps(mins: torch.Tensor, maxs: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(step, div, meta)`` of the per-bucket grids (float32 ``(B,)``): the step, its divisor
+def _bucket_steps(mins: torch.Tensor, maxs: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(div, meta)`` of the per-bucket grids (float32 ``(B,)``): the step's divisor
     (:func:`.quantize.grid_divisor`) and the metadata sent, ``cat(mins, step)``; in numpy on CPU
     (the same float32 operations at a fraction of torch's per-call cost: a small message's encode
     is mostly such calls)."""
     if mins.device.type != "cpu":
         step = grid_step(mins, maxs, levels)
-        return step, grid_divisor(step), torch.cat((mins, step))
+        return grid_divisor(step), torch.cat((mins, step))
     lo, hi = mins.detach().numpy(), maxs.detach().numpy()
     step = grid_step(lo, hi, levels)
-    return torch.from_numpy(step), torch.from_numpy(grid_divisor(step)), torch.from_numpy(np.concatenate((lo, step)))
+    return torch.from_numpy(grid_divisor(step)), torch.from_numpy(np.concatenate((lo, step)))
 
 
 def group_buckets(g: int, buckets: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -411,6 +411,30 @@ class SortQuantizer(Codec):
         codes = torch.empty_like(ranked_codes).scatter_(1, order, ranked_codes)
         return pack_bits(gp.sent(codes, shape), q + s, check=False), meta
 
+    def _grid(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor | None]:
+        """``(bounds, mins, div, meta, index)`` of a plain (ungrouped) non-empty tensor, step by step:
+        :func:`bucket_grid` (or the range, for one bucket), the maxima of a sampled split (a GPU kernel,
+        else eager, which also keeps each value's bucket as ``index`` for the codes), the steps."""
+        s, levels, index = self.split_bits, 1 << self.quant_bits, None
+        if s == 0:
+            lo, hi = range_of(flat, self.name)
+            bounds, mins, maxs = None, lo.view(1), hi.view(1)
+        else:
+            bounds, mins, maxs = bucket_grid(flat, 1 << s, self.name)
+        if maxs is None:  # sampled split on a GPU: the maxima in one kernel
+            maxs = fused.bucket_maxima(flat, bounds, mins)
+        if maxs is None:  # sampled split, no fused pass: the maxima (and the buckets) eager
+            search = BucketIndex(bounds)
+            index = torch.empty(flat.numel(), dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
+            maxs = mins.clone()
+            for i, j in blocks(flat):
+                b = search(flat[i:j])
+                index[i:j] = b
+                maxs.scatter_reduce_(0, b, flat[i:j], "amax")
+            maxs += 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
+        return (bounds, mins, *_bucket_steps(mins, maxs, levels), index)
+
     def _fused_codes(self, flat: torch.Tensor, bounds: torch.Tensor | None, mins: torch.Tensor, div: torch.Tensor,
                      codes_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor | None:
         """Packed codes of the plain formulation from :mod:`.fused` (the tail from ``codes_of``), or None."""
@@ -435,29 +459,9 @@ class SortQuantizer(Codec):
             meta = torch.zeros(2 * buckets, device=flat.device)
             packed = flat.to(torch.uint8)
         else:
-            index = None  # buckets found in a first pass, reused by the second
             fast = _fused_sampled_grid(flat, buckets, q, self.name) if s else None
-            if fast is not None:  # a small CPU tensor: the grid in one compiled call
-                bounds, mins, step, div, meta = fast
-                search = BucketIndex(bounds)
-            else:
-                if s == 0:
-                    lo, hi = range_of(flat, self.name)
-                    bounds, mins, maxs = None, lo.view(1), hi.view(1)
-                else:
-                    bounds, mins, maxs = bucket_grid(flat, buckets, self.name)
-                search = None if bounds is None else BucketIndex(bounds)
-                if maxs is None:  # sampled split on a GPU: the maxima in one kernel
-                    maxs = fused.bucket_maxima(flat, bounds, mins)
-                if maxs is None:  # sampled split, no fused pass: the maxima (and the buckets) eager
-                    index = torch.empty(n, dtype=torch.uint8 if s <= 8 else torch.int16, device=flat.device)
-                    maxs = mins.clone()
-                    for i, j in blocks(flat):
-                        b = search(flat[i:j])
-                        index[i:j] = b
-                        maxs.scatter_reduce_(0, b, flat[i:j], "amax")
-                    maxs += 0.0  # -0.0 -> +0.0: which zero a max keeps depends on the order of the values
-                step, div, meta = _bucket_steps(mins, maxs, levels)
+            bounds, mins, div, meta, index = (*fast, None) if fast is not None else self._grid(flat)
+            search = None if bounds is None else BucketIndex(bounds)
 
             def codes_of(i: int, j: int) -> torch.Tensor:
                 if search is None:
