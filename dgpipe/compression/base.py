@@ -154,7 +154,7 @@ def make_payload(
         params: codec-specific integers, at most 64.
         tensors: payload tensors; they are flattened (made contiguous, 1-D).
     """
-    flat = tuple(t.reshape(-1) for t in tensors)
+    flat = tuple(t if t.dim() == 1 else t.reshape(-1) for t in tensors)
     fields = [MAGIC, codec_id, code_from_dtype(dtype), len(shape), *shape, len(params), *params, len(flat)]
     for t in flat:
         fields += [code_from_dtype(t.dtype), t.numel()]

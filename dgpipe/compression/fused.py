@@ -68,7 +68,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .bitpack import CHUNK, layout_planes, layout_word
+from .bitpack import CHUNK, layout_planes, layout_word, packed_nbytes
 
 __all__ = [
     "MIN_VALUES",
@@ -124,18 +124,18 @@ def wanted(t: torch.Tensor, n: int | None = None) -> bool:
     before allocating outputs."""
     if (t.numel() if n is None else n) < MIN_VALUES:
         return False
-    return gpu_kernels(t) is not None or (enabled() and t.device.type == "cpu")
+    return gpu_kernels(t) is not None or (enabled() and t.is_cpu)
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
-    return enabled() and all(t.device.type == "cpu" for t in tensors)
+    return enabled() and all(t.is_cpu for t in tensors)
 
 
 def gpu_kernels(t: torch.Tensor):
     """The Triton kernels (:mod:`.fused_triton`) if they take ``t`` -- a CUDA tensor, or a CPU one after
     :func:`.fused_triton.run_on_cpu` -- and the switch is on; else None (on CPU this module's Numba kernels
     run). Each public kernel here hands such tensors to its twin there."""
-    if not _state["enabled"] or (t.device.type != "cuda" and "dgpipe.compression.fused_triton" not in sys.modules):
+    if not _state["enabled"] or (not t.is_cuda and "dgpipe.compression.fused_triton" not in sys.modules):
         return None
     from . import fused_triton  # imported on first use: importing Triton takes a while
 
@@ -609,13 +609,15 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np
 
 def _build_sampled_grid(split_bits: int, quant_bits: int):
     sort, extrema = _radix_sorter(), _build_bucket_extrema(split_bits)
+    encode = _build_encode_buckets(quant_bits, split_bits)
     nb = (1 << split_bits) - 1
     zero, one, ninf = np.float32(0), np.float32(1), np.float32(-np.inf)
-    steps = np.float32((1 << quant_bits) - 1)
+    steps, half_max = np.float32((1 << quant_bits) - 1), np.float32(2.0**127)
 
     @_njit()
-    def kernel(x, pos, ranks, s, grid):
-        # the steps of sortquant._cpu_bucket_grid (sampled) and sortquant._bucket_steps, in one call
+    def kernel(x, pos, ranks, s, grid, out, rest, chunks):
+        # the steps of sortquant._cpu_bucket_grid (sampled) and sortquant._bucket_steps, in one call;
+        # then encode_buckets over the first ``chunks`` chunks where the range is finite
         sort(x, pos, s)
         m = s.shape[0]
         bounds = np.empty(nb, np.float32)
@@ -650,29 +652,38 @@ def _build_sampled_grid(split_bits: int, quant_bits: int):
             step = (top - grid[0, j]) / steps
             grid[1, j] = step
             grid[2, j] = step if step > zero else one
+        if abs(ext[0]) < half_max and abs(ext[nb + 1]) < half_max:  # else the caller raises (NaN fails too)
+            encode(x, grid[0, 1:], grid[0], grid[2], out, rest, chunks)
 
     return kernel
 
 
-def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_bits: int) -> np.ndarray | None:
+def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_bits: int,
+                 pack: bool = False) -> tuple[np.ndarray, np.ndarray | None] | None:
     """Sort quantization's whole grid of a sampled split in one call -- the sample's radix sort
     (:func:`sort_sample`), its boundaries, the extrema pass (:func:`bucket_extrema`) and the steps --
+    and with ``pack`` in the same call the codes of the whole chunks (:func:`encode_buckets`),
     when the kernels run on one thread (:func:`_parts`: a tensor under 64 chunks, as a pipeline's
-    messages are, whose time went mostly to the per-call cost of the separate steps; or one
-    intra-op thread).
+    messages are, or one intra-op thread). A small message's encode costs mostly per call, not
+    per value -- after a stage's compute has evicted the caches each separate step (a torch or
+    numpy call, a kernel launch) costs some 15-25 us -- so one call for all of it halves it.
 
     Args:
         x: 1-D float32 values, contiguous.
         positions: int64 sample positions, at least :data:`MIN_SORT_VALUES` of them.
         ranks: int64 ``(2**S - 1,)`` ranks of the boundaries in the sorted sample, ``S <= 4``.
         quant_bits: Q (the step is ``(max - min) / (2**Q - 1)``).
+        pack: also pack the codes of the whole chunks.
 
     Returns:
-        float32 ``(4, 2**S)``: rows ``mins`` (``min, *boundaries``, zeros as +0.0), ``step`` (so
-        rows 0-1 are the metadata sent), the divisor (``step``, or 1 where it is 0), and the min and
-        max of ``x`` in its first two entries (NaN if ``x`` holds one; the caller checks the range);
-        the same float32 values as the separate steps. None where it does not apply (off, more than
-        one thread's share of values, a smaller sample, ``S > 4``).
+        ``(grid, packed)``: float32 ``(4, 2**S)`` grid, rows ``mins`` (``min, *boundaries``, zeros as
+        +0.0), ``step`` (so rows 0-1 are the metadata sent), the divisor (``step``, or 1 where it is
+        0), and the min and max of ``x`` in its first two entries (NaN if ``x`` holds one; the caller
+        checks the range); the same float32 values as the separate steps. ``packed``: with ``pack``,
+        the uint8 stream of ``x.size`` codes of ``Q + S`` bits with the whole chunks written (the
+        tail, and all of it where the range is not finite, left to the caller), else None. None
+        where the call does not apply (off, more than one thread's share of values, a smaller
+        sample, ``S > 4``).
     """
     s = ranks.size.bit_length()
     if (x.size < MIN_VALUES or positions.size < MIN_SORT_VALUES or s > MAX_SPLIT_BITS or not enabled()
@@ -680,9 +691,13 @@ def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_
         return None
     grid = np.empty((4, 1 << s), np.float32)
     sample = np.empty(positions.size, np.float32)
+    bits = quant_bits + s
+    packed = np.empty(packed_nbytes(x.size, bits) if pack else 0, np.uint8)
+    chunks = x.size // CHUNK if pack else 0
+    rest = layout_planes(bits)[0] * x.size
     ok = _call(("sampled_grid", s, quant_bits), lambda: _build_sampled_grid(s, quant_bits),
-               [(x, positions, ranks, sample, grid)])
-    return grid if ok else None
+               [(x, positions, ranks, sample, grid, packed, rest, chunks)])
+    return (grid, packed if pack else None) if ok else None
 
 
 def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:

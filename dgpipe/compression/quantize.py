@@ -57,7 +57,7 @@ def blocks(flat: torch.Tensor) -> list[tuple[int, int]]:
     CPU -- about 2x faster there than whole-tensor passes -- and one range elsewhere
     (a GPU wants few, large kernels)."""
     n = flat.numel()
-    step = BLOCK if flat.device.type == "cpu" else max(n, 1)
+    step = BLOCK if flat.is_cpu else max(n, 1)
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
@@ -104,12 +104,13 @@ _HALF_MAX = float(2**127)
 """Magnitude below which a float32 difference ``hi - lo`` cannot overflow (half of float32's range)."""
 
 
-def tame(*ends: np.ndarray) -> bool:
-    """Whether the float32 arrays ``ends`` are all finite and below :data:`_HALF_MAX` in magnitude,
-    so that the differences of their values are finite: a check in numpy without an error-state
-    context (whose own cost is a good part of a small message's); NaN fails it."""
-    return all(abs(e.item()) < _HALF_MAX if e.size == 1 else e.size == 0 or float(np.abs(e).max()) < _HALF_MAX
-               for e in ends)  # one value (a per-tensor range): a Python comparison, no ufunc call
+def tame(*ends: np.ndarray | float) -> bool:
+    """Whether the float32 arrays (or Python floats) ``ends`` are all finite and below :data:`_HALF_MAX`
+    in magnitude, so that the differences of their values are finite: a check in numpy without an
+    error-state context (whose own cost is a good part of a small message's); NaN fails it."""
+    return all(abs(e) < _HALF_MAX if isinstance(e, float) else  # a Python comparison, no ufunc call
+               abs(e.item()) < _HALF_MAX if e.size == 1 else e.size == 0 or float(np.abs(e).max()) < _HALF_MAX
+               for e in ends)
 
 
 def finite_range(lo: torch.Tensor, hi: torch.Tensor, codec_name: str) -> None:
@@ -117,7 +118,7 @@ def finite_range(lo: torch.Tensor, hi: torch.Tensor, codec_name: str) -> None:
 
     min/max propagate NaN and inf, so checking the ends checks every value they cover.
     """
-    if lo.device.type == "cpu" and lo.dtype == hi.dtype == torch.float32 and tame(lo.detach().numpy(), hi.detach().numpy()):
+    if lo.is_cpu and lo.dtype == hi.dtype == torch.float32 and tame(lo.detach().numpy(), hi.detach().numpy()):
         return  # numpy: a fraction of torch's per-call cost
     if bool(torch.isfinite(hi - lo).all()):
         return
@@ -160,7 +161,7 @@ def grid_divisor(step: torch.Tensor) -> torch.Tensor:
     (a torch tensor, or a float32 numpy array for a numpy one)."""
     if isinstance(step, np.ndarray):
         return np.where(step > 0, step, np.float32(1.0))
-    if step.device.type == "cpu" and step.dtype == torch.float32:  # numpy: a fraction of torch's per-call cost
+    if step.is_cpu and step.dtype == torch.float32:  # numpy: a fraction of torch's per-call cost
         return torch.from_numpy(grid_divisor(step.detach().numpy()))
     return torch.where(step > 0, step, 1.0)
 
@@ -174,11 +175,12 @@ def grid_table(lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tenso
 _NUMPY_DTYPES = {torch.uint8: np.uint8, torch.float32: np.float32}
 
 
-def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised 1-D tensor of ``n`` values: allocated by numpy on CPU (cheaper per call), by torch elsewhere."""
-    if device.type == "cpu":
+def _empty(n: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised 1-D tensor of ``n`` values on ``like``'s device: allocated by numpy on CPU (cheaper per
+    call), by torch elsewhere."""
+    if like.is_cpu:
         return torch.from_numpy(np.empty(n, _NUMPY_DTYPES[dtype]))
-    return torch.empty(n, dtype=dtype, device=device)
+    return torch.empty(n, dtype=dtype, device=like.device)
 
 
 def fused_encode(
@@ -197,9 +199,15 @@ def fused_encode(
     n = values.numel()
     if not fused.wanted(values):
         return None
-    out = _empty(packed_nbytes(n, bits), torch.uint8, values.device)
+    out = _empty(packed_nbytes(n, bits), torch.uint8, values)
     if not kernel(out):
         return None
+    return pack_tail(out, n, bits, tail)
+
+
+def pack_tail(out: torch.Tensor, n: int, bits: int, tail: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """Complete ``out``, a uint8 stream of ``n`` codes of ``bits`` bits whose whole chunks a kernel
+    packed, with the ``n % CHUNK`` tail codes ``tail(start)`` (eager); returns ``out``."""
     full = n - n % CHUNK
     if full < n:
         pack_bits_into(out, tail(full), bits, n, full, check=False)
@@ -240,7 +248,7 @@ def fused_decode(
     """
     if not fused.wanted(packed, n):
         return None
-    y = _empty(n, torch.float32, packed.device)
+    y = _empty(n, torch.float32, packed)
     if not kernel(y):
         return None
     full = n - n % CHUNK
@@ -289,7 +297,7 @@ def grid_meta(
         ``(meta, lo32, div32)``: ``meta`` 1-D ``cat(lo, step)`` in the metadata dtype;
         ``lo32``/``div32`` float32 of ``lo``'s shape (:func:`grid_divisor`).
     """
-    if grouping.meta_dtype == lo.dtype == hi.dtype == torch.float32 and lo.device.type == "cpu":
+    if grouping.meta_dtype == lo.dtype == hi.dtype == torch.float32 and lo.is_cpu:
         lo32, hi32 = lo.detach().numpy(), hi.detach().numpy()
         if tame(lo32, hi32):  # numpy: a fraction of torch's per-call cost
             step = grid_step(lo32, hi32, levels)

@@ -55,7 +55,7 @@ import torch
 
 from . import fused
 from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import CHUNK, pack_bits, packed_nbytes, unpack_bits
 from .grouping import Grouping
 from .quantize import (
     GROUP_PARAM,
@@ -75,6 +75,7 @@ from .quantize import (
     fused_uniform_decode,
     fused_uniform_encode,
     grouping_options,
+    pack_tail,
 )
 
 __all__ = [
@@ -143,7 +144,7 @@ def bucket_grid(
     """
     n = flat.numel()
     m = sample_size(n, buckets)
-    if flat.device.type == "cpu":
+    if flat.is_cpu:
         return _cpu_bucket_grid(flat, buckets, m, codec_name)
     sample = flat if m == n else flat.index_select(0, sample_positions(n, m, flat.device))
     s = torch.sort(sample).values
@@ -156,6 +157,12 @@ def bucket_grid(
     # bucket i's max: the largest value below the next boundary (or hi), if the bucket is not empty
     uppers = torch.cat((bounds, hi.view(1)))
     return bounds, mins, torch.where(uppers > mins, torch.cat((below, hi.view(1))), mins) + 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_sample_positions(n: int, m: int) -> np.ndarray:
+    """:func:`sample_positions` on CPU as a numpy array (cached: do not modify it)."""
+    return sample_positions(n, m, torch.device("cpu")).numpy()
 
 
 @functools.lru_cache(maxsize=64)
@@ -281,27 +288,30 @@ def bucket_codes(
 
 
 def _fused_sampled_grid(
-    flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(bounds, mins, div, meta)`` of a sampled split from :func:`.fused.sampled_grid` (one compiled
-    call for a CPU tensor whose kernels run on one thread), the values of :func:`_cpu_bucket_grid` and
-    :func:`_bucket_steps`; None where it does not apply.
+    flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str, pack: bool
+) -> tuple[np.ndarray, torch.Tensor | None] | None:
+    """``(grid, packed)`` of a sampled split from :func:`.fused.sampled_grid`: one compiled call for a
+    CPU tensor whose kernels run on one thread. ``grid``: float32 ``(4, 2**S)``, rows ``mins``,
+    ``step`` (rows 0-1: the metadata sent) and divisor, the values of :func:`_cpu_bucket_grid` and
+    :func:`_bucket_steps` (the boundaries are ``mins[1:]``). ``packed``: with ``pack``, the uint8
+    code stream with its whole chunks written in the same call (the tail left to the caller),
+    else None. None where the call does not apply.
 
     Raises:
         ValueError: ``flat`` holds inf or NaN (:func:`.quantize.finite_range`).
     """
     n = flat.numel()
     m = sample_size(n, buckets)
-    if flat.device.type != "cpu" or m == n:
+    if not flat.is_cpu or m == n:
         return None
-    positions = sample_positions(n, m, flat.device).numpy()
-    grid = fused.sampled_grid(flat.detach().numpy(), positions, _boundary_ranks(m, buckets), quant_bits)
-    if grid is None:
+    result = fused.sampled_grid(flat.detach().numpy(), _cpu_sample_positions(n, m), _boundary_ranks(m, buckets),
+                                quant_bits, pack)
+    if result is None:
         return None
-    if not tame(grid[3, :2]):  # the min and max of flat: raises if the range is not finite
+    grid, packed = result
+    if not tame(*grid[3, :2].tolist()):  # the min and max of flat: raises if the range is not finite
         finite_range(torch.from_numpy(grid[3, :1].copy()), torch.from_numpy(grid[3, 1:2].copy()), codec_name)
-    g = torch.from_numpy(grid)
-    return g[0, 1:], g[0], g[2], g[:2].reshape(-1)
+    return grid, None if packed is None else torch.from_numpy(packed)
 
 
 def _bucket_steps(mins: torch.Tensor, maxs: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,7 +319,7 @@ def _bucket_steps(mins: torch.Tensor, maxs: torch.Tensor, levels: int) -> tuple[
     (:func:`.quantize.grid_divisor`) and the metadata sent, ``cat(mins, step)``; in numpy on CPU
     (the same float32 operations at a fraction of torch's per-call cost: a small message's encode
     is mostly such calls)."""
-    if mins.device.type != "cpu":
+    if not mins.is_cpu:
         step = grid_step(mins, maxs, levels)
         return grid_divisor(step), torch.cat((mins, step))
     lo, hi = mins.detach().numpy(), maxs.detach().numpy()
@@ -444,10 +454,38 @@ class SortQuantizer(Codec):
         return fused_encode(flat, q + s, lambda out: fused.encode_buckets(flat, bounds, mins, div, q, out),
                             lambda start: codes_of(start, n))
 
+    def _encode_steps(self, flat: torch.Tensor, grid: np.ndarray | None,
+                      packed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed, meta)`` of a plain non-empty tensor, from the one-call ``grid`` of
+        :func:`_fused_sampled_grid` (and its ``packed`` whole chunks, if it coded them) or else step by step
+        (:meth:`_grid`); the codes of what is not yet packed from the fused kernels, or eager."""
+        q, s, n = self.quant_bits, self.split_bits, flat.numel()
+        if grid is not None:
+            g = torch.from_numpy(grid)
+            bounds, mins, div, meta, index = g[0, 1:], g[0], g[2], g[:2].reshape(-1), None
+        else:
+            bounds, mins, div, meta, index = self._grid(flat)
+        search = None if bounds is None else BucketIndex(bounds)
+
+        def codes_of(i: int, j: int) -> torch.Tensor:
+            if search is None:
+                b = None
+            else:
+                b = search(flat[i:j]) if index is None else index[i:j].long()
+            return bucket_codes(flat[i:j], b, mins, div, 1 << q, self.stochastic)
+
+        if packed is not None:
+            packed = pack_tail(packed, n, q + s, lambda start: codes_of(start, n))
+        elif not self.stochastic:
+            packed = self._fused_codes(flat, bounds, mins, div, codes_of)
+        if packed is None:
+            packed = encode_blocks(flat, q + s, codes_of)
+        return packed, meta
+
     def encode(self, x: torch.Tensor) -> Payload:
         flat = flat_float32(x, self.name)
         q, s = self.quant_bits, self.split_bits
-        n, buckets, levels = flat.numel(), 1 << s, 1 << q
+        n, buckets = flat.numel(), 1 << s
         params = (q, s, self.grouping.param(x.dim()))
         if not self.grouping.plain:
             if n == 0:
@@ -459,20 +497,12 @@ class SortQuantizer(Codec):
             meta = torch.zeros(2 * buckets, device=flat.device)
             packed = flat.to(torch.uint8)
         else:
-            fast = _fused_sampled_grid(flat, buckets, q, self.name) if s else None
-            bounds, mins, div, meta, index = (*fast, None) if fast is not None else self._grid(flat)
-            search = None if bounds is None else BucketIndex(bounds)
-
-            def codes_of(i: int, j: int) -> torch.Tensor:
-                if search is None:
-                    b = None
-                else:
-                    b = search(flat[i:j]) if index is None else index[i:j].long()
-                return bucket_codes(flat[i:j], b, mins, div, levels, self.stochastic)
-
-            packed = None if self.stochastic else self._fused_codes(flat, bounds, mins, div, codes_of)
-            if packed is None:
-                packed = encode_blocks(flat, q + s, codes_of)
+            fast = _fused_sampled_grid(flat, buckets, q, self.name, not self.stochastic) if s else None
+            grid, packed = fast if fast is not None else (None, None)
+            if packed is not None and n % CHUNK == 0:  # one call coded it all: a small message's usual case
+                meta = torch.from_numpy(grid[:2].reshape(-1))
+            else:
+                packed, meta = self._encode_steps(flat, grid, packed)
         return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, meta))
 
     def decode(self, payload: Payload) -> torch.Tensor:
