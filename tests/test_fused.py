@@ -82,7 +82,9 @@ SORTQUANT = [(1, 1), (3, 1), (6, 2), (2, 2), (9, 3), (5, 3), (12, 4), (4, 4), (8
 
 
 @pytest.mark.parametrize("opts", QUANT, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
-def test_quant_fused_equals_eager(eager_and_fused, opts):
+def test_quant_fused_equals_eager(eager_and_fused, kernels_run, opts):
+    """Messages of whole chunks with one float32 grid decode in one call, the others step by step;
+    both give the eager bytes and values."""
     codec = get_codec("quant", **opts)
     for name, x in tensors().items():
         if name == "wide" and opts.get("scale_dtype") == "float16":
@@ -90,8 +92,11 @@ def test_quant_fused_equals_eager(eager_and_fused, opts):
         if opts.get("group") == "token" and x.dim() < 2:
             x = x[: x.numel() // 64 * 64].view(-1, 64)
         eager_and_fused(codec, x)
-    key = ("encode_uniform", opts["bits"])
-    assert key in fused._kernels and ("decode_uniform", opts["bits"]) in fused._kernels, "fused path not taken"
+    bits = opts["bits"]
+    want = {("encode_uniform", bits), ("decode_uniform", bits)}
+    if len(opts) == 1:  # per tensor, float32 metadata
+        want.add(("message_values", bits, 0))
+    assert want <= kernels_run, f"fused path not taken: {want - kernels_run}"
 
 
 CODEBOOK = [
@@ -163,7 +168,8 @@ def test_sortquant_fused_equals_eager(eager_and_fused, kernels_run, qs):
         eager_and_fused(codec, x)
         exact |= sample_size(x.numel(), 1 << s) == x.numel()
     if s:
-        want = {("sampled_grid", s, q), ("decode_buckets", q, s)} | ({("encode_buckets", q, s)} if exact else set())
+        want = {("sampled_grid", s, q), ("decode_buckets", q, s), ("message_values", q, s)}
+        want |= {("encode_buckets", q, s)} if exact else set()
         assert want <= kernels_run, f"fused path not taken: {want - kernels_run}"
 
 
@@ -272,15 +278,23 @@ def test_not_applicable_returns_false():
 
 def test_stochastic_rounding_stays_eager(monkeypatch):
     """Stochastic rounding draws from torch's generator: no fused kernel is asked for it."""
-    calls = []
-    monkeypatch.setattr(fused, "encode_uniform", lambda *a: calls.append(a) or False)
-    monkeypatch.setattr(fused, "encode_buckets", lambda *a: calls.append(a) or False)
+    calls, sampled_grid = [], fused.sampled_grid
+    for name in ("encode_uniform", "encode_buckets", "uniform_message"):  # recorded, not applied
+        monkeypatch.setattr(fused, name, lambda *a, name=name: calls.append(name))
+
+    def grid_only_unless_asked(x, positions, ranks, quant_bits, pack=False):
+        if pack:
+            calls.append("sampled_grid(pack=True)")
+        return sampled_grid(x, positions, ranks, quant_bits, pack)
+
+    monkeypatch.setattr(fused, "sampled_grid", grid_only_unless_asked)
     x = torch.randn(4 * CHUNK)
     get_codec("quant", bits=4, stochastic=True).encode(x)
     get_codec("sortquant", quant_bits=3, split_bits=1, stochastic=True).encode(x)
     assert calls == []
     get_codec("quant", bits=4).encode(x)
-    assert len(calls) == 1
+    get_codec("sortquant", quant_bits=3, split_bits=1).encode(x)
+    assert calls == ["uniform_message", "encode_uniform", "sampled_grid(pack=True)"]
 
 
 def test_compile_failure_falls_back_with_one_warning(monkeypatch):

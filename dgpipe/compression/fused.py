@@ -88,6 +88,9 @@ __all__ = [
     "gpu_kernels",
     "encode_buckets",
     "decode_buckets",
+    "one_call",
+    "uniform_message",
+    "message_values",
     "MAX_LEVEL_BITS",
     "encode_levels",
     "decode_levels",
@@ -810,6 +813,106 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
     return _call(("decode_buckets", quant_bits, s), lambda: _build_decode_buckets(quant_bits, s),
                  [(*_stream_part(packed, quant_bits + s, n, c0), mins, step, y[c0 * CHUNK : c1 * CHUNK], c1 - c0)
                   for c0, c1 in _parts(n // CHUNK)])
+
+
+# --- a small message in one call -------------------------------------------------------------------
+
+
+def one_call(t: torch.Tensor, n: int | None = None) -> bool:
+    """Whether a message of ``n`` values (default ``t.numel()``; ``t`` its values or its code stream) is
+    coded in one compiled call (:func:`uniform_message`, :func:`message_values`): kernels on, a CPU
+    tensor that the Triton kernels do not take (:func:`gpu_kernels`), whole chunks, at least
+    :data:`MIN_VALUES`, and one thread's share of values (:func:`_parts`)."""
+    n = t.numel() if n is None else n
+    return (t.is_cpu and n % CHUNK == 0 and n >= MIN_VALUES and enabled() and gpu_kernels(t) is None
+            and len(_parts(n // CHUNK)) == 1)
+
+
+def _build_uniform_message(bits: int):
+    encode = _build_encode_uniform(bits)
+    steps, zero, one = np.float32((1 << bits) - 1), np.float32(0), np.float32(1)
+
+    @_njit()
+    def kernel(x, lo, hi, meta, div, out, rest, chunks):
+        a, b = np.float32(lo), np.float32(hi)  # exact: float32 values
+        step = (b - a) / steps  # quantize.grid_meta's float32 operations
+        meta[0], meta[1] = a, step
+        div[0] = step if step > zero else one
+        encode(x, meta[:1], div, x.shape[0], 0, out, rest, chunks)
+
+    return kernel
+
+
+def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-tensor uniform quantization's metadata and packed codes in one compiled call: the grid
+    of :func:`.quantize.grid_meta` (float32 ``step = (hi - lo) / (2**bits - 1)``) and the codes of
+    :func:`encode_uniform`, so the same bytes. A small message's encode costs mostly per call (see
+    :func:`sampled_grid`).
+
+    Args:
+        x: 1-D float32 CPU values, whole chunks.
+        lo, hi: the min and max of ``x`` (float32 values as Python floats; the caller checked that
+            the range is finite).
+        bits: code width.
+
+    Returns:
+        ``(meta, packed)``: float32 ``(2,)`` ``[lo, step]`` as sent and the uint8 code stream; None where
+        the call does not apply (off, not CPU, not whole chunks, more than one thread's share of values).
+    """
+    if not one_call(x):
+        return None
+    n = x.numel()
+    meta, div = np.empty(2, np.float32), np.empty(1, np.float32)
+    out = np.empty(packed_nbytes(n, bits), np.uint8)
+    ok = _call(("uniform_message", bits), lambda: _build_uniform_message(bits),
+               [(x.detach().numpy(), lo, hi, meta, div, out, layout_planes(bits)[0] * n, n // CHUNK)])
+    return (torch.from_numpy(meta), torch.from_numpy(out)) if ok else None
+
+
+def _build_message_values(quant_bits: int, split_bits: int):
+    nb = 1 << split_bits
+    if split_bits:
+        decode = _build_decode_buckets(quant_bits, split_bits)
+
+        @_njit()
+        def kernel(packed, rest, meta, y, chunks):
+            decode(packed, rest, meta[:nb], meta[nb:], y, chunks)
+
+        return kernel
+    decode, unused = _build_decode_uniform(quant_bits), np.zeros(1, np.float32)
+
+    @_njit()
+    def uniform(packed, rest, meta, y, chunks):
+        decode(packed, rest, meta[:1], meta[1:], unused, y.shape[0], 0, y, chunks)
+
+    return uniform
+
+
+def message_values(packed: torch.Tensor, quant_bits: int, split_bits: int, meta: torch.Tensor,
+                   n: int) -> torch.Tensor | None:
+    """The ``n`` decoded values of a one-group message in one compiled call: sort quantization's
+    ``mins[b] + level * step[b]`` (:func:`decode_buckets`), or with ``split_bits = 0`` uniform
+    quantization's ``lo + code * step`` (:func:`decode_uniform`) -- the same kernels, so the same
+    values. A small message's decode costs mostly per call (see :func:`sampled_grid`): here the
+    metadata is split inside the kernel and nothing else is converted or checked per tensor.
+
+    Args:
+        packed: uint8 CPU stream of ``n`` codes of ``Q + S`` bits.
+        quant_bits, split_bits: Q and S (``S <= 4``).
+        meta: float32 ``(2 * 2**S,)``, ``cat(mins, step)`` as sent.
+        n: number of codes.
+
+    Returns:
+        float32 ``(n,)``, or None where the call does not apply (off, not CPU, not whole chunks, other
+        metadata dtypes, more than one thread's share of values): the caller decodes step by step.
+    """
+    if not one_call(packed, n) or split_bits > MAX_SPLIT_BITS or meta.dtype != torch.float32:
+        return None
+    y = np.empty(n, np.float32)
+    rest = layout_planes(quant_bits + split_bits)[0] * n
+    ok = _call(("message_values", quant_bits, split_bits), lambda: _build_message_values(quant_bits, split_bits),
+               [(packed.numpy(), rest, meta.numpy(), y, n // CHUNK)])
+    return torch.from_numpy(y) if ok else None
 
 
 # --- codebook: the nearest of 2**bits sorted levels ------------------------------------------------

@@ -355,7 +355,10 @@ class UniformQuantizer(Codec):
         flat = flat_float32(x, self.name)
         gp, levels, shape = self.grouping, 1 << self.bits, tuple(x.shape)
         ng, _, n_sent = gp.counts(shape)
-        if n_sent == 0:
+        fast = self._encode_message(flat) if gp.plain and not self.stochastic and n_sent else None
+        if fast is not None:
+            meta, packed = fast
+        elif n_sent == 0:
             packed, meta = flat.to(torch.uint8), flat.to(gp.meta_dtype)
         else:
             rows = gp.rows(flat.view(shape))
@@ -368,6 +371,21 @@ class UniformQuantizer(Codec):
             packed = self._pack(rows, lo32, div, shape)
         params = (self.bits, gp.param(len(shape)))
         return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, meta))
+
+    def _encode_message(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(meta, packed)`` of a plain tensor from :func:`.fused.uniform_message` (one call after the
+        range), or None where that does not apply.
+
+        Raises:
+            ValueError: inf/NaN values or a range overflowing float32.
+        """
+        if not fused.one_call(flat):
+            return None
+        lo, hi = torch.aminmax(flat)
+        a, b = lo.item(), hi.item()
+        if not tame(a, b):
+            finite_range(lo, hi, self.name)  # raises
+        return fused.uniform_message(flat, a, b, self.bits)
 
     def _pack(self, rows: torch.Tensor, lo32: torch.Tensor, div: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """Packed codes of the non-empty ``rows``: the fused kernel where it applies, else eager block by block.
@@ -400,11 +418,13 @@ class UniformQuantizer(Codec):
         packed, meta = payload.tensors
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
-        lo, step = meta[:ng].float(), meta[ng:].float()
-        values = fused_uniform_decode(packed, bits, n_sent, lo, step, g)  # in wire order, as gp.sent gives
-        if values is None and ng == 1:  # one grid: a table lookup per value
-            values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
-        elif values is None:
-            codes = gp.unsent(unpack_bits(packed, bits, n_sent, dtype=torch.int32).to(torch.float32), h.shape)
-            values = gp.sent(lo[:, None] + codes * step[:, None], h.shape)  # as the table: multiply, then add
+        values = fused.message_values(packed, bits, 0, meta, n_sent) if ng == 1 else None  # in wire order, one call
+        if values is None:
+            lo, step = meta[:ng].float(), meta[ng:].float()
+            values = fused_uniform_decode(packed, bits, n_sent, lo, step, g)  # in wire order, as gp.sent gives
+            if values is None and ng == 1:  # one grid: a table lookup per value
+                values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
+            elif values is None:
+                codes = gp.unsent(unpack_bits(packed, bits, n_sent, dtype=torch.int32).to(torch.float32), h.shape)
+                values = gp.sent(lo[:, None] + codes * step[:, None], h.shape)  # as the table: multiply, then add
         return gp.restore(values, h.shape).to(h.dtype)

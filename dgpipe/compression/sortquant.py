@@ -302,7 +302,7 @@ def _fused_sampled_grid(
     """
     n = flat.numel()
     m = sample_size(n, buckets)
-    if not flat.is_cpu or m == n:
+    if not flat.is_cpu or m == n or fused.gpu_kernels(flat) is not None:
         return None
     result = fused.sampled_grid(flat.detach().numpy(), _cpu_sample_positions(n, m), _boundary_ranks(m, buckets),
                                 quant_bits, pack)
@@ -520,14 +520,16 @@ class SortQuantizer(Codec):
         packed, meta = payload.tensors
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
-        m = ng * buckets
-        mins, steps = meta[:m].float(), meta[m:].float()
-        values = fused_bucket_values(packed, q, s, n_sent, mins, steps) if ng == 1 else None
+        values = fused.message_values(packed, q, s, meta, n_sent) if ng == 1 else None  # one call
         if values is None:
-            tables = grid_table(mins, steps, 1 << q).view(ng, -1)
-            if ng == 1:
-                values = decode_table(packed, q + s, n_sent, tables[0])
-            else:
-                codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
-                values = gp.sent(torch.gather(tables, 1, codes), h.shape)
+            m = ng * buckets
+            mins, steps = meta[:m].float(), meta[m:].float()
+            values = fused_bucket_values(packed, q, s, n_sent, mins, steps) if ng == 1 else None
+            if values is None:
+                tables = grid_table(mins, steps, 1 << q).view(ng, -1)
+                if ng == 1:
+                    values = decode_table(packed, q + s, n_sent, tables[0])
+                else:
+                    codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
+                    values = gp.sent(torch.gather(tables, 1, codes), h.shape)
         return gp.restore(values, h.shape).to(h.dtype)
