@@ -158,7 +158,8 @@ def kernels_run(monkeypatch):
 @pytest.mark.parametrize("qs", SORTQUANT, ids=lambda qs: f"{qs[0]}+{qs[1]}")
 def test_sortquant_fused_equals_eager(eager_and_fused, kernels_run, qs):
     """Sampled splits take the one-call path (grid and whole chunks' codes in ``sampled_grid``),
-    exact splits the separate encode kernel; both give the eager bytes."""
+    exact splits the separate encode kernel; whole chunks decode in one call (``message_values``),
+    a tail step by step; all give the eager bytes and values."""
     from dgpipe.compression.sortquant import sample_size
 
     q, s = qs
@@ -255,17 +256,21 @@ def test_sort_sample_equals_numpy_sort():
     assert fused.sort_sample(cases["randn"], np.arange(fused.MIN_SORT_VALUES - 1)) is None  # numpy's turn
 
 
-def test_non_finite_refused_both_ways():
-    x = torch.randn(3 * CHUNK)
-    x[CHUNK + 7] = float("nan")
-    for on in (False, True):
-        previous = fused.set_enabled(on)
-        try:
-            for codec in (get_codec("quant", bits=8), get_codec("sortquant", quant_bits=6, split_bits=2)):
-                with pytest.raises(ValueError, match="inf/NaN"):
-                    codec.encode(x)
-        finally:
-            fused.set_enabled(previous)
+@pytest.mark.parametrize("bad, error", [((float("nan"),), "inf/NaN"), ((float("-inf"),), "inf/NaN"),
+                                        ((-3e38, 3e38), "wider than float32")])
+def test_non_finite_refused_both_ways(bad, error):
+    """Refused alike by the eager path, the one-call kernels (whole chunks) and the step-by-step ones (a tail)."""
+    for n in (3 * CHUNK, 3 * CHUNK + 5):
+        x = torch.randn(n)
+        x[CHUNK + 7 : CHUNK + 7 + len(bad)] = torch.tensor(bad)
+        for on in (False, True):
+            previous = fused.set_enabled(on)
+            try:
+                for codec in (get_codec("quant", bits=8), get_codec("sortquant", quant_bits=6, split_bits=2)):
+                    with pytest.raises(ValueError, match=error):
+                        codec.encode(x)
+            finally:
+                fused.set_enabled(previous)
 
 
 def test_not_applicable_returns_false():
@@ -274,6 +279,17 @@ def test_not_applicable_returns_false():
     assert not fused.encode_uniform(small, small[:1], small[:1], 8, 100, out)
     assert fused.bucket_extrema(np.zeros(3 * CHUNK, np.float32), np.zeros(31, np.float32), np.zeros(31, np.float32),
                                 np.float32(0.0), np.float32(1.0)) is None  # S = 5 > MAX_SPLIT_BITS
+
+
+def test_message_values_refuses_buffers_of_another_size():
+    """The one-call decode's compiled loop checks no bounds: a stream or metadata of the wrong size is refused."""
+    n, meta = 2 * CHUNK, torch.zeros(8)
+    good = torch.zeros(n, dtype=torch.uint8)
+    assert fused.message_values(good, 6, 2, meta, n) is not None
+    with pytest.raises(ValueError, match="code bytes"):
+        fused.message_values(good[:-1], 6, 2, meta, n)
+    with pytest.raises(ValueError, match="metadata values"):
+        fused.message_values(good, 6, 2, meta[:6], n)
 
 
 def test_stochastic_rounding_stays_eager(monkeypatch):

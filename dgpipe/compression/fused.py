@@ -16,6 +16,12 @@ are unrolled and vectorised:
   the values (each value's bucket by comparison with the ``2**S - 1`` boundaries, then
   the min and the per-bucket maxima, then ``bucket * 2**Q + level``), for ``S <= 4``;
 - :func:`decode_uniform` and :func:`decode_buckets`: unpack and ``lo + code * step``;
+- a small CPU message in **one call** (:func:`one_call`: whole chunks, one thread's share):
+  :func:`uniform_message` (per-tensor ``quant``'s grid and codes after the range),
+  :func:`sampled_grid` with ``pack`` (sort quantization's grid and codes) and
+  :func:`message_values` (either's decode). A pipeline's messages are small and each is
+  coded after a stage's compute has evicted the caches, where every separate step -- a
+  torch or numpy call, a kernel launch -- costs 15-25 us: one call is most of the saving;
 - :func:`encode_levels` and :func:`decode_levels`: the codebook codec's nearest level
   (one comparison per midpoint, ``bits <= 4``) and ``level * scale``;
 - :func:`fwht`: the Walsh-Hadamard butterflies of the rotation, in place, row by row.
@@ -905,9 +911,16 @@ def message_values(packed: torch.Tensor, quant_bits: int, split_bits: int, meta:
     Returns:
         float32 ``(n,)``, or None where the call does not apply (off, not CPU, not whole chunks, other
         metadata dtypes, more than one thread's share of values): the caller decodes step by step.
+
+    Raises:
+        ValueError: ``packed`` or ``meta`` of another size (the compiled kernel checks no bounds; the
+            decoders check the header's sizes before).
     """
     if not one_call(packed, n) or split_bits > MAX_SPLIT_BITS or meta.dtype != torch.float32:
         return None
+    if packed.numel() != packed_nbytes(n, quant_bits + split_bits) or meta.numel() != 2 << split_bits:
+        raise ValueError(f"message_values: {packed.numel()} code bytes and {meta.numel()} metadata values for "
+                         f"{n} codes of {quant_bits}+{split_bits} bits")  # the kernel does not check bounds
     y = np.empty(n, np.float32)
     rest = layout_planes(quant_bits + split_bits)[0] * n
     ok = _call(("message_values", quant_bits, split_bits), lambda: _build_message_values(quant_bits, split_bits),

@@ -20,7 +20,8 @@ has no Python loop over buckets or values:
    MSE stays within a few percent of the exact split's, above or below it;
    ``benchmarks/codec_speed.py`` measures it), read off the sorted sample (on CPU a
    radix sort, :func:`.fused.sort_sample`, else numpy's sort); a zero boundary is +0.0
-   (a small message's whole grid comes from one compiled call, :func:`.fused.sampled_grid`);
+   (a small message's whole grid and its codes come from one compiled call,
+   :func:`.fused.sampled_grid`, and its decode from another, :func:`.fused.message_values`);
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
    the bucket; the global min for bucket 0); its max comes with the sort for small
