@@ -64,6 +64,7 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         "outliers": randn * torch.where(torch.rand(n, generator=g) < 0.01, 100.0, 1.0),
         "exact_chunks": torch.randn(4 * CHUNK, generator=g),
         "non_contiguous": torch.randn(96, 3 * CHUNK // 32 + 5, generator=g).t(),
+        "strided": torch.randn(8 * CHUNK, generator=g)[::2],  # 1-D, whole chunks: flattening keeps the view
         "fp16": torch.randn(3 * CHUNK + 5, generator=g).half(),
         "bf16": torch.randn(3 * CHUNK + 5, generator=g).bfloat16(),
         "hidden": torch.randn(6, 33, 384, generator=g),  # token groups of 384 across chunk borders

@@ -856,7 +856,7 @@ def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[t
     :func:`sampled_grid`).
 
     Args:
-        x: 1-D float32 CPU values, whole chunks.
+        x: 1-D float32 CPU values, contiguous, whole chunks.
         lo, hi: the min and max of ``x`` (float32 values as Python floats; the caller checked that
             the range is finite).
         bits: code width.
@@ -865,7 +865,7 @@ def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[t
         ``(meta, packed)``: float32 ``(2,)`` ``[lo, step]`` as sent and the uint8 code stream; None where
         the call does not apply (off, not CPU, not whole chunks, more than one thread's share of values).
     """
-    if not one_call(x):
+    if not one_call(x) or not x.is_contiguous():
         return None
     n = x.numel()
     meta, div = np.empty(2, np.float32), np.empty(1, np.float32)
