@@ -46,10 +46,12 @@ applies: rotated or per-channel groups, the codebook codec).
 ``--messages`` adds the per-message cost of the small messages a pipeline sends (those of
 ``benchmarks/slow_link_speedup.py``: a micro-batch of 16 CIFAR images is a 65,536-value
 activation after the stem and a 20,480-value feature vector): microseconds of encode +
-decode per message, measured *warm* (one call after another) and *cold* (after a 3x3
+decode per message, measured *warm* (one call after another), *cold* (after a 3x3
 convolution over a 16x64x16x16 batch, as a stage's compute runs between two messages:
-it evicts the caches). At these sizes the cost is per call, not per value, and the
-cold figure is what a pipeline pays.
+it evicts the caches) and *after a stage* (after the forward of that benchmark's
+MobileNetV2 server stage on the micro-batch: what a pipeline's messages meet, and a
+harsher eviction than the convolution, of code as well as data). At these sizes the cost
+is per call, not per value, and the cold figures are what a pipeline pays.
 
 ``--device cuda`` runs everything on the GPU (timed with ``torch.cuda.synchronize``); the
 ``fused`` rows are then the Triton kernels (:mod:`dgpipe.compression.fused_triton`), a
@@ -240,37 +242,47 @@ MESSAGES = {"activation 16x16x16x16": (16, 16, 16, 16), "features 16x1280": (16,
 
 def message_table(calls: int, clock=time.perf_counter) -> list[str]:
     """Markdown rows: median microseconds of one encode + decode of each :data:`MESSAGES` tensor
-    after a cache-evicting convolution (cold) and right after that call again (warm); ``calls``
-    of each, interleaved by codec."""
+    after a cache-evicting convolution (cold), right after that call again (warm) and after the
+    forward of the slow-link benchmark's MobileNetV2 server stage (after a stage); ``calls`` of
+    each, interleaved by codec."""
+    from dgpipe.models import build_mobilenet, client_server_split, mobilenet_layers
+
     gen = torch.Generator().manual_seed(0)
     conv = torch.nn.Conv2d(64, 64, 3, padding=1)
     batch = torch.randn(16, 64, 16, 16, generator=gen)
+    torch.manual_seed(0)
+    front, server, _ = client_server_split(mobilenet_layers(build_mobilenet(10, image_size=32)), 1)
+    with torch.no_grad():
+        activation = front(torch.randn(16, 3, 32, 32, generator=gen))
 
-    def evict() -> None:
+    def evict(mode: str) -> None:
         with torch.no_grad():
-            conv(batch)
+            if mode == "cold":
+                conv(batch)
+            elif mode == "stage":
+                server(activation)
 
     codecs = {"none": get_codec("none"), "quant 8": get_codec("quant", bits=8),
               "sortquant 6+2": get_codec("sortquant", quant_bits=6, split_bits=2),
               "sortquant 3+1": get_codec("sortquant", quant_bits=3, split_bits=1),
               "sortquant 12+4": get_codec("sortquant", quant_bits=12, split_bits=4)}
-    rows = ["| message | codec | warm us | cold us | cold / warm |", "|---|---|---|---|---|"]
+    modes = ("cold", "warm", "stage")  # warm: the cold call again, right after
+    rows = ["| message | codec | warm us | cold us | cold / warm | after a stage us |", "|---|---|---|---|---|---|"]
     for name, shape in MESSAGES.items():
         x = torch.randn(shape, generator=gen)
-        times = {(c, mode): [] for c in codecs for mode in ("warm", "cold")}
+        times = {(c, mode): [] for c in codecs for mode in modes}
         for c in codecs.values():
             c.decode(c.encode(x))  # compile and cache before timing
         for _ in range(calls):
             for label, c in codecs.items():
-                for mode in ("cold", "warm"):  # warm: the same call again, right after
-                    if mode == "cold":
-                        evict()
+                for mode in modes:
+                    evict(mode)
                     start = clock()
                     c.decode(c.encode(x))
                     times[label, mode].append(clock() - start)
         for label in codecs:
-            warm, cold = (statistics.median(times[label, m]) * 1e6 for m in ("warm", "cold"))
-            rows.append(f"| {name} | {label} | {warm:.0f} | {cold:.0f} | {cold / warm:.1f} |")
+            warm, cold, stage = (statistics.median(times[label, m]) * 1e6 for m in ("warm", "cold", "stage"))
+            rows.append(f"| {name} | {label} | {warm:.0f} | {cold:.0f} | {cold / warm:.1f} | {stage:.0f} |")
     return rows
 
 
