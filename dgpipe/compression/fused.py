@@ -703,9 +703,8 @@ def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_
     bits = quant_bits + s
     packed = np.empty(packed_nbytes(x.size, bits) if pack else 0, np.uint8)
     chunks = x.size // CHUNK if pack else 0
-    rest = layout_planes(bits)[0] * x.size
     ok = _call(("sampled_grid", s, quant_bits), lambda: _build_sampled_grid(s, quant_bits),
-               [(x, positions, ranks, sample, grid, packed, rest, chunks)])
+               [(x, positions, ranks, sample, grid, *_stream_part(packed, bits, x.size, 0), chunks)])
     return (grid, packed if pack else None) if ok else None
 
 
@@ -871,7 +870,7 @@ def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[t
     meta, div = np.empty(2, np.float32), np.empty(1, np.float32)
     out = np.empty(packed_nbytes(n, bits), np.uint8)
     ok = _call(("uniform_message", bits), lambda: _build_uniform_message(bits),
-               [(x.detach().numpy(), lo, hi, meta, div, out, layout_planes(bits)[0] * n, n // CHUNK)])
+               [(x.detach().numpy(), lo, hi, meta, div, *_stream_part(out, bits, n, 0), n // CHUNK)])
     return (torch.from_numpy(meta), torch.from_numpy(out)) if ok else None
 
 
@@ -922,9 +921,8 @@ def message_values(packed: torch.Tensor, quant_bits: int, split_bits: int, meta:
         raise ValueError(f"message_values: {packed.numel()} code bytes and {meta.numel()} metadata values for "
                          f"{n} codes of {quant_bits}+{split_bits} bits")  # the kernel does not check bounds
     y = np.empty(n, np.float32)
-    rest = layout_planes(quant_bits + split_bits)[0] * n
     ok = _call(("message_values", quant_bits, split_bits), lambda: _build_message_values(quant_bits, split_bits),
-               [(packed.numpy(), rest, meta.numpy(), y, n // CHUNK)])
+               [(*_stream_part(packed.numpy(), quant_bits + split_bits, n, 0), meta.numpy(), y, n // CHUNK)])
     return torch.from_numpy(y) if ok else None
 
 

@@ -419,12 +419,12 @@ class UniformQuantizer(Codec):
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
         values = fused.message_values(packed, bits, 0, meta, n_sent) if ng == 1 else None  # in wire order, one call
-        if values is None:
+        if values is None:  # step by step
             lo, step = meta[:ng].float(), meta[ng:].float()
             values = fused_uniform_decode(packed, bits, n_sent, lo, step, g)  # in wire order, as gp.sent gives
-            if values is None and ng == 1:  # one grid: a table lookup per value
-                values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
-            elif values is None:
-                codes = gp.unsent(unpack_bits(packed, bits, n_sent, dtype=torch.int32).to(torch.float32), h.shape)
-                values = gp.sent(lo[:, None] + codes * step[:, None], h.shape)  # as the table: multiply, then add
+        if values is None and ng == 1:  # one grid: a table lookup per value
+            values = decode_table(packed, bits, n_sent, grid_table(lo, step, 1 << bits))
+        elif values is None:
+            codes = gp.unsent(unpack_bits(packed, bits, n_sent, dtype=torch.int32).to(torch.float32), h.shape)
+            values = gp.sent(lo[:, None] + codes * step[:, None], h.shape)  # as the table: multiply, then add
         return gp.restore(values, h.shape).to(h.dtype)

@@ -184,7 +184,7 @@ def _cpu_bucket_grid(
     a fraction of torch's."""
     n = flat.numel()
     xs = flat.detach().numpy()
-    positions = None if m == n else sample_positions(n, m, flat.device).numpy()
+    positions = None if m == n else _cpu_sample_positions(n, m)
     s = fused.sort_sample(xs, positions)  # a radix sort, 2-3x numpy's here
     if s is None:
         s = np.sort(xs if positions is None else xs[positions])
@@ -525,15 +525,15 @@ class SortQuantizer(Codec):
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
         values = fused.message_values(packed, q, s, meta, n_sent) if ng == 1 else None  # one call
-        if values is None:
+        if values is None:  # step by step
             m = ng * buckets
             mins, steps = meta[:m].float(), meta[m:].float()
             values = fused_bucket_values(packed, q, s, n_sent, mins, steps) if ng == 1 else None
-            if values is None:
-                tables = grid_table(mins, steps, 1 << q).view(ng, -1)
-                if ng == 1:
-                    values = decode_table(packed, q + s, n_sent, tables[0])
-                else:
-                    codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
-                    values = gp.sent(torch.gather(tables, 1, codes), h.shape)
+        if values is None:
+            tables = grid_table(mins, steps, 1 << q).view(ng, -1)
+            if ng == 1:
+                values = decode_table(packed, q + s, n_sent, tables[0])
+            else:
+                codes = gp.unsent(unpack_bits(packed, q + s, n_sent, dtype=torch.int64), h.shape)
+                values = gp.sent(torch.gather(tables, 1, codes), h.shape)
         return gp.restore(values, h.shape).to(h.dtype)
