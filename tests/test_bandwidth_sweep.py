@@ -11,7 +11,8 @@ import pytest
 from helpers import ROOT, load_cli
 
 from dgpipe.train.runlog import boundary_record, epoch_record, summary_record
-from dgpipe.train.sweep import SETTINGS, add_sweep_flags, format_table, prepare_runs, table_rows
+from dgpipe.train.codecs import SETTINGS
+from dgpipe.train.sweep import add_sweep_flags, format_table, prepare_runs, table_rows
 from dgpipe.train.vision import VisionJob
 
 
@@ -100,7 +101,7 @@ def test_prepare_runs_one_codec_and_log_per_setting(vision_parser):
     base, runs = prepare_runs(parser, VisionJob, argv, data / "logs")
     assert [label for label, _ in runs] == ["sortquant8", "none"]
     for label, args in runs:
-        assert args.compression.forward == args.compression.backward == SETTINGS[label]
+        assert args.compression == SETTINGS[label]
         assert Path(args.log) == data / "logs" / f"{label}.jsonl"
         assert (args.max_steps, args.train_subset, args.eval_subset, args.chunk) == (2, 8, 4, 2)
         assert not args.bandwidth and not args.progress

@@ -1,5 +1,5 @@
 """The quality benchmark's statistics (benchmarks/ablation.py): paired differences with a
-Student-t interval, bits per value of each direction, and the multi-seed table, on
+Student-t interval, bits per value of each direction (dgpipe.train.runlog), and the multi-seed table, on
 synthetic logs whose numbers are computed here by hand."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import ablation  # noqa: E402
+
+from dgpipe.train.runlog import direction_bits, read_records  # noqa: E402
 
 
 def test_paired_difference_and_interval_by_hand():
@@ -48,7 +50,7 @@ def _log(path, fwd_wire, bwd_wire, bwd_raw, acc, heldout):
 
 def test_direction_bits_counts_values_from_the_float32_gradients(tmp_path):
     _log(tmp_path / "x.jsonl", fwd_wire=520, bwd_wire=1000, bwd_raw=4000, acc=0.5, heldout=0.5)
-    bits = ablation.direction_bits(tmp_path / "x.jsonl")
+    bits = direction_bits(read_records(tmp_path / "x.jsonl"))
     assert bits == {"forward": 8 * 520 / 1000, "backward": 8.0}  # 1000 values
 
 

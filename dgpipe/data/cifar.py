@@ -323,7 +323,7 @@ def load_cifar(
     subset: int | None = None,
     seed: int = 0,
     cache_dir: str | os.PathLike | None = None,
-    download: bool = True,
+    download: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Load one CIFAR split from whichever layout ``data_dir`` holds (see module doc).
 

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .loading import make_dataloader
 from .subset import choose_subset
@@ -299,6 +299,20 @@ def tokenize_glue(examples: list[Example], tokenizer, max_length: int = 128) -> 
     return out
 
 
+def trim_padding(items: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Collate items of a :class:`TokenizedDataset` and cut the padding columns that every
+    example of the batch has (what ``DataCollatorWithPadding(padding="longest")`` gives,
+    on examples tokenised once at the longest length).
+
+    Returns:
+        ``(inputs, labels)``: each input int64 ``(B, L)`` with ``L`` the batch's longest
+        example (its attention mask's largest row sum, at least 1), labels as collated.
+    """
+    inputs, labels = default_collate(items)
+    length = max(int(inputs[1].sum(dim=1).max()), 1)
+    return tuple(t[:, :length] for t in inputs), labels
+
+
 class TokenizedDataset(Dataset):
     """Tokenised examples; item ``i`` is ``((input_ids, attention_mask[, token_type_ids]), label)``.
 
@@ -335,10 +349,12 @@ def make_glue_loader(
     world_size: int = 1,
     heldout: int = 0,
     sample_ids: bool = False,
+    pad_to_longest: bool = False,
 ) -> DataLoader:
     """A DataLoader over one GLUE split yielding ``((input_ids, attention_mask[, token_type_ids]), labels)``.
 
-    Shapes: each input int64 ``(B, max_length)``; labels int64 ``(B,)`` (float32 for STS-B).
+    Shapes: each input int64 ``(B, L)`` with ``L = max_length``, or with ``pad_to_longest`` the
+    batch's longest example (:func:`trim_padding`); labels int64 ``(B,)`` (float32 for STS-B).
     Data comes from :func:`load_glue` (``data_dir``, ``split``, ``subset``, ``seed``, ``heldout``), is
     tokenised once by :func:`tokenize_glue`; ``train`` is shuffled (seeded) and drops the
     last incomplete batch unless ``drop_last`` says otherwise. ``rank``/``world_size``,
@@ -351,4 +367,5 @@ def make_glue_loader(
     dataset = TokenizedDataset(tokenize_glue(examples, tokenizer, max_length))
     train = split == "train"
     return make_dataloader(dataset, batch_size, shuffle=train, seed=seed, drop_last=drop_last, num_workers=num_workers,
-                           rank=rank, world_size=world_size, sample_ids=sample_ids)
+                           collate_fn=trim_padding if pad_to_longest else None, rank=rank, world_size=world_size,
+                           sample_ids=sample_ids)

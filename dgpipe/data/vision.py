@@ -84,7 +84,7 @@ def make_loader(
     seed: int = 0,
     num_workers: int = 2,
     cache_dir: str | os.PathLike | None = None,
-    download: bool = True,
+    download: bool = False,
     drop_last: bool | None = None,
     rank: int = 0,
     world_size: int = 1,

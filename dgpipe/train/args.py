@@ -8,7 +8,8 @@ every argument error is reported before any process starts.
 
 Usage::
 
-    parser = common_parser("my job", batch_size=128, lr=0.1, epochs=10, client_layers=1)
+    parser = common_parser("my job", batch_size=128, lr=0.1, epochs=10, client_layers=1,
+                           data_dir=None, data_dir_help="...", epilog="example: ...")
     parser.add_argument("--dataset", choices=["cifar10", "cifar100"], default="cifar10")
     args = parser.parse_args()
     validate_common(args)          # ValueError with the fix
@@ -26,10 +27,12 @@ import torch
 from dgpipe.compression.delta import CACHE_DTYPES, DEFAULT_MAX_BYTES
 
 from .checkpoint import read_meta
-from .codecs import boundary_compression, grad_compression
+from .codecs import SETTINGS, boundary_compression, grad_compression, setting_label
 
 __all__ = [
     "TORCHRUN_VARS",
+    "HelpFormatter",
+    "JobParser",
     "DistEnv",
     "common_parser",
     "validate_common",
@@ -42,6 +45,26 @@ __all__ = [
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default said once: ``(default: X)`` is appended unless the
+    help text already says its default or the option has none to show (a switch that is off,
+    ``None``, an empty list). Description and epilog keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "(default:" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class JobParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose argument errors are one line plus a pointer to ``--help``
+    (exit status 2), instead of the usage block and the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see '{self.prog} --help' for the options\n")
+
+
 def common_parser(
     description: str,
     *,
@@ -51,19 +74,23 @@ def common_parser(
     client_layers: int,
     data_dir: str | None,
     data_dir_help: str,
-) -> argparse.ArgumentParser:
-    """An ``ArgumentParser`` holding every flag the main jobs share.
+    epilog: str | None = None,
+    prog: str | None = None,
+) -> JobParser:
+    """A :class:`JobParser` holding every flag the main jobs share.
 
     Args:
-        description: the CLI's one-line description.
+        description: what the CLI does (a paragraph; its line breaks are kept).
         batch_size, lr, epochs, client_layers: the job's defaults for these flags.
         data_dir: default of ``--data-dir`` (``None``: no default).
         data_dir_help: help text of ``--data-dir`` (what layout the job reads).
+        epilog: text after the options (examples).
+        prog: the program's name in messages (default: the script's).
 
     Returns:
         a parser; the CLI adds its own flags (model, dataset, optimizer extras).
     """
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = JobParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
 
     c = p.add_argument_group("compression at stage boundaries (pipeline mode)")
     c.add_argument("--sortquant", action="store_true",
@@ -80,8 +107,12 @@ def common_parser(
     c.add_argument("--grad-codec", metavar="NAME", help="backward direction: any registered codec")
     c.add_argument("--grad-codec-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of --grad-codec (repeatable)")
-    c.add_argument("--no-compress-eval", dest="compress_eval", action="store_false",
-                   help="send activations uncompressed during evaluation (default: the training codec)")
+    c.add_argument("--compress-eval", action=argparse.BooleanOptionalAction, default=True,
+                   help="evaluate through the training codecs, as split inference would run; "
+                        "--no-compress-eval sends evaluation activations uncompressed")
+    c.add_argument("--compare-to", metavar="SETTING[,SETTING...]",
+                   help="also train each named setting with the same seed, data and flags, one after another "
+                        f"in the same processes, and print a side-by-side table; settings: {', '.join(SETTINGS)}")
 
     e = p.add_argument_group("delta coding of activations against per-example caches (AQ-SGD, pipeline mode)")
     e.add_argument("--delta", action="store_true",
@@ -99,17 +130,21 @@ def common_parser(
 
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", default=data_dir, help=data_dir_help)
-    d.add_argument("--train-subset", type=int, metavar="N", help="train on a fixed subset of N examples")
-    d.add_argument("--eval-subset", type=int, metavar="N", help="evaluate on a fixed subset of N examples")
+    d.add_argument("--train-subset", type=int, metavar="N",
+                   help="train on a fixed, class-stratified subset of N examples (default: all)")
+    d.add_argument("--eval-subset", type=int, metavar="N",
+                   help="evaluate on a fixed, class-stratified subset of N examples (default: all)")
     d.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank")
 
     t = p.add_argument_group("training")
     t.add_argument("--batch-size", type=int, default=batch_size, help="examples per optimizer step (all ranks)")
     t.add_argument("--chunk", type=int, default=4, metavar="M", help="micro-batches per mini-batch (pipeline)")
-    t.add_argument("--epochs", type=int, default=epochs)
+    t.add_argument("--epochs", type=int, default=epochs, help="passes over the training set")
     t.add_argument("--lr", type=float, default=lr, help="peak learning rate")
-    t.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (smoke runs)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-steps", type=int, metavar="N",
+                   help="stop after N optimizer steps (smoke runs; default: every step of --epochs)")
+    t.add_argument("--seed", type=int, default=0,
+                   help="seed of the initialisation, the subsets, the batch order and dropout")
 
     s = p.add_argument_group("partition and processes")
     s.add_argument("--mode", choices=["pipeline", "dataparallel"], default="pipeline",
@@ -119,11 +154,11 @@ def common_parser(
                         "the server (rank 1) the middle; linear: --stages consecutive stages")
     s.add_argument("--client-layers", type=int, default=client_layers, metavar="K",
                    help="layers the client holds at each end (client-server)")
-    s.add_argument("--stages", type=int, metavar="N", help="stages of a linear partition (default: world size)")
+    s.add_argument("--stages", type=int, metavar="N", help="stages of a linear partition (default: the world size)")
     s.add_argument("--balance", metavar="N1,N2,...",
-                   help="layers per stage of a linear partition (default: about equal)")
+                   help="layers per stage of a linear partition (default: about equal parameter counts)")
     s.add_argument("--world-size", type=int, metavar="W",
-                   help="processes (default 2; under torchrun: its WORLD_SIZE)")
+                   help="processes (default: 2; under torchrun: its WORLD_SIZE)")
     s.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend (auto: nccl on CUDA devices, else gloo)")
     s.add_argument("--devices", metavar="DEV[,DEV...]",
@@ -132,16 +167,21 @@ def common_parser(
     s.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a peer silent this long ends every rank with an error")
     s.add_argument("--grad-compression", metavar="NAME",
-                   help="dataparallel mode: compress the DDP gradient exchange with this hook/codec")
+                   help="dataparallel mode: compress the DDP gradient exchange with this hook/codec "
+                        "(default: plain all-reduce)")
     s.add_argument("--grad-compression-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of --grad-compression (repeatable), e.g. rank=4")
 
     o = p.add_argument_group("output")
-    o.add_argument("--log", metavar="PATH", help="JSON-lines log (one record per epoch, then a summary)")
+    o.add_argument("--log-file", "--log", dest="log", metavar="PATH",
+                   help="JSON-lines log (one record per epoch, then a summary); with --compare-to, each compared "
+                        "setting's log is PATH with .<setting> before the suffix. Under torchrun spell it "
+                        "--log-file (torchrun takes --log for its own --log-dir)")
     o.add_argument("--bandwidth", action="store_true", help="print the per-boundary meter table each epoch")
     o.add_argument("--save", metavar="DIR", help="checkpoint directory written after every epoch")
     o.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory written by --save")
-    o.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bars")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="tqdm progress bars on rank 0")
     return p
 
 
@@ -281,13 +321,32 @@ def _check_delta(args: argparse.Namespace) -> None:
                              "choose a writable directory")
 
 
+def _compare_to(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--compare-to`` as a tuple of labels of :data:`~dgpipe.train.codecs.SETTINGS` (empty without it)."""
+    if args.compare_to is None:
+        return ()
+    labels = tuple(x.strip() for x in args.compare_to.split(",") if x.strip())
+    unknown = [x for x in labels if x not in SETTINGS]
+    if not labels or unknown or len(set(labels)) != len(labels):
+        raise ValueError(f"--compare-to {args.compare_to!r}: give distinct settings out of {', '.join(SETTINGS)}, "
+                         "e.g. --compare-to none,codebook4")
+    own = setting_label(args.compression)
+    if own in labels:
+        raise ValueError(f"--compare-to {own}: the command's own compression flags already select {own}")
+    if args.save or args.resume:
+        raise ValueError("--compare-to trains several settings in a row; --save/--resume checkpoint one run: "
+                         "drop them or run the settings one at a time")
+    return labels
+
+
 def validate_common(args: argparse.Namespace, environ: dict | None = None) -> None:
     """Check the shared flags and fill in derived values, before any process starts.
 
     Sets on ``args``: ``world_size`` (resolved), ``stages`` (linear default),
     ``balance`` (tuple or None), ``compression`` (a
-    :class:`~dgpipe.train.codecs.BoundaryCompression`, pipeline mode) and
-    ``dp_compression`` (a :class:`~dgpipe.train.codecs.CodecSpec` or None).
+    :class:`~dgpipe.train.codecs.BoundaryCompression`, pipeline mode),
+    ``dp_compression`` (a :class:`~dgpipe.train.codecs.CodecSpec` or None) and
+    ``compare_to`` (a tuple of setting labels, empty without ``--compare-to``).
 
     Raises:
         ValueError: the first problem found, with the flag to change.
@@ -328,6 +387,7 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
         args.compression = boundary_compression(args)
         args.dp_compression = None
         _check_delta(args)
+        args.compare_to = _compare_to(args)
     else:
         if args.batch_size % args.world_size:
             raise ValueError(f"--batch-size {args.batch_size} is not divisible by --world-size {args.world_size} "
@@ -343,6 +403,9 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
                              "--grad-compression-opt quant_bits=6 --grad-compression-opt split_bits=2)")
         if args.delta:
             raise ValueError("--delta codes pipeline boundaries; it has no meaning in --mode dataparallel")
+        if args.compare_to:
+            raise ValueError("--compare-to compares pipeline boundary settings; drop it in --mode dataparallel")
+        args.compare_to = ()
         args.compression = None
         args.dp_compression = grad_compression(args)
 

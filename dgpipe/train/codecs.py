@@ -1,6 +1,6 @@
 """Compression flags -> codec specs for the stage boundaries and the DDP baseline.
 
-The flag rules (issue 4, original flag names):
+The flag rules (the original scripts' flag names):
 
 - ``--sortquant --quant Q --split S``: sort quantization, Q quant bits + S split bits,
   both directions. ``--quant Q`` alone: uniform Q-bit quantization. ``--codec NAME``
@@ -32,6 +32,8 @@ __all__ = [
     "MAX_BITS",
     "CodecSpec",
     "BoundaryCompression",
+    "SETTINGS",
+    "setting_label",
     "parse_options",
     "boundary_compression",
     "grad_compression",
@@ -95,6 +97,40 @@ class BoundaryCompression:
         if self.forward == self.backward:
             return str(self.forward)
         return f"forward {self.forward}, backward {self.backward}"
+
+
+def _codebook(bits: int) -> CodecSpec:
+    """The codebook codec at ``bits`` bits: normal-float levels, one bfloat16 RMS scale per token
+    after a Hadamard rotation of the last dimension (the quality benchmark's low-bit codec)."""
+    return CodecSpec("codebook", {"bits": bits, "levels": "normal", "group": "token", "rotate": "hadamard",
+                                  "scale_dtype": "bfloat16"})
+
+
+def _both(spec: CodecSpec) -> BoundaryCompression:
+    return BoundaryCompression(spec, spec)
+
+
+#: Named boundary settings (``--compare-to``, the bandwidth sweeps): uncompressed (still
+#: measured); sort quantization at 16/12/8/4 bits per value with quant:split bits 3:1 (12+4,
+#: 9+3, 6+2, 3+1); uniform min-max quantization at 8 and 4 bits; the codebook codec at 4 bits
+#: both ways, and at 2 bits forward with 4-bit codebook gradients (``docs/quality.md`` ranks them).
+SETTINGS: dict[str, BoundaryCompression] = {
+    "none": _both(CodecSpec("none")),
+    "sortquant16": _both(CodecSpec("sortquant", {"quant_bits": 12, "split_bits": 4})),
+    "sortquant12": _both(CodecSpec("sortquant", {"quant_bits": 9, "split_bits": 3})),
+    "sortquant8": _both(CodecSpec("sortquant", {"quant_bits": 6, "split_bits": 2})),
+    "sortquant4": _both(CodecSpec("sortquant", {"quant_bits": 3, "split_bits": 1})),
+    "quant8": _both(CodecSpec("quant", {"bits": 8})),
+    "quant4": _both(CodecSpec("quant", {"bits": 4})),
+    "codebook4": _both(_codebook(4)),
+    "codebook2_g4": BoundaryCompression(_codebook(2), _codebook(4)),
+}
+
+
+def setting_label(compression: BoundaryCompression) -> str:
+    """The name of ``compression`` in :data:`SETTINGS`, else its codecs written out
+    (e.g. ``quant(bits=6)``)."""
+    return next((label for label, c in SETTINGS.items() if c == compression), str(compression))
 
 
 def _value(text: str) -> Any:

@@ -32,7 +32,8 @@ from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement
 
 from .job import Job
 
-__all__ = ["partition", "placement", "reads_data", "PipelineEngine", "DataParallelEngine", "make_engine"]
+__all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEngine", "DataParallelEngine",
+           "make_engine"]
 
 
 def placement(args: argparse.Namespace) -> list[int]:
@@ -65,6 +66,23 @@ def partition(layers: list[nn.Module], args: argparse.Namespace, pinned: tuple[i
     return split_layers(layers, balance), placement(args)
 
 
+#: Shapes :func:`warm_up_codecs` codes: a message of whole kernel chunks and two small ones
+#: (a micro-batch of short sequences), which take the kernels' other paths.
+WARM_UP_SHAPES = ((4, 4096), (4, 20, 384), (20, 384))
+
+
+def warm_up_codecs(specs) -> None:
+    """Encode and decode random float32 tensors of :data:`WARM_UP_SHAPES` once with each codec
+    of ``specs`` (:class:`~dgpipe.train.codecs.CodecSpec`), on this rank alone, so that the
+    compiled kernels' one-time compilation (seconds) happens before training is timed."""
+    generator = torch.Generator().manual_seed(0)
+    distinct = [spec for i, spec in enumerate(specs) if spec not in specs[:i]]
+    for spec in distinct:
+        codec = spec.build()
+        for shape in WARM_UP_SHAPES:
+            codec.decode(codec.encode(torch.randn(shape, generator=generator)))
+
+
 def _to(value, device: torch.device):
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
@@ -91,6 +109,7 @@ class PipelineEngine:
             delta = DeltaSpec(train_examples, cache_dtype=CACHE_DTYPES[args.delta_cache_dtype],
                               cache_dir=args.delta_cache_dir, max_bytes=int(args.delta_cache_limit * 2**30))
         comp = args.compression
+        warm_up_codecs((comp.forward, comp.backward))
         self.pipe = Pipeline(
             stages, self.placement, rank, chunks=args.chunk, loss_fn=job.loss,
             act_codec=comp.forward.build, grad_codec=comp.backward.build,

@@ -24,9 +24,12 @@ so a resumed run (``--resume``) trains exactly as an uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -42,7 +45,7 @@ from .args import dist_env, rank_device, resolve_backend, validate_common
 from .engine import make_engine, reads_data
 from .job import Job
 
-__all__ = ["main", "parse_args", "run", "worker", "json_args"]
+__all__ = ["main", "parse_args", "run", "launch", "run_settings", "worker", "json_args", "top_class"]
 
 #: Meter directions that are evaluation traffic (not counted in the summary's bytes).
 EVAL_DIRECTIONS = ("eval",)
@@ -86,24 +89,64 @@ def main(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str
 def run(job_cls: type[Job], args: argparse.Namespace) -> None:
     """Train ``job_cls(args)`` on ``args.world_size`` ranks; validated ``args`` only.
 
+    With ``--compare-to``, every setting (:func:`dgpipe.train.compare.plan`) trains in turn in
+    the same ranks, and the launching process (rank 0 under torchrun) prints the
+    side-by-side table (:func:`dgpipe.train.compare.format_table`).
+
     Raises:
         dgpipe.pipeline.SpawnError: a rank failed (names it, with its traceback).
     """
-    args.launch_time = time.time()
-    env = dist_env(args.world_size)
-    backend = resolve_backend(args)
+    from . import compare
+
+    with tempfile.TemporaryDirectory(prefix="dgpipe-compare-") as tmp:
+        runs = compare.plan(args, tmp)
+        env = launch(job_cls, runs)
+        if len(runs) > 1 and env.rank == 0:
+            print(compare.format_table(compare.rows(runs)), flush=True)
+
+
+def launch(job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]], capture: bool = False):
+    """Run :func:`run_settings` on the ranks: in this process under ``torchrun``, else in
+    ``world_size`` spawned processes (settings from ``runs[0]``: world size, backend, timeout).
+
+    Returns:
+        the :class:`~dgpipe.train.args.DistEnv` of this process (rank 0 when it spawned the ranks).
+    Raises:
+        dgpipe.pipeline.SpawnError: a spawned rank failed (names it, with its traceback).
+    """
+    first = runs[0][1]
+    env = dist_env(first.world_size)
+    backend = resolve_backend(first)
     if env.torchrun:
-        init_distributed(backend, args.timeout)
+        init_distributed(backend, first.timeout)
         try:
-            worker(env.rank, env.world_size, job_cls, args, env.local_rank)
+            run_settings(env.rank, env.world_size, job_cls, runs, env.local_rank, capture)
         finally:
             dist.destroy_process_group()
     else:
-        spawn(_spawned, args.world_size, (job_cls, args), backend=backend, timeout=args.timeout)
+        spawn(run_settings, env.world_size, (job_cls, runs, None, capture), backend=backend, timeout=first.timeout)
+    return env
 
 
-def _spawned(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namespace) -> None:
-    worker(rank, world_size, job_cls, args, local_rank=rank)
+def run_settings(rank: int, world_size: int, job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]],
+                 local_rank: int | None = None, capture: bool = False) -> None:
+    """Rank body: :func:`worker` once per ``(label, args)`` of ``runs``, in order.
+
+    With several runs rank 0 prints one line per setting before it trains; with ``capture``
+    it sends each worker's printout to ``<log>.out`` beside the setting's log instead of
+    stdout.
+    """
+    local_rank = rank if local_rank is None else local_rank
+    for i, (label, args) in enumerate(runs, 1):
+        args.launch_time = time.time()
+        if rank == 0 and len(runs) > 1:
+            steps = f", {args.max_steps} steps" if args.max_steps else ""
+            print(f"[{i}/{len(runs)}] {label}: {args.compression}{steps}", flush=True)
+        if rank != 0 or not capture:
+            worker(rank, world_size, job_cls, args, local_rank)
+            continue
+        with open(Path(args.log).with_suffix(".out"), "w") as out, contextlib.redirect_stdout(out):
+            worker(rank, world_size, job_cls, args, local_rank)
 
 
 def json_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,8 +211,18 @@ def _boundaries(meter, delta: dict[str, dict] | None = None) -> list[dict[str, A
     return out
 
 
-def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> dict[str, float]:
-    """Run the evaluation set through the engine; every rank returns the metrics."""
+def top_class(outputs: torch.Tensor) -> tuple[int, int] | None:
+    """How many examples the most predicted class got, of how many: ``(count, n)`` for
+    classifier outputs float ``(n, classes)`` with ``classes >= 2`` (argmax), else None
+    (regression)."""
+    if outputs.dim() != 2 or outputs.shape[1] < 2 or not len(outputs):
+        return None
+    return int(torch.bincount(outputs.argmax(dim=1)).max()), len(outputs)
+
+
+def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> tuple[dict[str, float], tuple[int, int] | None]:
+    """Run the evaluation set through the engine; every rank returns the metrics and
+    :func:`top_class` of the outputs."""
     outputs, targets = [], []
     batches = iter(loader) if engine.reads_data else None
     for _ in range(steps):
@@ -178,11 +231,13 @@ def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> dict[s
         if out is not None and dist.get_rank() == engine.output_rank:
             outputs.append(out.float().cpu())
             targets.append(target)
-    values = [0.0] * len(job.metric_names)
+    values = [0.0] * (len(job.metric_names) + 2)
     if dist.get_rank() == engine.output_rank:
-        metrics = job.metrics(torch.cat(outputs), torch.cat(targets))
-        values = [metrics[name] for name in job.metric_names]
-    return dict(zip(job.metric_names, _broadcast(values, engine.output_rank)))
+        out = torch.cat(outputs)
+        metrics = job.metrics(out, torch.cat(targets))
+        values = [metrics[name] for name in job.metric_names] + list(top_class(out) or (-1, -1))
+    *values, count, n = _broadcast(values, engine.output_rank)
+    return dict(zip(job.metric_names, values)), (int(count), int(n)) if n >= 0 else None
 
 
 def _train_epoch(engine, optimizer, scheduler, loader: DataLoader | None, steps: int, batch_size: int, desc: str,
@@ -257,6 +312,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
     train_seconds = samples = 0.0
     raw_total = wire_total = 0
     metrics: dict[str, float] = {}
+    top: tuple[int, int] | None = None
     for epoch in range(start_epoch, args.epochs):
         if step >= total_steps:
             break
@@ -272,7 +328,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         train_loss = engine.mean_loss(loss_sum, n)
         delta_stats = engine.delta_stats()
         merged = engine.meter.gather(dst=0)
-        metrics = _evaluate(engine, job, eval_loader, eval_steps)
+        metrics, top = _evaluate(engine, job, eval_loader, eval_steps)
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
             boundaries = _boundaries(merged, delta_stats)
@@ -302,6 +358,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         summary = runlog.summary_record(
             job.metric, metrics.get(job.metric, float("nan")), samples / train_seconds if train_seconds else 0.0,
             raw_total, wire_total, time.time() - args.launch_time, json_args(args), metrics=metrics, steps=step,
+            train_seconds=train_seconds, top_class=list(top) if top else None,
         )
         log.write(summary)
         log.close()

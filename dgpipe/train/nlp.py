@@ -18,13 +18,14 @@ import argparse
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import ConcatDataset, DataLoader
 
 from dgpipe.data import glue_task, load_glue, make_glue_loader, offline_tokenizer
 from dgpipe.data.loading import make_dataloader
-from dgpipe.models import build_encoder, encoder_layers, small_encoder_config
+from dgpipe.models import build_encoder, encoder_layers, resolve_model, small_encoder_config
 
 from .job import Job, check_partition, decay_groups, metric_key
 from .metrics import TASK_METRICS, compute_metrics
@@ -88,7 +89,9 @@ class GlueJob(Job):
     def check(cls, args: argparse.Namespace) -> None:
         """Check lengths, data, tokenizer and model (loading them once), and the partition.
 
-        Sets ``args.tokenizer`` when it was left to its default.
+        Sets ``args.padding`` and ``args.tokenizer`` when they were left to their defaults, and
+        ``args.model`` to a local directory when an installed package carries its weights
+        (:func:`dgpipe.models.resolve_model`).
 
         Raises:
             ValueError: bad ``--max-length``/``--weight-decay``/``--warmup-ratio``, missing
@@ -114,6 +117,11 @@ class GlueJob(Job):
             raise ValueError(str(e)) from None
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
+        if args.padding is None:
+            args.padding = "max_length" if args.delta else "longest"
+        elif args.delta and args.padding != "max_length":
+            raise ValueError("--delta caches every example's activation at one shape: use --padding max_length")
+        args.model = resolve_model(args.model)
         if args.tokenizer is None:
             args.tokenizer = "offline" if args.model_config is not None else args.model
         if args.model_config is None and args.tokenizer == "offline":
@@ -132,6 +140,10 @@ class GlueJob(Job):
         check_partition(config.num_hidden_layers + 2, args, cls.pinned)
 
     def build_layers(self) -> list[nn.Module]:
+        from transformers.utils import logging as hf_logging
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            hf_logging.set_verbosity_error()  # the checkpoint's load report once, from rank 0
         config = _config(self.args, self.tokenizer)
         num_labels = self.task.num_labels
         model = build_encoder(config if config is not None else self.args.model, num_labels)
@@ -139,7 +151,7 @@ class GlueJob(Job):
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         a = self.args
-        common = dict(max_length=a.max_length, seed=a.seed, num_workers=0)
+        common = dict(max_length=a.max_length, seed=a.seed, num_workers=0, pad_to_longest=a.padding == "longest")
         train = make_glue_loader(a.task, self.tokenizer, a.data_dir, "train", a.batch_size // world_size,
                                  subset=a.train_subset, rank=rank, world_size=world_size, heldout=a.heldout,
                                  sample_ids=a.delta, **common)
@@ -150,7 +162,7 @@ class GlueJob(Job):
             heldout = make_glue_loader(a.task, self.tokenizer, a.data_dir, "heldout", a.batch_size, heldout=a.heldout,
                                        **common)
             evaluation = make_dataloader(ConcatDataset([evaluation.dataset, heldout.dataset]), a.batch_size,
-                                         shuffle=False, seed=a.seed)
+                                         shuffle=False, seed=a.seed, collate_fn=evaluation.collate_fn)
         return train, evaluation
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,11 @@ Record schema (other tools, e.g. ``benchmarks/plot_ablation.py``, read these fie
                      "recv_bytes_per_s": 1253180.9, "frame_bytes": 640,
                      "encode_seconds": 0.05, "decode_seconds": 0.04}, ...]}
     {"event": "summary", "metric": "val_acc", "value": 0.52, "samples_per_s": 208.1,
-     "raw_bytes": 5242880, "wire_bytes": 1315840, "wall_seconds": 61.3, "args": {...}}
+     "raw_bytes": 5242880, "wire_bytes": 1315840, "wall_seconds": 61.3, "args": {...},
+     "metrics": {...}, "steps": 40, "train_seconds": 25.2, "top_class": [130, 512]}
+
+``top_class``: how many of the last evaluation's examples the most predicted class got,
+of how many (null for regression); equal numbers mean the model predicts one class.
 
 Bytes are bytes; seconds are wall-clock seconds; ``raw_bytes`` is what the tensors
 would take uncompressed, ``wire_bytes`` what was sent (headers included). The main
@@ -34,9 +38,11 @@ __all__ = [
     "JsonlLog",
     "read_records",
     "read_summary",
+    "direction_bits",
     "format_boundaries",
     "format_epoch",
     "format_summary",
+    "one_class_warning",
 ]
 
 #: Fields of one boundary entry, in order.
@@ -191,6 +197,32 @@ def read_summary(path: str | os.PathLike) -> dict[str, Any]:
     return summaries[-1]
 
 
+def direction_bits(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Measured bits per value of each training direction of a pipeline run (all epochs, all boundaries).
+
+    ``8 * wire_bytes / values``, where ``values`` counts the floating values the
+    boundaries carry: raw backward bytes / 4 (the gradients are float32 and mirror the
+    floating forward tensors, so the forward direction's lossless extras -- an
+    attention mask, headers -- count against it: all-in).
+
+    Args:
+        records: the records of a run log (:func:`read_records`).
+
+    Returns:
+        ``{"forward": bits, "backward": bits}``; NaN for both when no backward bytes were
+        logged (evaluation-only or data-parallel runs).
+    """
+    wire = {"forward": 0, "backward": 0}
+    raw_backward = 0
+    for rec in records:
+        for b in rec.get("boundaries", []) if rec.get("event") == "epoch" else []:
+            if b["direction"] in wire:
+                wire[b["direction"]] += b["wire_bytes"]
+                raw_backward += b["raw_bytes"] if b["direction"] == "backward" else 0
+    values = raw_backward / 4
+    return {d: 8 * w / values if values else math.nan for d, w in wire.items()}
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -228,10 +260,22 @@ def format_summary(record: Mapping[str, Any]) -> str:
     """A few readable lines from a summary record."""
     raw, wire = record["raw_bytes"], record["wire_bytes"]
     ratio = f"{wire / raw:.4f} (x{raw / wire:.2f} smaller)" if raw and wire else "-"
-    return "\n".join([
+    lines = [
         "== summary ==",
         f"{record['metric']}: {record['value']:.4f}",
         f"throughput: {record['samples_per_s']:.1f} samples/s",
         f"traffic: raw {_human_bytes(raw)}, wire {_human_bytes(wire)}, wire/raw {ratio}",
         f"wall time: {record['wall_seconds']:.1f} s",
-    ])
+    ]
+    warning = one_class_warning(record)
+    return "\n".join(lines + ([warning] if warning else []))
+
+
+def one_class_warning(record: Mapping[str, Any]) -> str | None:
+    """``"warning: predicted one class for 872/872 examples ..."`` when a summary's last
+    evaluation put every example in one class (its ``top_class`` field), else None."""
+    top = record.get("top_class")
+    if not top or top[0] != top[1]:
+        return None
+    return (f"warning: predicted one class for {top[0]}/{top[1]} examples: the model has not learnt the task "
+            "(the metric is the majority share or less); train longer, on more data, or with another --lr")

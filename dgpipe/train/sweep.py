@@ -1,12 +1,11 @@
 """Compression sweep: a main job run for a fixed number of steps under each boundary codec,
 and one table of the measured traffic.
 
-Used by ``bandwidth/test_cv_bandwidth.py`` and ``bandwidth/test_nlp_bandwidth.py`` (and
-the codec list by ``benchmarks/slow_link_speedup.py``). A script passes its main job's
+Used by ``bandwidth/test_cv_bandwidth.py`` and ``bandwidth/test_nlp_bandwidth.py``. A script passes its main job's
 parser and :class:`~dgpipe.train.job.Job` class to :func:`main`, so every model, data,
 chunk, partition and process flag means exactly what it means in the main job. For each
-setting of :data:`SETTINGS` the parsed arguments get that setting's boundary codec (both
-directions) and the job's own rank body, :func:`dgpipe.train.loop.worker`, runs
+setting of ``--settings`` (labels of :data:`~dgpipe.train.codecs.SETTINGS`, default
+:data:`SWEEP_SETTINGS`) the parsed arguments get that setting's boundary codecs and the job's own rank body, :func:`dgpipe.train.loop.worker`, runs
 ``--max-steps`` optimizer steps; all settings run one after another in the same ranks
 (spawned on this machine, or the processes ``torchrun`` / ``bandwidth/slow_link.py``
 started). Each run writes its JSON-lines log (:mod:`dgpipe.train.runlog`) to a temporary
@@ -35,25 +34,16 @@ import torch.distributed as dist
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from .args import dist_env, resolve_backend
-from .codecs import BoundaryCompression, CodecSpec
+from .codecs import SETTINGS
 from .job import Job
-from .loop import EVAL_DIRECTIONS, parse_args, worker
+from .loop import EVAL_DIRECTIONS, launch, parse_args
 from .runlog import read_records
 
-__all__ = ["SETTINGS", "add_sweep_flags", "prepare_runs", "table_rows", "format_table", "main"]
+__all__ = ["SWEEP_SETTINGS", "add_sweep_flags", "prepare_runs", "table_rows", "format_table", "main"]
 
-#: Boundary codecs of a sweep, by label: uncompressed (still measured), sort quantization at
-#: 16/12/8/4 bits per value with quant:split bits 3:1 (12+4, 9+3, 6+2, 3+1), and uniform
-#: min-max quantization at 8 and 4 bits.
-SETTINGS: dict[str, CodecSpec] = {
-    "none": CodecSpec("none"),
-    "sortquant16": CodecSpec("sortquant", {"quant_bits": 12, "split_bits": 4}),
-    "sortquant12": CodecSpec("sortquant", {"quant_bits": 9, "split_bits": 3}),
-    "sortquant8": CodecSpec("sortquant", {"quant_bits": 6, "split_bits": 2}),
-    "sortquant4": CodecSpec("sortquant", {"quant_bits": 3, "split_bits": 1}),
-    "quant8": CodecSpec("quant", {"bits": 8}),
-    "quant4": CodecSpec("quant", {"bits": 4}),
-}
+#: The settings a sweep runs by default: uncompressed, sort quantization at 16/12/8/4 bits per
+#: value, uniform quantization at 8 and 4 bits.
+SWEEP_SETTINGS = ("none", "sortquant16", "sortquant12", "sortquant8", "sortquant4", "quant8", "quant4")
 
 #: Flags whose work the sweep does itself (it sets the codecs and writes one log per setting).
 _OWN_FLAGS = {
@@ -67,12 +57,12 @@ _OWN_FLAGS = {
 def add_sweep_flags(parser: argparse.ArgumentParser, steps: int = 10) -> argparse.ArgumentParser:
     """Add the sweep's own flags to a main job's parser and set its defaults for a short run.
 
-    Adds ``--settings LABEL,...`` (default: all of :data:`SETTINGS`) and ``--keep-logs DIR``;
+    Adds ``--settings LABEL,...`` (default: :data:`SWEEP_SETTINGS`) and ``--keep-logs DIR``;
     ``--max-steps`` defaults to ``steps``. ``--bandwidth`` selects the per-boundary table.
     Returns ``parser``.
     """
     g = parser.add_argument_group("compression sweep")
-    g.add_argument("--settings", default=",".join(SETTINGS), metavar="LABEL,...",
+    g.add_argument("--settings", default=",".join(SWEEP_SETTINGS), metavar="LABEL,...",
                    help=f"settings to run, in order; choose from {', '.join(SETTINGS)}")
     g.add_argument("--keep-logs", metavar="DIR",
                    help="write each setting's JSON-lines log (<label>.jsonl) and output (<label>.out) here "
@@ -125,30 +115,12 @@ def prepare_runs(parser: argparse.ArgumentParser, job_cls: type[Job], argv: Sequ
     runs = []
     for label in labels:
         args = copy.copy(base)
-        args.compression = BoundaryCompression(SETTINGS[label], SETTINGS[label])
+        args.compression = SETTINGS[label]
         args.log = str(log_dir / f"{label}.jsonl")
         args.bandwidth = False  # the sweep prints its own table
         args.progress = False
         runs.append((label, args))
     return base, runs
-
-
-def _run_settings(rank: int, world_size: int, job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]],
-                  local_rank: int | None = None) -> None:
-    """Rank body: the job's :func:`~dgpipe.train.loop.worker` once per setting, in order.
-
-    Rank 0 sends the worker's printout to ``<label>.out`` next to the log and prints one
-    progress line per setting.
-    """
-    local_rank = rank if local_rank is None else local_rank
-    for i, (label, args) in enumerate(runs, 1):
-        args.launch_time = time.time()
-        if rank != 0:
-            worker(rank, world_size, job_cls, args, local_rank)
-            continue
-        print(f"[{i}/{len(runs)}] {label}: {args.compression.forward}, {args.max_steps} steps", flush=True)
-        with open(Path(args.log).with_suffix(".out"), "w") as out, contextlib.redirect_stdout(out):
-            worker(rank, world_size, job_cls, args, local_rank)
 
 
 def table_rows(records: Mapping[str, list[dict[str, Any]]], per_boundary: bool = True) -> list[dict[str, Any]]:
@@ -225,22 +197,13 @@ def main(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str
     add_sweep_flags(parser)
     with tempfile.TemporaryDirectory(prefix="dgpipe-sweep-") as tmp:
         base, runs = prepare_runs(parser, job_cls, argv, tmp)
-        env = dist_env(runs[0][1].world_size)
-        backend = resolve_backend(runs[0][1])
-        if env.torchrun:
-            init_distributed(backend, runs[0][1].timeout)
-            try:
-                _run_settings(env.rank, env.world_size, job_cls, runs, env.local_rank)
-            finally:
-                dist.destroy_process_group()
-            if env.rank != 0:
-                return 0
-        else:
-            try:
-                spawn(_run_settings, env.world_size, (job_cls, runs), backend=backend, timeout=runs[0][1].timeout)
-            except SpawnError as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                return 1
+        try:
+            env = launch(job_cls, runs, capture=True)
+        except SpawnError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
+        if env.rank != 0:
+            return 0
         records = {label: read_records(args.log) for label, args in runs}
     print(f"{job_cls.__name__}: {runs[0][1].max_steps} steps per setting, batch {runs[0][1].batch_size}, "
           f"{runs[0][1].chunk} micro-batches, {runs[0][1].partition} partition; training traffic "

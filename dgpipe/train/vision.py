@@ -45,8 +45,8 @@ class VisionJob(Job):
 
     @classmethod
     def check(cls, args: argparse.Namespace) -> None:
-        """Check image size, data (downloading the official tarball when it is missing and
-        the network allows) and the partition against the model's layers.
+        """Check image size, data (with ``--download``: downloading the official tarball when it is
+        missing) and the partition against the model's layers.
 
         Raises:
             ValueError: bad ``--image-size``/``--width-mult``, no data (lists the paths
@@ -65,6 +65,9 @@ class VisionJob(Job):
         try:
             kind, path = find_cifar(args.dataset, args.data_dir)
         except FileNotFoundError as missing:
+            if not args.download:
+                raise ValueError(f"{missing} Or add --download to fetch the official tarball into "
+                                 f"{args.data_dir}.") from None
             try:
                 kind, path = "archive", download_cifar(args.dataset, args.data_dir)
             except OSError as err:
