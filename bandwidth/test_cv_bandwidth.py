@@ -17,14 +17,10 @@ runs in those ranks. See ``dgpipe/train/sweep.py``.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the main job's CLI module
-
-from test_vision_dgpipe import build_parser  # noqa: E402
-
-from dgpipe.train.sweep import main  # noqa: E402
-from dgpipe.train.vision import VisionJob  # noqa: E402
+from dgpipe.cli.vision import build_parser
+from dgpipe.train.vision import VisionJob
+from dgpipe.train.sweep import main
 
 if __name__ == "__main__":
     sys.exit(main(VisionJob, build_parser()))

@@ -1,7 +1,7 @@
 """Traffic of the NLP pipeline (an encoder on GLUE) under each boundary codec, one table.
 
     python bandwidth/test_nlp_bandwidth.py --bandwidth --task rte --data-dir ../shared/data/glue \\
-        [--model roberta-base | --model-config tiny-roberta] [--max-steps 10] [--batch-size 32] \\
+        [--model NAME_OR_DIR | --model-config tiny-roberta] [--max-steps 10] [--batch-size 32] \\
         [--chunk 4] [--client-layers 2] [--settings none,sortquant8,...]
 
 Runs ``--max-steps`` training steps (default 10) per setting -- uncompressed, sort
@@ -18,14 +18,10 @@ runs in those ranks. See ``dgpipe/train/sweep.py``.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the main job's CLI module
-
-from test_nlp_dgpipe import build_parser  # noqa: E402
-
-from dgpipe.train.nlp import GlueJob  # noqa: E402
-from dgpipe.train.sweep import main  # noqa: E402
+from dgpipe.cli.nlp import build_parser
+from dgpipe.train.nlp import GlueJob
+from dgpipe.train.sweep import main
 
 if __name__ == "__main__":
     sys.exit(main(GlueJob, build_parser()))

@@ -66,7 +66,7 @@ PIPELINE_SETTINGS: dict[str, list[str]] = {
     "dataparallel": ["--mode", "dataparallel"],
 }
 
-#: Data-parallel gradient compression (issue 7's comparison).
+#: Data-parallel gradient compression (docs/data-parallel.md).
 _DP = ["--mode", "dataparallel", "--grad-compression"]
 DDP_SETTINGS: dict[str, list[str]] = {
     "ddp_none": ["--mode", "dataparallel"],
@@ -90,7 +90,7 @@ def _codebook(bits: int, flag: str = "--codec") -> list[str]:
     return [flag, "codebook"] + [x for o in opts for x in (f"{flag}-opt", o)]
 
 
-#: Low-bit boundary codecs against today's (issue 11's quality benchmark); gradients at 4 bits
+#: Low-bit boundary codecs against the 8-bit ones (the quality benchmark, docs/quality.md); gradients at 4 bits
 #: with the same codebook where the forward direction goes below 4.
 LOWBIT_SETTINGS: dict[str, list[str]] = {
     "none": [],
@@ -102,7 +102,7 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
     "codebook2_g4": _codebook(2) + _codebook(4, "--grad-codec"),
 }
 
-#: Delta coding against per-example caches (AQ-SGD, issue 12) with the codebook codec at 4, 3 and 2
+#: Delta coding against per-example caches (AQ-SGD, docs/delta.md) with the codebook codec at 4, 3 and 2
 #: bits as the inner codec, beside the same codecs without delta; run them for >= 3 epochs so that
 #: every training example is revisited.
 DELTA_SETTINGS: dict[str, list[str]] = {

@@ -31,7 +31,7 @@ get rows too.
 
 Targets (printed at the end), for the default (fused) path: sortquant >= 10x faster than
 the original at every width, MSE <= 1.1x the original's, wire ratio within 1% of (S+Q)/32; fused sortquant 6+2
-and quant 8 >= 1500 MB/s encode+decode (issue 13: about 4x the sortquant of its day),
+and quant 8 >= 1500 MB/s encode+decode (about 4x the first vectorised sortquant),
 fused sortquant 6+2 >= 50x the original.
 
 ``--real`` adds a second table: the low-bit options (per-group scales, Hadamard
@@ -56,7 +56,7 @@ is per call, not per value, and the cold figures are what a pipeline pays.
 ``--device cuda`` runs everything on the GPU (timed with ``torch.cuda.synchronize``); the
 ``fused`` rows are then the Triton kernels (:mod:`dgpipe.compression.fused_triton`), a
 ``device copy`` row gives the memory speed (a clone: bytes read + written per second), and
-the 8-bit target becomes a quarter of it (issue 13: >= 25% of the GPU's memory bandwidth).
+the 8-bit target becomes a quarter of it (>= 25% of the GPU's memory bandwidth).
 
 Usage::
 
@@ -359,7 +359,7 @@ def main() -> None:
                         fails.append(f"{kind} {label}: wire ratio {wire:.5f} not within 1% of {bits / 32}")
             if copy_mbs is not None:
                 rows.append((kind, bits, "device copy (MB/s read + written)", copy_mbs, 0.0, 1.0, "", ""))
-            if bits == 8:  # on a GPU: a quarter of its memory speed (issue 13)
+            if bits == 8:  # on a GPU: a quarter of its memory speed
                 fused_fails(kind, measured, raw, t_orig, fails, 1500 if copy_mbs is None else copy_mbs / 4)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"

@@ -2,7 +2,7 @@
 on real CIFAR-10 images across a real throttled TCP link, per DDP communication hook.
 
 What gradient compression buys in wall-clock time when the link between data-parallel
-workers is the bottleneck (issue 7's slow-link comparison). For each setting (labels of
+workers is the bottleneck (the data-parallel slow-link comparison). For each setting (labels of
 :data:`ablation.DDP_SETTINGS`, default ``ddp_none,ddp_fp16,ddp_powersgd1,ddp_topk_ef``)
 the vision main job runs in data-parallel mode twice per round:
 

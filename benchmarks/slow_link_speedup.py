@@ -44,7 +44,7 @@ speedup / ideal of those medians. ``codec % step`` is the larger of the two rank
 encode + decode seconds per second of wall time (each rank is one timeline; their
 sum would count two parallel timelines against one).
 
-Targets (issue 6): sortquant 8-bit >= 3.5x the uncompressed throughput at 100 Mbit/s,
+Targets: sortquant 8-bit >= 3.5x the uncompressed throughput at 100 Mbit/s,
 or >= 85% of the ideal speedup at the chosen rate; encode + decode < 10% of step time.
 The exit status is 0 when they are met. The script also prints what the model
 predicts at 100 Mbit/s with the measured compute.

@@ -111,23 +111,37 @@ def test_errors_come_before_any_process(monkeypatch, cifar, capsys):
     _error(VISION, ["--data-dir", str(cifar), "--eval-subset", "11", "--batch-size", "4"], capsys)
 
 
-def test_missing_data_names_the_paths_tried(tmp_path, monkeypatch, capsys):
+def test_missing_data_names_the_paths_tried_and_downloads_nothing(tmp_path, monkeypatch, capsys):
+    def no_download(name, data_dir):
+        raise AssertionError("a download was attempted without --download")
+
+    monkeypatch.setattr(vision, "download_cifar", no_download)
+    err = _error(VISION, ["--data-dir", str(tmp_path / "nowhere")], capsys)
+    assert "CIFAR-10 not found" in err and "add --download" in err
+    assert str(tmp_path / "nowhere" / "cifar-10-python.tar.gz") in err
+    assert str(tmp_path / "nowhere" / "cifar10-images") in err
+    assert not (tmp_path / "nowhere").exists()  # nothing created
+    err = _error(NLP, ["--task", "cola", "--data-dir", str(tmp_path), "--model-config", "tiny-roberta"], capsys)
+    assert f"tried {tmp_path / 'CoLA' / 'train.tsv'}" in err
+
+
+def test_download_only_when_asked(tmp_path, monkeypatch, capsys):
+    calls = []
+
     def offline(name, data_dir):
+        calls.append(data_dir)
         raise OSError("no network")
 
     monkeypatch.setattr(vision, "download_cifar", offline)
-    err = _error(VISION, ["--data-dir", str(tmp_path / "nowhere")], capsys)
+    err = _error(VISION, ["--data-dir", str(tmp_path / "nowhere"), "--download"], capsys)
+    assert calls == [str(tmp_path / "nowhere")]
     assert "CIFAR-10 not found" in err and "download failed: no network" in err
-    assert str(tmp_path / "nowhere" / "cifar-10-python.tar.gz") in err
-    assert str(tmp_path / "nowhere" / "cifar10-images") in err
-    err = _error(NLP, ["--task", "cola", "--data-dir", str(tmp_path), "--model-config", "tiny-roberta"], capsys)
-    assert f"tried {tmp_path / 'CoLA' / 'train.tsv'}" in err
 
 
 def test_subsets_larger_than_the_data(cifar, glue, capsys):
     err = _error(VISION, ["--data-dir", str(cifar), "--eval-subset", "11", "--batch-size", "4"], capsys)
     assert f"--eval-subset 11 is more than the 10 test images in {cifar}" in err
-    err = _error(NLP, ["--data-dir", str(glue), "--model-config", "tiny-roberta", "--train-subset", "5",
+    err = _error(NLP, ["--task", "rte", "--data-dir", str(glue), "--model-config", "tiny-roberta", "--train-subset", "5",
                        "--batch-size", "4"], capsys)
     assert "--train-subset: subset size 5 is out of range: the split has 4 examples" in err
 
@@ -137,12 +151,12 @@ def test_bad_task_and_partition_that_does_not_fit(cifar, glue, capsys):
     # MobileNetV2 has 20 layers: at most 9 at each end for the client.
     err = _error(VISION, ["--data-dir", str(cifar), "--client-layers", "10", "--width-mult", "0.25"], capsys)
     assert "--client-layers 10" in err and "use client_layers in [1, 9]" in err
-    err = _error(NLP, ["--data-dir", str(glue), "--model-config", "tiny-roberta", "--client-layers", "3"], capsys)
+    err = _error(NLP, ["--task", "rte", "--data-dir", str(glue), "--model-config", "tiny-roberta", "--client-layers", "3"], capsys)
     assert "use client_layers in [0, 2]" in err  # tiny-roberta: embeddings + 6 layers + head
     err = _error(VISION, ["--data-dir", str(cifar), "--partition", "linear", "--balance", "10,9", "--width-mult", "0.25"],
                  capsys)
     assert "--balance 10,9: balance [10, 9] covers 19 layers but there are 20" in err
-    err = _error(NLP, ["--data-dir", str(glue), "--tokenizer", "offline"], capsys)
+    err = _error(NLP, ["--task", "rte", "--data-dir", str(glue), "--tokenizer", "offline"], capsys)
     assert "--tokenizer offline has a vocabulary of its own" in err
 
 

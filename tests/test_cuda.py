@@ -115,8 +115,8 @@ def _nlp_run(tmp_path, devices: str, extra=()):
 
 
 #: Seen on an H100 (torch 2.11, 2026-11-23): these failed, the DDP one after hanging; the
-#: device was withdrawn before the cause was found (issue 14). Vision with the same devices ran.
-UNDIAGNOSED = pytest.mark.xfail(reason="failed on an H100, cause not yet diagnosed (issue 14)", strict=False)
+#: device was withdrawn before the cause was found. Vision with the same devices ran.
+UNDIAGNOSED = pytest.mark.xfail(reason="failed on an H100, cause not yet diagnosed", strict=False)
 
 
 @pytest.mark.skipif(not RTE.is_dir(), reason=f"needs {RTE}")

@@ -172,6 +172,22 @@ def test_make_glue_loader(tokenizer):
     assert torch.cat([lab for _, lab in dev]).tolist() == [1, 0, 0, 1]
 
 
+def test_padding_to_the_longest_example_matches_the_tokenizer(tokenizer):
+    """pad_to_longest cuts each batch to its longest example: the tokenizer's own
+    padding="longest" on the same examples, and the same rows up to that length."""
+    loader = make_glue_loader("cola", tokenizer, FIXTURES, "dev", batch_size=3, max_length=64, pad_to_longest=True)
+    full = make_glue_loader("cola", tokenizer, FIXTURES, "dev", batch_size=3, max_length=64)
+    dev = load_glue("cola", FIXTURES, "dev")
+    start = 0
+    for ((ids, mask), labels), ((ids64, mask64), _) in zip(loader, full):
+        batch = dev[start : start + len(labels)]
+        start += len(labels)
+        ref = tokenizer([a for a, _, _ in batch], padding="longest", truncation=True, max_length=64, return_tensors="pt")
+        assert torch.equal(ids, ref["input_ids"]) and torch.equal(mask, ref["attention_mask"])
+        assert ids64.shape[1] == 64 and torch.equal(ids64[:, : ids.shape[1]], ids) and not mask64[:, ids.shape[1]:].any()
+    assert start == len(dev)
+
+
 @pytest.mark.skipif(not REAL.is_dir(), reason=f"real GLUE TSVs not present at {REAL}")
 @pytest.mark.parametrize(
     "task,train,dev,train_counts",

@@ -1,4 +1,4 @@
-"""DDP communication hooks (issue 7) on 2 gloo processes, plus argument validation.
+"""DDP communication hooks on 2 gloo processes, plus argument validation.
 
 One spawn of 2 ranks runs every distributed scenario (``_worker``) and saves what each
 rank saw; the tests below assert on those results.

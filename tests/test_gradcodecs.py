@@ -1,4 +1,4 @@
-"""Gradient codecs of issue 7: onebit, qsgd, terngrad, dgc, atomo."""
+"""Data-parallel gradient codecs: onebit, qsgd, terngrad, dgc, atomo."""
 
 from __future__ import annotations
 

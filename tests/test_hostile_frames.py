@@ -1,4 +1,4 @@
-"""Corrupt and hostile messages against the receiving side of the wire (issue 15).
+"""Corrupt and hostile messages against the receiving side of the wire.
 
 Real messages of every registered codec (packed by :func:`helpers.wire_message`) are
 mutated -- random byte flips, truncation, extension, a lying size word -- and fed to

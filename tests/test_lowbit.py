@@ -1,4 +1,4 @@
-"""Low-bit codec steps (issue 11): Hadamard rotation, per-group scaling, codebook levels,
+"""Low-bit codec steps: Hadamard rotation, per-group scaling, codebook levels,
 stochastic rounding, all bit widths, bad options, and a two-rank pipeline step.
 
 Error bounds and codes are checked against independent float64/numpy computations,

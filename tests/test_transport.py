@@ -138,7 +138,7 @@ def check_oversized_message(rank):
 
 def check_size_word_lie_refused_at_once(rank):
     """A real message whose size word claims 1 GiB more than is sent is refused at once, before any
-    allocation for or wait on a second part (issue 15); the stream then carries on."""
+    allocation for or wait on a second part; the stream then carries on."""
     x = torch.randn(6, 40)
     payload = get_codec("sortquant", quant_bits=3, split_bits=1).encode(x)
     good = get_codec("none").encode(x)

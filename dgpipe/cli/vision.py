@@ -46,7 +46,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(default: random initialisation)")
     v.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier (random init)")
     v.add_argument("--dropout", type=float, help="classifier dropout of a randomly initialised model (default: 0.2; "
-                                                 "transformers' config default, 0.8, stalls training from scratch)")
+                                                 "transformers' config value, 0.8, stalls training from scratch)")
     v.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     v.add_argument("--wd", type=float, default=4e-5, help="weight decay (not on biases and BatchNorm)")
     v.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up before the cosine schedule")

@@ -9,7 +9,7 @@ from . import intpack  # noqa: F401  (registers intpack: lossless integer and bo
 from . import lowrank, quantize, sortquant, sparsify  # noqa: F401  (registers quant, sortquant, topk, randomk, lowrank)
 from .feedback import ErrorFeedback
 from .delta import DeltaCache, DeltaCoder, DeltaSpec
-from . import codebook  # noqa: F401  (registers codebook, issue 11)
-from . import atomo, dgc, onebit, qsgd, terngrad  # noqa: F401  (registers the gradient codecs, issue 7)
+from . import codebook  # noqa: F401  (registers codebook)
+from . import atomo, dgc, onebit, qsgd, terngrad  # noqa: F401  (registers the gradient codecs)
 
 __all__ = ["Codec", "DeltaCache", "DeltaCoder", "DeltaSpec", "ErrorFeedback", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]

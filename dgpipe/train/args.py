@@ -51,8 +51,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     ``None``, an empty list). Description and epilog keep their line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "%(default)" in text or "(default:" in text or action.default in (None, False, [], argparse.SUPPRESS):
+        text, default = action.help or "", action.default
+        nothing = default is None or default is False or default is argparse.SUPPRESS or default == []
+        if "%(default)" in text or "(default:" in text or nothing:
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 

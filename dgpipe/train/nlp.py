@@ -143,7 +143,8 @@ class GlueJob(Job):
         from transformers.utils import logging as hf_logging
 
         if dist.is_initialized() and dist.get_rank() != 0:
-            hf_logging.set_verbosity_error()  # the checkpoint's load report once, from rank 0
+            hf_logging.set_verbosity_error()  # the checkpoint's load report and progress once, from rank 0
+            hf_logging.disable_progress_bar()
         config = _config(self.args, self.tokenizer)
         num_labels = self.task.num_labels
         model = build_encoder(config if config is not None else self.args.model, num_labels)
