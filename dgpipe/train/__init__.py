@@ -4,7 +4,8 @@ Modules (one idea each):
 
 - :mod:`.args` -- the common flags (:func:`~.args.common_parser`) and their validation
   (:func:`~.args.validate_common`), run before any process starts.
-- :mod:`.codecs` -- compression flags -> codec specs (boundaries, DDP gradients).
+- :mod:`.codecs` -- compression flags -> codec specs (boundaries, DDP gradients), and the
+  named boundary settings (:data:`~.codecs.SETTINGS`).
 - :mod:`.job` -- the :class:`~.job.Job` interface; :mod:`.vision` (MobileNetV2 on
   CIFAR) and :mod:`.nlp` (encoders on GLUE) implement it.
 - :mod:`.engine` -- one rank's training step: the compressed pipeline or DDP.
@@ -13,6 +14,7 @@ Modules (one idea each):
   checkpoints.
 - :mod:`.runlog` -- JSON-lines records and their readable form; :mod:`.checkpoint`;
   :mod:`.metrics` (GLUE/CIFAR metrics).
+- :mod:`.compare` -- ``--compare-to``: the same command under named settings, side by side.
 - :mod:`.sweep` -- a main job run for a few steps under each boundary codec, one
   traffic table (``bandwidth/test_cv_bandwidth.py``, ``bandwidth/test_nlp_bandwidth.py``).
 """
