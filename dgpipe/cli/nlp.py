@@ -5,11 +5,9 @@ task through a compressed GPipe pipeline. Parser and entry point; the job is
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from dgpipe.data import GLUE_TASKS
-from dgpipe.pipeline import exit_without_teardown
+from dgpipe.cli import entry_point
 from dgpipe.train import loop
 from dgpipe.train.args import common_parser
 from dgpipe.train.nlp import TINY_CONFIGS, GlueJob
@@ -62,14 +60,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Parse, validate (errors exit with status 2 before any process starts), train.
-
-    Returns:
-        0, or 1 when a rank failed.
-    """
+    """Parse, validate (errors exit with status 2 before any process starts), train; 0, or 1 when a rank failed."""
     return loop.main(GlueJob, build_parser(prog), argv)
 
 
-def console() -> None:
-    """Entry point of the ``dgpipe-nlp`` console script."""
-    exit_without_teardown(main(prog=os.path.basename(sys.argv[0])))
+#: The ``dgpipe-nlp`` console script.
+console = entry_point(main)

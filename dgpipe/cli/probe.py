@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dgpipe.comm.probe import fit_latency_bandwidth, pingpong_seconds
 from dgpipe.pipeline.launch import SpawnError, init_distributed, spawn
+from dgpipe.cli import entry_point
 from dgpipe.train.args import HelpFormatter, JobParser
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -144,6 +145,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     return 0
 
 
-def console() -> None:
-    """Entry point of the ``dgpipe-probe`` console script."""
-    sys.exit(main(prog=os.path.basename(sys.argv[0])))
+#: The ``dgpipe-probe`` console script.
+console = entry_point(main)

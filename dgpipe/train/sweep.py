@@ -20,20 +20,15 @@ the link) and the run's training samples/s. Evaluation traffic is left out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import torch.distributed as dist
+from dgpipe.pipeline import SpawnError
 
-from dgpipe.pipeline import SpawnError, init_distributed, spawn
-
-from .args import dist_env, resolve_backend
 from .codecs import SETTINGS
 from .job import Job
 from .loop import EVAL_DIRECTIONS, launch, parse_args
