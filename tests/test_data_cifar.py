@@ -194,7 +194,7 @@ def test_download_then_read(tarball, tmp_path, monkeypatch):
     try:
         _patch_spec(monkeypatch, archive_md5=md5, url=f"http://127.0.0.1:{server.server_port}/{path.name}")
         target = tmp_path / "fresh"
-        images, labels, _ = load_cifar("cifar10", target, "test")
+        images, labels, _ = load_cifar("cifar10", target, "test", download=True)
     finally:
         server.shutdown()
         server.server_close()
@@ -205,7 +205,7 @@ def test_download_then_read(tarball, tmp_path, monkeypatch):
 def test_offline_message_lists_paths(tmp_path, monkeypatch):
     _patch_spec(monkeypatch, url="http://127.0.0.1:1/cifar-10-python.tar.gz")  # nothing listens on port 1
     with pytest.raises(FileNotFoundError) as err:
-        load_cifar("cifar10", tmp_path, "train")
+        load_cifar("cifar10", tmp_path, "train", download=True)
     msg = str(err.value)
     assert "download failed" in msg and str(tmp_path / "cifar-10-python.tar.gz") in msg
     assert str(tmp_path / "cifar-10-batches-py") in msg and "cifar10-images" in msg and "image folder" in msg
