@@ -100,10 +100,11 @@ def _accuracy_noise(rows_: list[dict[str, Any]]) -> str | None:
 
 
 def format_table(rows_: list[dict[str, Any]]) -> str:
-    """The comparison as a fixed-width table with its notes (noise, what the projection is)."""
+    """The comparison as a fixed-width table with its notes (noise, what the projection is);
+    the last column averages the measured bits per value of the two directions."""
     metric = rows_[0]["metric"]
     head = ("setting", metric, "Δ vs none (pt)", "fwd bits/value", "bwd bits/value", "wire MB", "train s",
-            *(f"at {k} (proj.)" for k in LINK_RATES))
+            *(f"at {k} (proj.)" for k in LINK_RATES), "bits/value (avg)")
     table = [head]
     for r in rows_:
         warn = " (one class!)" if r["top_class"] and r["top_class"][0] == r["top_class"][1] else ""
@@ -111,6 +112,7 @@ def format_table(rows_: list[dict[str, Any]]) -> str:
             r["setting"], f"{r['value']:.4f}{warn}", "--" if r["delta"] is None else f"{100 * r['delta']:+.2f}",
             f"{r['forward_bits']:.2f}", f"{r['backward_bits']:.2f}", f"{r['wire_bytes'] / 1e6:.1f}",
             f"{r['train_seconds']:.1f}", *(f"{s:.1f} s" for s in r["projected"].values()),
+            f"{(r['forward_bits'] + r['backward_bits']) / 2:.2f}",
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["== comparison (same seed, data and flags; training traffic) =="]

@@ -20,6 +20,7 @@ the engine.
 from __future__ import annotations
 
 import argparse
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from dgpipe.compression.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
 
+from .codecs import CodecSpec
 from .job import Job
 
 __all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEngine", "DataParallelEngine",
@@ -71,16 +73,16 @@ def partition(layers: list[nn.Module], args: argparse.Namespace, pinned: tuple[i
 WARM_UP_SHAPES = ((4, 4096), (4, 20, 384), (20, 384))
 
 
-def warm_up_codecs(specs) -> None:
-    """Encode and decode random float32 tensors of :data:`WARM_UP_SHAPES` once with each codec
-    of ``specs`` (:class:`~dgpipe.train.codecs.CodecSpec`), on this rank alone, so that the
-    compiled kernels' one-time compilation (seconds) happens before training is timed."""
+def warm_up_codecs(specs: Sequence[CodecSpec], device: torch.device) -> None:
+    """Encode and decode random float32 tensors of :data:`WARM_UP_SHAPES` on ``device`` once
+    with each codec of ``specs``, on this rank alone, so that the kernels' one-time
+    compilation (Numba on CPU, Triton on CUDA: seconds) happens before training is timed."""
     generator = torch.Generator().manual_seed(0)
     distinct = [spec for i, spec in enumerate(specs) if spec not in specs[:i]]
     for spec in distinct:
         codec = spec.build()
         for shape in WARM_UP_SHAPES:
-            codec.decode(codec.encode(torch.randn(shape, generator=generator)))
+            codec.decode(codec.encode(torch.randn(shape, generator=generator).to(device)))
 
 
 def _to(value, device: torch.device):
@@ -109,7 +111,7 @@ class PipelineEngine:
             delta = DeltaSpec(train_examples, cache_dtype=CACHE_DTYPES[args.delta_cache_dtype],
                               cache_dir=args.delta_cache_dir, max_bytes=int(args.delta_cache_limit * 2**30))
         comp = args.compression
-        warm_up_codecs((comp.forward, comp.backward))
+        warm_up_codecs((comp.forward, comp.backward), device)
         self.pipe = Pipeline(
             stages, self.placement, rank, chunks=args.chunk, loss_fn=job.loss,
             act_codec=comp.forward.build, grad_codec=comp.backward.build,
