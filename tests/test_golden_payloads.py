@@ -1,0 +1,188 @@
+"""Golden payloads: the wire bytes of every codec, option set and dtype, pinned.
+
+Each case encodes a fixed input (from numpy's PCG64 generator, stable across versions)
+and compares the SHA-256 of the payload -- header and every tensor, with its dtype --
+and of the decoded tensor with ``tests/fixtures/golden_payloads.json``. Every case runs
+with the compiled kernels on and off: whichever backend runs a step, the bytes are the
+same. Stateful codecs (error feedback, delta) run a short sequence of messages.
+
+A change that alters these bytes changes the wire format: regenerate the file on purpose
+only, with ``python tests/test_golden_payloads.py --write``, and say so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dgpipe.compression import DeltaCache, DeltaCoder, ErrorFeedback, Payload, get_codec
+from dgpipe.compression.fused import set_enabled
+
+GOLDEN = Path(__file__).parent / "fixtures" / "golden_payloads.json"
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def make_input(shape: tuple[int, ...], kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """A fixed tensor of ``shape``: ``randn``, ``outliers`` (1% of features x30, as a transformer's
+    hidden state), ``relu`` (60% exact zeros) or ``ints`` (small integers)."""
+    rng = np.random.Generator(np.random.PCG64(sum(shape) * 31 + len(kind)))
+    x = rng.standard_normal(shape, dtype=np.float32) if shape else np.float32(rng.standard_normal())
+    x = np.asarray(x, dtype=np.float32)
+    if kind == "outliers" and x.ndim:
+        x[..., :: max(1, x.shape[-1] // 4)] *= 30
+    elif kind == "relu":
+        x = np.maximum(x - 0.3, 0)
+    elif kind == "ints":
+        x = np.round(x * 2) / 2
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
+
+
+SHAPES = {
+    "scalar": (),
+    "empty": (0, 8),
+    "tiny": (7,),
+    "odd": (3, 5, 7),
+    "tail": (5 * 4096 + 123,),  # whole chunks and a tail
+    "minilm": (4, 64, 384),  # a MiniLM hidden state: 3 x 128 Hadamard blocks
+    "conv": (4, 16, 14, 14),
+    "large": (70 * 4096,),  # more than one thread's share of chunks
+}
+
+QUANT = [{"bits": b} for b in (1, 2, 4, 8, 12, 16)] + [
+    {"bits": 4, "group": "token"},
+    {"bits": 4, "group": "token", "rotate": "hadamard"},
+    {"bits": 2, "group": "channel", "axis": 1},
+    {"bits": 4, "group_size": 64},
+    {"bits": 8, "group": "token", "scale_dtype": "float16"},
+    {"bits": 4, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"},
+    {"bits": 4, "stochastic": True},
+]
+SORTQUANT = [{"quant_bits": q, "split_bits": s} for q, s in ((12, 4), (9, 3), (6, 2), (3, 1), (8, 0), (2, 6), (5, 5))] + [
+    {"quant_bits": 3, "split_bits": 1, "group": "token"},
+    {"quant_bits": 2, "split_bits": 2, "group": "token", "rotate": "hadamard"},
+    {"quant_bits": 6, "split_bits": 2, "rotate": "hadamard"},
+    {"quant_bits": 6, "split_bits": 2, "scale_dtype": "float16"},
+    {"quant_bits": 3, "split_bits": 1, "stochastic": True},
+]
+CODEBOOK = [{"bits": b} for b in (1, 2, 4, 8)] + [
+    {"bits": 4, "group": "token", "rotate": "hadamard"},
+    {"bits": 2, "group": "token", "rotate": "hadamard"},
+    {"bits": 2, "group": "channel", "axis": 1},
+    {"bits": 3, "levels": "fit"},
+    {"bits": 4, "group": "token", "scale_dtype": "float16"},
+    {"bits": 2, "stochastic": True},
+]
+GRADIENT = [
+    ("topk", {"ratio": 0.05}), ("randomk", {"ratio": 0.05}), ("lowrank", {"rank": 2}), ("onebit", {}),
+    ("qsgd", {"levels": 4}), ("terngrad", {}), ("dgc", {"density": 0.05, "warmup_epochs": 0}), ("atomo", {"budget": 2}),
+]
+
+
+def cases() -> dict[str, tuple[str, dict, str, str, str]]:
+    """``id -> (codec, options, shape name, input kind, dtype name)``."""
+    out = {}
+
+    def add(codec, options, shapes, kinds=("randn",), dtypes=("float32",)):
+        for shape in shapes:
+            for kind in kinds:
+                for dt in dtypes:
+                    opts = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+                    out[f"{codec}[{opts}]/{shape}/{kind}/{dt}"] = (codec, options, shape, kind, dt)
+
+    lossy_shapes = ("scalar", "empty", "tiny", "odd", "tail", "minilm", "conv")
+    for codec in ("none", "fp16", "bf16"):
+        add(codec, {}, ("scalar", "empty", "odd", "tail"), dtypes=tuple(DTYPES))
+    for options in QUANT:
+        add("quant", options, lossy_shapes, kinds=("outliers", "relu"))
+    for options in SORTQUANT:
+        add("sortquant", options, lossy_shapes, kinds=("outliers", "relu", "ints"))
+    for options in CODEBOOK:
+        add("codebook", options, lossy_shapes, kinds=("outliers",))
+    for codec, options in (("quant", {"bits": 8}), ("sortquant", {"quant_bits": 6, "split_bits": 2}),
+                           ("codebook", {"bits": 4, "group": "token", "rotate": "hadamard"})):
+        add(codec, options, ("odd", "minilm", "large"), kinds=("outliers",), dtypes=tuple(DTYPES))
+    for codec, options in GRADIENT:
+        add(codec, options, ("odd", "conv"))
+    return out
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    """SHA-256 of the dtypes, shapes and bytes of ``tensors``."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.view(torch.int16)
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def payload_digest(p: Payload) -> str:
+    return digest([p.header, *p.tensors])
+
+
+def run_case(codec: str, options: dict, shape: str, kind: str, dt: str) -> dict:
+    x = make_input(SHAPES[shape], kind, DTYPES[dt])
+    torch.manual_seed(1234)  # stochastic rounding, random sparsification
+    c = get_codec(codec, **options)
+    p = c.encode(x)
+    return {"nbytes": p.nbytes, "payload": payload_digest(p), "decoded": digest([c.decode(p)])}
+
+
+def stateful_runs() -> dict[str, dict]:
+    """Error feedback over three steps and delta coding over a first visit and a revisit."""
+    out = {}
+    torch.manual_seed(1234)
+    ef = ErrorFeedback(get_codec("quant", bits=2))
+    xs = [make_input((3, 5, 7), kind, torch.float32) for kind in ("randn", "outliers", "relu")]
+    out["feedback(quant[bits=2])"] = {"payloads": [payload_digest(ef.encode(x)) for x in xs]}
+    for inner in ({"bits": 2, "group": "token", "rotate": "hadamard"}, {"bits": 4}):
+        sender = DeltaCoder(get_codec("codebook" if "rotate" in inner else "quant", **inner), DeltaCache(8))
+        receiver = DeltaCoder(get_codec("codebook" if "rotate" in inner else "quant", **inner), DeltaCache(8))
+        ids = torch.tensor([5, 1, 3, 0])
+        digests = []
+        for kind in ("outliers", "randn"):  # first visit, then a revisit of the same examples
+            x = make_input((4, 64, 384), kind, torch.float32)
+            p = sender.encode(x, ids)
+            digests += [payload_digest(p), digest([receiver.decode(p, ids, x.dtype)])]
+        out[f"delta({','.join(f'{k}={v}' for k, v in sorted(inner.items()))})"] = {"payloads": digests}
+    return out
+
+
+def compute_all() -> dict[str, dict]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # hostile inputs (constant tensors to a low-rank codec, ...)
+        return {**{k: run_case(*v) for k, v in cases().items()}, **stateful_runs()}
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict[str, dict]:
+    return json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
+def test_payloads_match_golden(golden, kernels):
+    previous = set_enabled(kernels)
+    try:
+        got = compute_all()
+    finally:
+        set_enabled(previous)
+    assert sorted(got) == sorted(golden), "the case list changed: regenerate on purpose"
+    wrong = [k for k in golden if got[k] != golden[k]]
+    assert not wrong, f"{len(wrong)} of {len(golden)} payloads differ from the golden bytes, e.g. {wrong[:5]}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_golden_payloads.py --write   (regenerates the golden bytes)")
+    GOLDEN.write_text(json.dumps(compute_all(), indent=0, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
