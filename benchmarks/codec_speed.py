@@ -54,7 +54,7 @@ harsher eviction than the convolution, of code as well as data). At these sizes 
 is per call, not per value, and the cold figures are what a pipeline pays.
 
 ``--device cuda`` runs everything on the GPU (timed with ``torch.cuda.synchronize``); the
-``fused`` rows are then the Triton kernels (:mod:`dgpipe.compression.fused_triton`), a
+``fused`` rows are then the Triton kernels (:mod:`dgpipe.compression.kernels.triton_codes`), a
 ``device copy`` row gives the memory speed (a clone: bytes read + written per second), and
 the 8-bit target becomes a quarter of it (>= 25% of the GPU's memory bandwidth).
 

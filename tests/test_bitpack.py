@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgpipe.compression import bitpack
-from dgpipe.compression.bitpack import (
+from dgpipe.compression.kernels import bitpack
+from dgpipe.compression.kernels.bitpack import (
     CHUNK,
     MAX_BITS,
     index_bits,

@@ -66,7 +66,7 @@ def test_cuda_payload_equals_cpu_payload(label):
 
 @pytest.mark.parametrize("bits", range(1, 17))
 def test_bit_packing_on_cuda_equals_cpu(bits):
-    from dgpipe.compression.bitpack import CHUNK, pack_bits, unpack_bits
+    from dgpipe.compression.kernels.bitpack import CHUNK, pack_bits, unpack_bits
 
     codes = torch.randint(0, 1 << bits, (3 * CHUNK + 77,), dtype=torch.int32)
     packed = pack_bits(codes.cuda(), bits)

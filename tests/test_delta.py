@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
+from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 from dgpipe.data.loading import make_dataloader
 from dgpipe.pipeline import Pipeline, SpawnError, spawn, split_layers
 from helpers import assert_ranks_ok, spawn_checks

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dgpipe.compression import fused, get_codec
-from dgpipe.compression.bitpack import CHUNK
+from dgpipe.compression.kernels.bitpack import CHUNK
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_codebook_fused_equals_eager(eager_and_fused, opts):
 
 
 def test_fwht_fused_equals_eager():
-    from dgpipe.compression.hadamard import fwht
+    from dgpipe.compression.kernels import fwht
 
     g = torch.Generator().manual_seed(5)
     previous = fused.set_enabled(True)
@@ -161,7 +161,7 @@ def test_sortquant_fused_equals_eager(eager_and_fused, kernels_run, qs):
     """Sampled splits take the one-call path (grid and whole chunks' codes in ``sampled_grid``),
     exact splits the separate encode kernel; whole chunks decode in one call (``message_values``),
     a tail step by step; all give the eager bytes and values."""
-    from dgpipe.compression.sortquant import sample_size
+    from dgpipe.compression.kernels.buckets import sample_size
 
     q, s = qs
     codec = get_codec("sortquant", quant_bits=q, split_bits=s)

@@ -1,4 +1,4 @@
-"""The Triton kernels (dgpipe.compression.fused_triton) against the eager torch path.
+"""The Triton kernels (dgpipe.compression.kernels.triton_codes) against the eager torch path.
 
 With a GPU they run compiled, on CUDA tensors; without one on CPU tensors under
 Triton's own interpreter (``TRITON_INTERPRET=1``, set by conftest.py before Triton is
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from dgpipe.compression import fused, get_codec
-from dgpipe.compression.bitpack import CHUNK
-from dgpipe.compression.sortquant import BucketIndex
+from dgpipe.compression.kernels.bitpack import CHUNK
+from dgpipe.compression.kernels import BucketIndex
 from test_fused import CODEBOOK, QUANT, SORTQUANT, codebook_inputs, eager_and_fused, tensors  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton")

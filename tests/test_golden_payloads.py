@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dgpipe.compression import DeltaCache, DeltaCoder, ErrorFeedback, Payload, get_codec
-from dgpipe.compression.fused import set_enabled
+from dgpipe.compression.kernels import set_enabled
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden_payloads.json"
 

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.atomo import atomo_probabilities
+from dgpipe.compression.gradients.atomo import atomo_probabilities
 from dgpipe.compression.base import Payload, parse_header
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.codebook import fit_levels, normal_levels
-from dgpipe.compression.grouping import Grouping
-from dgpipe.compression.hadamard import HadamardRotation, fwht, random_signs
+from dgpipe.compression.steps.levels import fit_levels, normal_levels
+from dgpipe.compression.steps.grouping import Grouping
+from dgpipe.compression.kernels import fwht
+from dgpipe.compression.steps.hadamard import HadamardRotation, random_signs
 from dgpipe.pipeline import Pipeline
 from dgpipe.train.codecs import CodecSpec
 from helpers import assert_ranks_ok, spawn_checks
@@ -189,7 +190,7 @@ def test_grouped_sortquant_has_equal_count_buckets_per_group(q, s):
     x = torch.randn(6, 64)
     codec = get_codec("sortquant", quant_bits=q, split_bits=s, group="token")
     p = codec.encode(x)
-    from dgpipe.compression.bitpack import unpack_bits
+    from dgpipe.compression.kernels.bitpack import unpack_bits
 
     codes = unpack_bits(p.tensors[0], q + s, x.numel()).view(6, 64)
     buckets = codes >> q

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.bitpack import unpack_bits
+from dgpipe.compression.kernels.bitpack import unpack_bits
 
 
 def header_bytes(ndim: int, n_params: int, n_tensors: int) -> int:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dgpipe.compression import get_codec
 from dgpipe.compression import sortquant as sq
-from dgpipe.compression.bitpack import unpack_bits
+from dgpipe.compression.kernels.bitpack import unpack_bits
 
 
 def original(x: torch.Tensor, q: int, s: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgpipe.compression import Payload, get_codec
-from dgpipe.compression.sparsify import kept_count, random_positions
+from dgpipe.compression.gradients.sparsify import kept_count, random_positions
 
 
 def header_bytes(ndim: int, n_params: int, n_tensors: int) -> int:

@@ -3,7 +3,7 @@ what its PTX does with floats, one JSON object per kernel and configuration.
 
 Run without ``TRITON_INTERPRET`` (the interpreter builds no PTX); ``tests/test_fused_triton.py``
 runs it in a subprocess and checks the output. Each configuration is compiled with the
-launch's own options (:data:`dgpipe.compression.fused_triton.COMPILE_OPTIONS`) through
+launch's own options (:data:`dgpipe.compression.kernels.triton_codes.COMPILE_OPTIONS`) through
 ptxas (Triton's wheel ships it), so a kernel that would not compile on a GPU fails here.
 
 Usage::
@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dgpipe.compression import fused_triton as ft
+from dgpipe.compression.kernels import triton_codes as ft
 from test_fused import SORTQUANT as CPU_SORTQUANT  # this script's folder is on sys.path
 
 BYTE_POINTERS = {"out_ptr", "packed_ptr"}

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from dgpipe.comm.transport import wire_device
 from dgpipe.compression.base import Codec, Payload, get_codec
-from dgpipe.compression.feedback import ErrorFeedback
-from dgpipe.compression.gradbase import mix_seed
+from dgpipe.compression.wrappers.feedback import ErrorFeedback
+from dgpipe.compression.gradients.core import mix_seed
 
 from .framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
 from .hooks import MeteredHook

@@ -16,7 +16,7 @@ of the averaged buffer. The hooks here are all metered in a
   ``atomo`` and ``lowrank`` see the parameter's own matrix), with one encoder per
   parameter (keyed by parameter name, so its state survives DDP's bucket rebuild after
   the first iteration and a resume in a new process), optionally wrapped in
-  :class:`~dgpipe.compression.feedback.ErrorFeedback`. Two exchanges:
+  :class:`~dgpipe.compression.wrappers.feedback.ErrorFeedback`. Two exchanges:
 
   * ``"allreduce"`` for codecs whose decode is linear in the payload and whose headers
     agree on every rank (``none``, ``fp16``, ``bf16``, ``randomk`` with a shared seed):

@@ -1,15 +1,17 @@
 """Codecs: tensor -> :class:`Payload` -> tensor. Imports nothing else from dgpipe.
 
-See :mod:`dgpipe.compression.base` for the protocol and the wire header.
+Rooms (each package's docstring says more):
+
+- :mod:`.base`: the codec protocol, the wire ``Payload`` and its integer header, the registry;
+- :mod:`.codecs`: boundary codecs (none/fp16/bf16, intpack, quant, sortquant, codebook);
+- :mod:`.steps`: what the codecs compose (rotation, grouping, grids, codebooks);
+- :mod:`.kernels`: one function per step, a torch reference and compiled backends;
+- :mod:`.wrappers`: stateful wrappers (error feedback, delta coding);
+- :mod:`.gradients`: gradient compressors for the data-parallel baseline.
 """
 
+from . import codecs, gradients  # noqa: F401  (registers every codec)
 from .base import Codec, Payload, available_codecs, get_codec, parse_header, register_codec
-from . import cast  # noqa: F401  (registers none, fp16, bf16)
-from . import intpack  # noqa: F401  (registers intpack: lossless integer and bool tensors)
-from . import lowrank, quantize, sortquant, sparsify  # noqa: F401  (registers quant, sortquant, topk, randomk, lowrank)
-from .feedback import ErrorFeedback
-from .delta import DeltaCache, DeltaCoder, DeltaSpec
-from . import codebook  # noqa: F401  (registers codebook)
-from . import atomo, dgc, onebit, qsgd, terngrad  # noqa: F401  (registers the gradient codecs)
+from .wrappers import DeltaCache, DeltaCoder, DeltaSpec, ErrorFeedback
 
 __all__ = ["Codec", "DeltaCache", "DeltaCoder", "DeltaSpec", "ErrorFeedback", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]

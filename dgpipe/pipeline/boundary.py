@@ -25,11 +25,11 @@ tensor requires grad + 8 if it is delta-coded, in which case ``flag >> 4`` is th
 activation's dtype code, and ``loss`` is the step's mean loss as the bits of a float64
 (backward messages; 0 forward).
 
-Delta coding (AQ-SGD, :mod:`dgpipe.compression.delta`): when the pipeline has a
-:class:`~dgpipe.compression.delta.DeltaSpec`, every training forward message starts
+Delta coding (AQ-SGD, :mod:`dgpipe.compression.wrappers.delta`): when the pipeline has a
+:class:`~dgpipe.compression.wrappers.delta.DeltaSpec`, every training forward message starts
 with the sample ids of its rows (a lossless int64 payload, counted in the wire bytes
 and not in the raw ones), and on a delta-coded boundary each tensor that requires
-grad goes through a :class:`~dgpipe.compression.delta.DeltaCoder` with one cache per
+grad goes through a :class:`~dgpipe.compression.wrappers.delta.DeltaCoder` with one cache per
 tuple position on each side: coded (the change against the cache, by the activation
 codec) or, during a warm-up, lossless (the cache stores it). Evaluation carries no
 ids and uses the activation codec directly.
@@ -60,7 +60,7 @@ from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, get_codec
 from dgpipe.compression.base import DTYPE_CODES, code_from_dtype, dtype_from_code
-from dgpipe.compression.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
+from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 
 __all__ = ["CodecSpec", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
@@ -405,7 +405,7 @@ class Boundary:
 
     def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
         """Check a message's sample ids against the delta spec (the rows are checked where they
-        meet a cache: :meth:`DeltaCoder.decode <dgpipe.compression.delta.DeltaCoder.decode>`)."""
+        meet a cache: :meth:`DeltaCoder.decode <dgpipe.compression.wrappers.delta.DeltaCoder.decode>`)."""
         if direction != "forward" or self.delta is None:
             raise ValueError(f"sample ids in a {direction} message, but this rank expects none "
                              f"(is delta coding configured alike on every rank?)")
@@ -477,7 +477,7 @@ class Boundary:
             self._delta_coder(int(pos)).cache.load_state_dict(cache_state)
 
     def take_delta_stats(self) -> torch.Tensor:
-        """float64 ``(3,)``: this side's :attr:`DeltaCoder.stats <dgpipe.compression.delta.DeltaCoder>`
+        """float64 ``(3,)``: this side's :attr:`DeltaCoder.stats <dgpipe.compression.wrappers.delta.DeltaCoder>`
         summed over tuple positions (zeros on the receiving side), then reset."""
         total = torch.zeros(3, dtype=torch.float64)
         for coder in self._deltas.values():

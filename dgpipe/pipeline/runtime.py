@@ -31,7 +31,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import Batch, gather
 
 from dgpipe.comm import BandwidthMeter
-from dgpipe.compression.delta import DeltaSpec, check_ids
+from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 
 from .boundary import Boundary, CodecSpec, codec_factories
 from .partition import validate_placement
@@ -108,7 +108,7 @@ class Pipeline:
             at least 3-D). Default off: plain BatchNorm per micro-batch.
         compress_eval: compress floating activations in :meth:`eval_step` too.
         delta: delta-code the activations of the boundaries it covers against per-example
-            caches (AQ-SGD, :mod:`dgpipe.compression.delta`; ``act_codec`` codes the
+            caches (AQ-SGD, :mod:`dgpipe.compression.wrappers.delta`; ``act_codec`` codes the
             change): training steps then need ``sample_ids``, which travel with every
             forward message. The same spec on every rank.
         delta_report: called with one line per cache allocation (size in examples x values

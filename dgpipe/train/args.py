@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dgpipe.compression.delta import CACHE_DTYPES, DEFAULT_MAX_BYTES
+from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DEFAULT_MAX_BYTES
 
 from .checkpoint import read_meta
 from .codecs import SETTINGS, boundary_compression, grad_compression, setting_label

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dgpipe.comm import wire_device
-from dgpipe.compression.delta import CACHE_DTYPES, DeltaSpec
+from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
 
@@ -97,7 +97,7 @@ class PipelineEngine:
     Every rank calls every step (a collective). Stage 0's rank reads inputs, the last
     stage's rank reads targets and ends with the evaluation outputs. With ``--delta``
     every boundary's activations are delta-coded against caches of ``train_examples``
-    examples (:class:`~dgpipe.compression.delta.DeltaSpec`), the first
+    examples (:class:`~dgpipe.compression.wrappers.delta.DeltaSpec`), the first
     ``--delta-warmup-epochs`` epochs uncompressed.
     """
 

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from .base import MAX_NUMEL, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, unpack_bits
-from .gradbase import SeededCodec, check_gradient
+from ..base import MAX_NUMEL, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from ..kernels.bitpack import pack_bits, unpack_bits
+from .core import SeededCodec, check_gradient
 
 __all__ = ["QSGD"]
 

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 
 __all__ = ["LowRank", "matrix_view_shape"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import MAX_BITS, pack_bits, packed_nbytes, unpack_bits
+from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from ..kernels.bitpack import MAX_BITS, pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["IntPack"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .gradbase import SeededCodec, check_gradient
+from ..base import Payload, check_params, check_tensor_specs, make_payload, register_codec
+from .core import SeededCodec, check_gradient
 from .lowrank import matrix_view_shape
 
 __all__ = ["Atomo", "atomo_probabilities"]

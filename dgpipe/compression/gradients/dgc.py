@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from .base import Payload, register_codec
-from .gradbase import SeededCodec, check_gradient
+from ..base import Payload, register_codec
+from .core import SeededCodec, check_gradient
 from .sparsify import decode_sparse, sparse_payload
 
 __all__ = ["DGC"]

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import Codec, Payload
+from ..base import Codec, Payload
 
 __all__ = ["CACHE_DTYPES", "DEFAULT_MAX_BYTES", "DeltaSpec", "DeltaCache", "DeltaCoder", "check_ids"]
 

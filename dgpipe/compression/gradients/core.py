@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec
+from ..base import Codec
 
 __all__ = ["check_gradient", "mix_seed", "SeededCodec"]
 

@@ -18,54 +18,22 @@ Width ``d`` of the last axis:
 - otherwise: the vector is zero-padded to the next power of two and rotated as a whole;
   the codec then sends the padded width (the wire counts it).
 
-The transform is :func:`fwht` (``O(d log d)`` per vector, no dense matrix). The signs
+The transform is :func:`.kernels.fwht.fwht` (``O(d log d)`` per vector, no dense matrix). The signs
 come from a fixed seed and ``d``: both sides derive them, nothing is sent.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import fused
+from ..kernels.fwht import fwht
 
-__all__ = ["MIN_BLOCK", "ROTATION_SEED", "fwht", "random_signs", "HadamardRotation"]
+__all__ = ["MIN_BLOCK", "ROTATION_SEED", "random_signs", "HadamardRotation"]
 
 MIN_BLOCK = 32
 """Smallest power-of-two block a block-diagonal rotation may use (smaller: pad instead)."""
 ROTATION_SEED = 0x4AD4
 """Base seed of the random signs (combined with the width, so every width gets its own)."""
-
-
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal fast Walsh-Hadamard transform along the last axis.
-
-    Args:
-        x: floating tensor ``(..., b)``, ``b`` a power of two.
-
-    Returns:
-        ``x @ H_b / sqrt(b)`` with ``H_b`` Sylvester's Hadamard matrix in natural order
-        (``scipy.linalg.hadamard(b)``), same shape and dtype; a new tensor. Applying it
-        twice gives ``x`` back (``H_b^2 = b I``).
-
-    Raises:
-        ValueError: the last axis is not a power of two.
-    """
-    b = x.shape[-1]
-    if b < 1 or b & (b - 1):
-        raise ValueError(f"fwht needs a power-of-two last axis, got {b}")
-    y = fused.fwht(x)  # the same butterflies in one compiled loop (CPU, float32)
-    if y is not None:
-        return y
-    y = x.reshape(-1, b)
-    h = 1
-    while h < b:
-        pairs = y.view(-1, b // (2 * h), 2, h)
-        lo, hi = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack((lo + hi, lo - hi), dim=2).view(-1, b)
-        h *= 2
-    return (y * (1.0 / math.sqrt(b))).view(x.shape)
 
 
 def random_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:

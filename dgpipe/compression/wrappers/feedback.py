@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, Payload
+from ..base import Codec, Payload
 
 __all__ = ["ErrorFeedback"]
 

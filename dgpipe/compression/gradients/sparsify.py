@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from .base import Codec, Header, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import index_bits, pack_bits, packed_nbytes, unpack_bits
-from .gradbase import SeededCodec, mix_seed
+from ..base import Codec, Header, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from ..kernels.bitpack import index_bits, pack_bits, packed_nbytes, unpack_bits
+from .core import SeededCodec, mix_seed
 
 __all__ = ["TopK", "RandomK", "kept_count", "random_positions", "sparse_payload", "decode_sparse"]
 

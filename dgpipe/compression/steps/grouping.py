@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DTYPE_CODES, MAX_NUMEL, MAX_NDIM, dtype_from_code
+from ..base import DTYPE_CODES, MAX_NUMEL, MAX_NDIM, dtype_from_code
 from .hadamard import HadamardRotation
 
 __all__ = ["GROUPS", "SCALE_DTYPES", "Grouping", "round_meta"]

@@ -1,11 +1,11 @@
 """Fused GPU kernels (Triton) for the hot quantizers: values read once, packed codes written once.
 
-The GPU twin of :mod:`.fused` (whose kernels are CPU loops compiled by Numba). One
+The GPU twin of :mod:`.numba_codes` (whose kernels are CPU loops compiled by Numba). One
 Triton program codes one chunk of :data:`.bitpack.CHUNK` values: it loads them as a
 ``(g, CHUNK / g)`` block -- lane ``l`` of the :mod:`.bitpack` layout is row ``l`` --
 computes their codes, ORs the lanes into words (a sum over the lane axis: the bit
 fields are disjoint) and stores the words' bytes, plane by plane; decoding reverses
-it. The eager torch path does the same in a chain of whole-tensor kernels, each a
+it. The reference torch steps do the same in a chain of whole-tensor kernels, each a
 pass over memory.
 
 - :func:`encode_uniform` / :func:`decode_uniform`: ``quant`` per tensor or per group
@@ -17,7 +17,7 @@ pass over memory.
 - :func:`encode_levels` / :func:`decode_levels`: the codebook codec's nearest level and
   ``level * scale`` (:mod:`.codebook`).
 
-Same float32 operations as the eager torch path, in the same order, so the bytes are
+Same float32 operations as the reference torch steps, in the same order, so the bytes are
 meant to be identical to it: division with IEEE rounding (``tl.math.div_rn``; Triton's
 ``/`` on NVIDIA GPUs is an approximate division), rounding half to even like
 ``torch.round`` (adding and subtracting ``1.5 * 2**23``, exact below ``2**22``, and
@@ -25,7 +25,7 @@ codes are clamped far below that), and no fused multiply-add (``enable_fp_fusion
 ``lo + code * step`` rounds twice, as torch's two kernels do). Under Triton's own
 interpreter (``TRITON_INTERPRET=1`` before Triton is imported, then :func:`run_on_cpu`)
 the kernels run on CPU tensors with numpy's IEEE float32 arithmetic: that is how
-``tests/test_fused_triton.py`` checks them against the eager path, byte for byte,
+``tests/test_fused_triton.py`` checks them against the reference, byte for byte,
 without a GPU; with one it checks the compiled kernels on it. ``tests/triton_ptx.py``
 compiles every kernel ahead of time for sm_80/sm_90 (no GPU needed) and the tests check
 that the PTX does only IEEE-rounded float operations (``/`` would compile to the
@@ -35,12 +35,13 @@ Compilation: once per kernel and code width (and grouped or not), on first use; 
 lengths are not specialised on (``do_not_specialize``), so a last partial batch or
 another sequence length reuses the compiled kernel.
 
-Scope: float32 values in wire order with at least :data:`.fused.MIN_VALUES` of them,
-rounding to nearest; codes of 1..16 bits (codebooks up to :data:`.fused.MAX_LEVEL_BITS`).
-The whole chunks come from here, the ``n % CHUNK`` tail from the eager path (the
-callers in :mod:`.quantize`). Each function returns False where it does not apply
-(Triton missing, or a compilation or launch that failed: one ``RuntimeWarning``, then
-the eager path for the rest of the process), and the caller runs the eager path.
+Scope: float32 values in wire order with at least :data:`.backend.MIN_VALUES` of them,
+rounding to nearest; codes of 1..16 bits (codebooks up to :data:`.numba_codes.MAX_LEVEL_BITS`).
+The whole chunks come from here, the ``n % CHUNK`` tail from the reference (the
+calling steps). Each function returns False where it does not apply
+(Triton missing, or a compilation or launch of that kernel that failed: one
+``RuntimeWarning``, then that kernel stays off, :func:`.backend.failure`), and the calling
+step runs the reference.
 
 Reference: Tillet et al., "Triton: an intermediate language and compiler for tiled
 neural network computations", MAPL 2019; the layout is :mod:`.bitpack`'s and the
@@ -54,6 +55,7 @@ import warnings
 
 import torch
 
+from .backend import failure, failed_kernels
 from .bitpack import CHUNK, layout_planes, layout_word
 
 __all__ = [
@@ -64,10 +66,10 @@ __all__ = [
 try:  # a CUDA build of torch brings Triton; a CPU build needs it only to run the interpreter
     import triton
     import triton.language as tl
-except Exception:  # absent, or broken (e.g. a mismatched CUDA toolkit): the eager path
+except Exception:  # absent, or broken (e.g. a mismatched CUDA toolkit): the reference
     triton = None
 
-_state = {"failed": False, "cpu": False}
+_state = {"cpu": False}
 
 
 def interpreting() -> bool:
@@ -76,7 +78,7 @@ def interpreting() -> bool:
 
 
 def run_on_cpu(flag: bool) -> bool:
-    """Also take CPU tensors (instead of :mod:`.fused`'s Numba kernels), run by Triton's interpreter:
+    """Also take CPU tensors (instead of :mod:`.numba_codes`' Numba kernels), run by Triton's interpreter:
     how the GPU kernels are tested without a GPU. Returns the previous setting.
 
     Raises:
@@ -91,38 +93,38 @@ def run_on_cpu(flag: bool) -> bool:
 
 
 def available(t: torch.Tensor) -> bool:
-    """Whether these kernels take tensors on ``t``'s device: Triton imported, no earlier failure, and a CUDA
+    """Whether these kernels take tensors on ``t``'s device: Triton imported and a CUDA
     tensor (or a CPU one after :func:`run_on_cpu`)."""
-    if triton is None or _state["failed"]:
+    if triton is None:
         return False
     return t.device.type == "cuda" or (t.device.type == "cpu" and _state["cpu"])
 
 
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
 """Triton compile options of every launch: no fused multiply-add (``lo + code * step`` rounds twice, as the
-eager path's separate kernels do)."""
+reference's separate kernels do)."""
 
 
-def _launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
-    """Run ``kernel[grid](*args, **constexprs)`` with :data:`COMPILE_OPTIONS`; False (and one warning,
-    and the eager path from then on) if it cannot run."""
+def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
+    """Run ``kernel[grid](*args, **constexprs)`` with :data:`COMPILE_OPTIONS`; False if kernel ``name`` cannot
+    run (:func:`.backend.failure`: one warning, then the reference for this kernel from then on)."""
+    key = ("triton", name)
+    if key in failed_kernels():
+        return False
     try:
         kernel[grid](*args, **COMPILE_OPTIONS, **constexprs)
         return True
-    except Exception as e:  # a compilation or launch error: fall back for good, say so once
-        _state["failed"] = True
-        warnings.warn(f"dgpipe: Triton codec kernels unavailable ({type(e).__name__}: {e}); "
-                      "using the eager torch path", RuntimeWarning, stacklevel=3)
-        return False
+    except Exception as e:  # a compilation or launch error
+        return failure(key, e, "Triton codec kernel")
 
 
-def _run(kernel, t: torch.Tensor, *args, **constexprs) -> bool:
+def _run(name: str, kernel, t: torch.Tensor, *args, **constexprs) -> bool:
     """:func:`_launch` ``kernel`` with one program per whole chunk of ``t`` (the tensor read or written
     chunk by chunk); False where the kernels do not apply to ``t`` (device, no whole chunk, not contiguous)."""
     chunks = t.numel() // CHUNK
     if not (available(t) and chunks and t.is_contiguous()):
         return False
-    return _launch(kernel, (chunks,), *args, **constexprs)
+    return _launch(name, kernel, (chunks,), *args, **constexprs)
 
 
 def _layout(bits: int) -> dict[str, int]:
@@ -267,7 +269,7 @@ if triton is not None:
 
 def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: int, group_len: int,
                    out: torch.Tensor) -> bool:
-    """:func:`.fused.encode_uniform` on the GPU: ``clamp(round((x - lo[g]) / div[g]), 0, 2**bits - 1)``
+    """:func:`.numba_codes.encode_uniform` on the GPU: ``clamp(round((x - lo[g]) / div[g]), 0, 2**bits - 1)``
     of the whole chunks of ``x``, packed into ``out``.
 
     Args:
@@ -278,16 +280,16 @@ def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: i
         out: uint8 ``(ceil(n * bits / 8),)`` on ``x``'s device; codes ``0 .. n - n % CHUNK`` are written.
 
     Returns:
-        True if done; False where it does not apply (the caller runs the eager path).
+        True if done; False where it does not apply (the caller runs the reference).
     """
-    return _run(_encode_uniform_kernel, x, x, lo.reshape(-1).contiguous(), div.reshape(-1).contiguous(),
+    return _run("encode_uniform", _encode_uniform_kernel, x, x, lo.reshape(-1).contiguous(), div.reshape(-1).contiguous(),
                    out, x.numel(), group_len, GROUPED=group_len < x.numel(), TOP=float((1 << bits) - 1),
                    **_layout(bits))
 
 
 def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torch.Tensor, group_len: int,
                    y: torch.Tensor) -> bool:
-    """:func:`.fused.decode_uniform` on the GPU: ``y[i] = lo[g] + code[i] * step[g]`` for the whole chunks.
+    """:func:`.numba_codes.decode_uniform` on the GPU: ``y[i] = lo[g] + code[i] * step[g]`` for the whole chunks.
 
     Args:
         packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits, on the GPU.
@@ -298,31 +300,31 @@ def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torc
     Returns:
         True if done; False where it does not apply.
     """
-    return _run(_decode_uniform_kernel, y, packed, lo.reshape(-1).contiguous(),
+    return _run("decode_uniform", _decode_uniform_kernel, y, packed, lo.reshape(-1).contiguous(),
                    step.reshape(-1).contiguous(), y, y.numel(), group_len, GROUPED=group_len < y.numel(),
                    **_layout(bits))
 
 
 def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Tensor) -> bool:
-    """:func:`.fused.encode_levels` on the GPU: the nearest level's index ``#{j : v > mids[j]}`` of the whole
+    """:func:`.numba_codes.encode_levels` on the GPU: the nearest level's index ``#{j : v > mids[j]}`` of the whole
     chunks of ``v``, packed into ``out``.
 
     Args:
         v: 1-D float32 values (scaled), wire order, contiguous, on the GPU.
         mids: float32 ``(2**bits - 1,)`` ascending midpoints, on ``v``'s device.
-        bits: 1..:data:`.fused.MAX_LEVEL_BITS`.
+        bits: 1..:data:`.numba_codes.MAX_LEVEL_BITS`.
         out: uint8 stream of ``v.numel()`` codes on ``v``'s device (the tail is left to the caller).
 
     Returns:
         True if done; False where it does not apply.
     """
-    return _run(_encode_levels_kernel, v, v, mids.contiguous(), out, v.numel(), NM=(1 << bits) - 1,
+    return _run("encode_levels", _encode_levels_kernel, v, v, mids.contiguous(), out, v.numel(), NM=(1 << bits) - 1,
                    **_layout(bits))
 
 
 def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: torch.Tensor, group_len: int,
                   y: torch.Tensor) -> bool:
-    """:func:`.fused.decode_levels` on the GPU: ``y[i] = table[code[i]] * scale[i // group_len]`` (whole chunks).
+    """:func:`.numba_codes.decode_levels` on the GPU: ``y[i] = table[code[i]] * scale[i // group_len]`` (whole chunks).
 
     Args:
         packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits, on the GPU.
@@ -333,13 +335,13 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
     Returns:
         True if done; False where it does not apply.
     """
-    return _run(_decode_levels_kernel, y, packed, table.contiguous(), scale.reshape(-1).contiguous(), y,
+    return _run("decode_levels", _decode_levels_kernel, y, packed, table.contiguous(), scale.reshape(-1).contiguous(), y,
                    y.numel(), group_len, GROUPED=group_len < y.numel(), **_layout(bits))
 
 
 def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
     """Per-bucket maxima of sort quantization on the GPU: ``max(mins[b], max of the values in bucket b)``
-    with a zero as ``+0.0`` -- the eager path's ``scatter_reduce`` over the buckets.
+    with a zero as ``+0.0`` -- the reference's ``scatter_reduce`` over the buckets.
 
     Args:
         x: 1-D float32 values (finite, contiguous), on the GPU.
@@ -355,14 +357,14 @@ def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> 
     if not (available(x) and chunks and x.is_contiguous()):
         return None
     part = torch.empty(chunks, mins.numel(), dtype=torch.float32, device=x.device)
-    if not _launch(_bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(), NB=bounds.numel()):
+    if not _launch("bucket_maxima", _bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(), NB=bounds.numel()):
         return None
     return torch.maximum(mins, part.amax(0)) + 0.0
 
 
 def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, div: torch.Tensor, quant_bits: int,
                    out: torch.Tensor) -> bool:
-    """:func:`.fused.encode_buckets` on the GPU: codes ``bucket * 2**Q + level`` of the whole chunks of ``x``.
+    """:func:`.numba_codes.encode_buckets` on the GPU: codes ``bucket * 2**Q + level`` of the whole chunks of ``x``.
 
     Args:
         x: 1-D float32 values (contiguous) on the GPU.
@@ -374,13 +376,13 @@ def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, di
         True if done; False where it does not apply.
     """
     bits = quant_bits + (bounds.numel() + 1).bit_length() - 1
-    return _run(_encode_buckets_kernel, x, x, bounds.contiguous(), mins.contiguous(), div.contiguous(),
+    return _run("encode_buckets", _encode_buckets_kernel, x, x, bounds.contiguous(), mins.contiguous(), div.contiguous(),
                    out, x.numel(), NB=bounds.numel(), Q=quant_bits, **_layout(bits))
 
 
 def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,
                    y: torch.Tensor) -> bool:
-    """:func:`.fused.decode_buckets` on the GPU: ``y = mins[b] + level * step[b]`` for the whole chunks.
+    """:func:`.numba_codes.decode_buckets` on the GPU: ``y = mins[b] + level * step[b]`` for the whole chunks.
 
     Args:
         packed: uint8 stream of ``n = y.numel()`` codes of ``Q + S`` bits, on the GPU.
@@ -392,5 +394,5 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
         True if done; False where it does not apply.
     """
     bits = quant_bits + mins.numel().bit_length() - 1
-    return _run(_decode_buckets_kernel, y, packed, mins.contiguous(), step.contiguous(), y, y.numel(),
+    return _run("decode_buckets", _decode_buckets_kernel, y, packed, mins.contiguous(), step.contiguous(), y, y.numel(),
                    Q=quant_bits, **_layout(bits))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, Payload, check_tensor_specs, make_payload, register_codec
+from ..base import Codec, Payload, check_tensor_specs, make_payload, register_codec
 
 
 @register_codec("none", 0)

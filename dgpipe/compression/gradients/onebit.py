@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from .base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from .bitpack import pack_bits, unpack_bits
-from .gradbase import check_gradient
+from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from ..kernels.bitpack import pack_bits, unpack_bits
+from .core import check_gradient
 
 __all__ = ["OneBit"]
 

@@ -1,0 +1,173 @@
+"""Which implementation runs a codec step, chosen once per tensor, and what happens when one fails.
+
+Every step of :mod:`dgpipe.compression.kernels` has a plain-torch reference and may have
+accelerated implementations: compiled CPU loops (Numba, :mod:`.numba_codes`,
+:mod:`.numba_message`) and GPU programs (Triton, :mod:`.triton_codes`). :func:`choose`
+picks one per tensor from its device and size:
+
+- ``"triton"``: a CUDA tensor (or a CPU one after :func:`.triton_codes.run_on_cpu`, the
+  interpreter the tests use) of at least :data:`MIN_VALUES` values, Triton importable;
+- ``"numba"``: a CPU tensor of at least :data:`MIN_VALUES` values;
+- ``"torch"``: everything else, and every tensor with the switch off.
+
+All give the same bytes (golden payloads, ``tests/test_golden_payloads.py``).
+
+Switch: on by default; ``DGPIPE_FUSED=0`` in the environment or :func:`set_enabled`
+turns the accelerated implementations off (the benchmarks measure both in one run).
+
+Failures: a compiled kernel is identified by a key (its name and the constants it is
+specialised on, e.g. ``("encode_uniform", 6)``). If one fails to compile or run -- Numba
+or Triton missing, a typing or LLVM error, a launch error -- :func:`run` issues one
+``RuntimeWarning`` naming it, the step falls back to the reference for that call, and
+that kernel alone stays off for the rest of the process (:func:`failed_kernels`); every
+other kernel keeps running.
+
+Threads: a Numba kernel runs on ``torch.get_num_threads()`` threads, as an eager torch op
+would -- each on its own run of whole chunks (the kernels release the GIL), none under
+:data:`MIN_CHUNKS_PER_THREAD` chunks (:func:`parts`); the parts are disjoint, so payloads
+do not depend on the number of threads (tested).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .bitpack import CHUNK
+
+__all__ = [
+    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose", "triton_takes", "parts",
+    "run", "failed_kernels", "empty",
+]
+
+MIN_VALUES = 2 * CHUNK
+"""Smallest tensor (values) the accelerated kernels take; below it the reference is as fast."""
+
+MIN_CHUNKS_PER_THREAD = 32
+"""Fewest chunks (of :data:`.bitpack.CHUNK` values) a thread is given: smaller parts cost more to hand out than to run."""
+
+ENV = "DGPIPE_FUSED"
+
+_state = {"enabled": os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off")}
+_kernels: dict[tuple, Callable] = {}
+_failed: set[tuple] = set()
+_pool: dict = {}
+
+
+def enabled() -> bool:
+    """Whether the accelerated kernels are used (on unless ``DGPIPE_FUSED=0`` or :func:`set_enabled`)."""
+    return _state["enabled"]
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the accelerated kernels on or off for this process; returns the previous setting."""
+    previous = _state["enabled"]
+    _state["enabled"] = bool(flag)
+    return previous
+
+
+def triton_takes(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels take tensors on ``t``'s device: the switch on, a CUDA tensor (or a CPU one
+    after :func:`.triton_codes.run_on_cpu`) and Triton importable. Importing it is deferred to the first
+    CUDA tensor: it takes a while."""
+    if not _state["enabled"] or (not t.is_cuda and "dgpipe.compression.kernels.triton_codes" not in sys.modules):
+        return False
+    from . import triton_codes
+
+    return triton_codes.available(t)
+
+
+def choose(t: torch.Tensor, n: int | None = None) -> str:
+    """The backend of a step on ``t``: ``"triton"``, ``"numba"`` or ``"torch"`` (module docstring).
+
+    Args:
+        t: the step's main tensor (its values, or its packed code stream).
+        n: the number of values when ``t`` is a code stream (default ``t.numel()``).
+    """
+    if (t.numel() if n is None else n) < MIN_VALUES or not _state["enabled"]:
+        return "torch"
+    if triton_takes(t):
+        return "triton"
+    return "numba" if t.is_cpu else "torch"
+
+
+def parts(chunks: int) -> list[tuple[int, int]]:
+    """Chunk ranges ``[c0, c1)`` of the threads a kernel over ``chunks`` chunks runs on:
+    ``torch.get_num_threads()`` equal parts (the intra-op threads an eager torch op would use),
+    fewer where a part would be under :data:`MIN_CHUNKS_PER_THREAD` chunks."""
+    t = max(1, min(torch.get_num_threads(), chunks // MIN_CHUNKS_PER_THREAD))
+    return [(chunks * i // t, chunks * (i + 1) // t) for i in range(t)]
+
+
+def _workers(k: int) -> ThreadPoolExecutor:
+    """A pool of at least ``k`` threads (the kernels release the GIL), created on first use and after a fork."""
+    pool = _pool.get("pool")
+    if pool is None or _pool["size"] < k:
+        if pool is not None:
+            pool.shutdown(wait=False)
+        pool = _pool["pool"] = ThreadPoolExecutor(max_workers=k, thread_name_prefix="dgpipe-kernels")
+        _pool["size"] = k
+    return pool
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_pool.clear)
+
+
+def failure(key: tuple, error: Exception, what: str = "codec kernel") -> bool:
+    """Record that kernel ``key`` failed: one ``RuntimeWarning`` naming it, then it stays off. Returns False."""
+    _failed.add(key)
+    warnings.warn(f"dgpipe: {what} {key[0]}{list(key[1:])} unavailable ({type(error).__name__}: {error}); "
+                  "its step runs the reference torch path", RuntimeWarning, stacklevel=4)
+    return False
+
+
+def run(key: tuple, build: Callable[[], Callable], calls: list[tuple]) -> bool:
+    """Run compiled kernel ``key`` (built by ``build`` on first use) on each argument tuple of ``calls`` at
+    once (the first on the calling thread, the others on the pool).
+
+    Returns:
+        True if it ran; False if it is off after a failure, or fails now (:func:`failure`: one warning,
+        off for the rest of the process; the caller runs the reference).
+
+    The calls of one kernel cover disjoint parts of its input and output (:func:`parts`), so the
+    result does not depend on the number of threads.
+    """
+    if key in _failed:
+        return False
+    try:
+        kernel = _kernels.get(key)
+        if kernel is None:
+            kernel = _kernels[key] = build()
+        first, *rest = calls
+        others = [_workers(len(rest)).submit(kernel, *args) for args in rest]
+        try:
+            kernel(*first)
+        finally:
+            for f in others:
+                f.result()
+        return True
+    except Exception as e:  # Numba missing, a typing or LLVM error: this kernel falls back for good
+        return failure(key, e)
+
+
+def failed_kernels() -> frozenset[tuple]:
+    """Keys of the kernels switched off after a failure in this process."""
+    return frozenset(_failed)
+
+
+_NUMPY_DTYPES = {torch.uint8: np.uint8, torch.float32: np.float32}
+
+
+def empty(n: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised 1-D tensor of ``n`` values (uint8 or float32) on ``like``'s device: allocated by numpy on
+    CPU (cheaper per call), by torch elsewhere."""
+    if like.is_cpu:
+        return torch.from_numpy(np.empty(n, _NUMPY_DTYPES[dtype]))
+    return torch.empty(n, dtype=dtype, device=like.device)

@@ -1,0 +1,12 @@
+"""Stateful wrappers around any codec: each owns its state and says so.
+
+- :mod:`.feedback`: :class:`.feedback.ErrorFeedback`, the compression error added back
+  into the next tensor (gradients);
+- :mod:`.delta`: :class:`.delta.DeltaCoder` and :class:`.delta.DeltaCache`, the change
+  against a per-example reconstruction both sides hold (AQ-SGD).
+"""
+
+from .delta import DeltaCache, DeltaCoder, DeltaSpec
+from .feedback import ErrorFeedback
+
+__all__ = ["DeltaCache", "DeltaCoder", "DeltaSpec", "ErrorFeedback"]
