@@ -23,7 +23,7 @@ chunks computing min and step, round, and scatter the codes back by the sort ind
 codes held one per byte (``uint8``, <= 8 bits) or two (``int16``), no bit-packing.
 
 Every dgpipe codec is timed twice, ``eager`` (the torch ops) and ``fused`` (the Numba
-kernels of :mod:`dgpipe.compression.fused` on CPU: same bytes, tested), side by side in the same
+kernels of :mod:`dgpipe.compression.kernels` on CPU: same bytes, tested), side by side in the same
 rounds. With ``hivemind`` importable (``pip install hivemind==1.1.12 "numpy<2"``, best in
 a separate environment: it is not a dependency), its ``Uniform8BitQuantization`` and
 ``Quantile8BitQuantization`` (the 8-bit compressors behind Petals' hidden-state traffic)
@@ -71,7 +71,8 @@ import time
 
 import torch
 
-from dgpipe.compression import fused, get_codec
+from dgpipe.compression import get_codec
+from dgpipe.compression.kernels import backend as kernel_backend
 
 SHAPE = (64, 32, 56, 56)
 WIDTHS = ((12, 4), (9, 3), (6, 2), (3, 1))  # (Q, S): 16, 12, 8, 4 bits
@@ -115,12 +116,12 @@ def original_roundtrip(x: torch.Tensor, q: int, s: int):
 
 def roundtrip(codec, x: torch.Tensor, use_fused: bool = True):
     """``(payload, decoded)`` of a dgpipe codec, with the fused kernels on or off."""
-    previous = fused.set_enabled(use_fused)
+    previous = kernel_backend.set_enabled(use_fused)
     try:
         payload = codec.encode(x)
         return payload, codec.decode(payload)
     finally:
-        fused.set_enabled(previous)
+        kernel_backend.set_enabled(previous)
 
 
 def hivemind_codecs() -> dict:
@@ -317,7 +318,7 @@ def main() -> None:
 
     if args.messages or args.messages_only:
         print(f"Per-message cost on the CPU, {torch.get_num_threads()} thread(s), fused kernels "
-              f"{'on' if fused.enabled() else 'off'}; median of {60 * args.reps} calls:\n")
+              f"{'on' if kernel_backend.enabled() else 'off'}; median of {60 * args.reps} calls:\n")
         print("\n".join(message_table(60 * args.reps, clock)) + "\n", flush=True)
         if args.messages_only:
             return
@@ -363,7 +364,7 @@ def main() -> None:
                 fused_fails(kind, measured, raw, t_orig, fails, 1500 if copy_mbs is None else copy_mbs / 4)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
-    if fused.gpu_kernels(x) is None if device.type == "cuda" else not fused.enabled():
+    if kernel_backend.choose(x) == "torch":
         where += " (fused kernels unavailable: the 'fused' rows ran the eager path)"
     print(
         f"torch {torch.__version__}, {where}, tensor {'x'.join(map(str, SHAPE))} float32; "

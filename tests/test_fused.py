@@ -1,8 +1,8 @@
-"""The fused CPU kernels (dgpipe.compression.fused) against the eager torch path.
+"""The compiled CPU kernels (dgpipe.compression.kernels: numba_codes, numba_message) against the reference.
 
 Both paths must give byte-identical payloads and bit-identical decoded tensors; the
 fused path must really be taken where it applies; a compilation failure must fall back
-to the eager path with one warning.
+to the reference for that kernel alone, with one warning.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-from dgpipe.compression import fused, get_codec
+from dgpipe.compression import get_codec
+from dgpipe.compression.kernels import backend, numba_codes, numba_message
 from dgpipe.compression.kernels.bitpack import CHUNK
 
 
 @pytest.fixture
 def eager_and_fused():
     """Run a codec both ways; restores the switch afterwards."""
-    previous = fused.set_enabled(True)
+    previous = backend.set_enabled(True)
 
     def run(codec, x):
         out = {}
         for on in (False, True):
-            fused.set_enabled(on)
+            backend.set_enabled(on)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a fallback warning would make the comparison vacuous
                 p = codec.encode(x)
@@ -43,7 +44,7 @@ def eager_and_fused():
         return pf, yf
 
     yield run
-    fused.set_enabled(previous)
+    backend.set_enabled(previous)
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -121,38 +122,38 @@ def test_codebook_fused_equals_eager(eager_and_fused, opts):
     codec = get_codec("codebook", **opts)
     for t in codebook_inputs(tensors(seed=2), opts):
         eager_and_fused(codec, t)
-    assert ("encode_levels", opts["bits"]) in fused._kernels and ("decode_levels", opts["bits"]) in fused._kernels
+    assert ("encode_levels", opts["bits"]) in backend._kernels and ("decode_levels", opts["bits"]) in backend._kernels
 
 
 def test_fwht_fused_equals_eager():
     from dgpipe.compression.kernels import fwht
 
     g = torch.Generator().manual_seed(5)
-    previous = fused.set_enabled(True)
+    previous = backend.set_enabled(True)
     try:
         for shape in ((64, 53, 3, 128), (5, 4096), (300, 32), (2, 8192)):
             x = torch.randn(shape, generator=g)
-            fused.set_enabled(False)
+            backend.set_enabled(False)
             want = fwht(x)
-            fused.set_enabled(True)
+            backend.set_enabled(True)
             got = fwht(x)
             assert got.shape == want.shape and torch.equal(got, want)
             assert torch.equal(fwht(got), fwht(want))
-        assert ("fwht",) in fused._kernels
+        assert ("fwht",) in backend._kernels
     finally:
-        fused.set_enabled(previous)
+        backend.set_enabled(previous)
 
 
 @pytest.fixture
 def kernels_run(monkeypatch):
     """The keys of the fused kernels run from here on (a set, filled as they run)."""
-    keys, call = set(), fused._call
+    keys, call = set(), backend.run
 
     def record(key, build, calls):
         keys.add(key)
         return call(key, build, calls)
 
-    monkeypatch.setattr(fused, "_call", record)
+    monkeypatch.setattr(backend, "run", record)
     return keys
 
 
@@ -181,7 +182,7 @@ def test_large_sample_split_and_bucket_extrema(eager_and_fused):
     x = torch.randn(300_000, generator=g) ** 3
     for q, s in ((6, 2), (3, 1), (4, 4)):
         _, y = eager_and_fused(get_codec("sortquant", quant_bits=q, split_bits=s), x)
-        assert ("bucket_extrema", s) in fused._kernels
+        assert ("bucket_extrema", s) in backend._kernels
         # independent check: decoded values stay within half a step of x
         p = get_codec("sortquant", quant_bits=q, split_bits=s).encode(x)
         step = p.tensors[1][1 << s:]
@@ -193,9 +194,9 @@ def test_bucket_extrema_against_sort(monkeypatch, threads):
     """The windowed pass's min and maxima equal those computed with searchsorted over all values,
     also where the windows' ends tie with many values (a ReLU's zeros, a saturated top, integers) and
     where the extremes are single outliers that no sample holds; on one thread and on three."""
-    from dgpipe.compression.sortquant import bucket_grid
+    from dgpipe.compression.kernels.buckets import bucket_ranges
 
-    monkeypatch.setattr(fused, "MIN_CHUNKS_PER_THREAD", 1)
+    monkeypatch.setattr(backend, "MIN_CHUNKS_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(4)
     n = 200_003
@@ -208,24 +209,24 @@ def test_bucket_extrema_against_sort(monkeypatch, threads):
         "integers": torch.randint(-2, 3, (n,), generator=g).float(),
         "outliers": outliers,
     }
-    previous = fused.set_enabled(True)
+    previous = backend.set_enabled(True)
     try:
         for name, x in cases.items():
             for buckets in (2, 4, 16):
-                bounds, mins, maxs = bucket_grid(x, buckets, "sortquant")
+                bounds, mins, maxs = bucket_ranges(x, buckets, "sortquant")
                 assert mins[0].item() == x.min().item(), name
                 want = mins.clone().scatter_reduce_(0, torch.searchsorted(bounds, x, right=True), x, "amax") + 0.0
                 assert torch.equal(maxs, want), (name, buckets)
-                assert ("bucket_extrema", buckets.bit_length() - 1) in fused._kernels
+                assert ("bucket_extrema", buckets.bit_length() - 1) in backend._kernels
     finally:
-        fused.set_enabled(previous)
+        backend.set_enabled(previous)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_give_the_same_bytes(eager_and_fused, monkeypatch, threads):
     """Kernels split over threads (parts of whole chunks, group runs across part borders, the low-byte
     plane of wide codes) give the eager path's payloads and values."""
-    monkeypatch.setattr(fused, "MIN_CHUNKS_PER_THREAD", 1)
+    monkeypatch.setattr(backend, "MIN_CHUNKS_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     codecs = [get_codec("quant", bits=12), get_codec("quant", bits=3, group="tile", group_size=1000),
               get_codec("sortquant", quant_bits=6, split_bits=2), get_codec("sortquant", quant_bits=9, split_bits=3),
@@ -245,7 +246,7 @@ def test_sort_sample_equals_numpy_sort():
     for name, flat in cases.items():
         for positions in (None, g.integers(0, flat.size, 4096)):
             want = np.sort(flat if positions is None else flat[positions])
-            got = fused.sort_sample(flat, positions)
+            got = numba_message.sort_sample(flat, positions)
             assert got is not None and got.dtype == np.float32 and got.shape == want.shape
             finite = ~np.isnan(want)
             assert np.array_equal(np.sort(got[~np.isnan(got)]), want[finite]) and np.isnan(got).sum() == (~finite).sum()
@@ -253,8 +254,8 @@ def test_sort_sample_equals_numpy_sort():
             assert np.all(vals[:-1] <= vals[1:]), name
             zeros = np.signbit(vals[vals == 0])
             assert not np.any(~zeros[:-1] & zeros[1:]), name  # no -0.0 after a +0.0
-    assert ("sort_sample",) in fused._kernels
-    assert fused.sort_sample(cases["randn"], np.arange(fused.MIN_SORT_VALUES - 1)) is None  # numpy's turn
+    assert ("sort_sample",) in backend._kernels
+    assert numba_message.sort_sample(cases["randn"], np.arange(numba_message.MIN_SORT_VALUES - 1)) is None  # numpy's turn
 
 
 @pytest.mark.parametrize("bad, error", [((float("nan"),), "inf/NaN"), ((float("-inf"),), "inf/NaN"),
@@ -265,20 +266,20 @@ def test_non_finite_refused_both_ways(bad, error):
         x = torch.randn(n)
         x[CHUNK + 7 : CHUNK + 7 + len(bad)] = torch.tensor(bad)
         for on in (False, True):
-            previous = fused.set_enabled(on)
+            previous = backend.set_enabled(on)
             try:
                 for codec in (get_codec("quant", bits=8), get_codec("sortquant", quant_bits=6, split_bits=2)):
                     with pytest.raises(ValueError, match=error):
                         codec.encode(x)
             finally:
-                fused.set_enabled(previous)
+                backend.set_enabled(previous)
 
 
 def test_not_applicable_returns_false():
     out = torch.empty(10, dtype=torch.uint8)
     small = torch.randn(100)
-    assert not fused.encode_uniform(small, small[:1], small[:1], 8, 100, out)
-    assert fused.bucket_extrema(np.zeros(3 * CHUNK, np.float32), np.zeros(31, np.float32), np.zeros(31, np.float32),
+    assert not numba_codes.encode_uniform(small, small[:1], small[:1], 8, 100, out)
+    assert numba_message.bucket_extrema(np.zeros(3 * CHUNK, np.float32), np.zeros(31, np.float32), np.zeros(31, np.float32),
                                 np.float32(0.0), np.float32(1.0)) is None  # S = 5 > MAX_SPLIT_BITS
 
 
@@ -286,25 +287,26 @@ def test_message_values_refuses_buffers_of_another_size():
     """The one-call decode's compiled loop checks no bounds: a stream or metadata of the wrong size is refused."""
     n, meta = 2 * CHUNK, torch.zeros(8)
     good = torch.zeros(n, dtype=torch.uint8)
-    assert fused.message_values(good, 6, 2, meta, n) is not None
+    assert numba_message.message_values(good, 6, 2, meta, n) is not None
     with pytest.raises(ValueError, match="code bytes"):
-        fused.message_values(good[:-1], 6, 2, meta, n)
+        numba_message.message_values(good[:-1], 6, 2, meta, n)
     with pytest.raises(ValueError, match="metadata values"):
-        fused.message_values(good, 6, 2, meta[:6], n)
+        numba_message.message_values(good, 6, 2, meta[:6], n)
 
 
 def test_stochastic_rounding_stays_eager(monkeypatch):
     """Stochastic rounding draws from torch's generator: no fused kernel is asked for it."""
-    calls, sampled_grid = [], fused.sampled_grid
-    for name in ("encode_uniform", "encode_buckets", "uniform_message"):  # recorded, not applied
-        monkeypatch.setattr(fused, name, lambda *a, name=name: calls.append(name))
+    calls, sampled_grid = [], numba_message.sampled_grid
+    for module, name in ((numba_codes, "encode_uniform"), (numba_codes, "encode_buckets"),
+                         (numba_message, "uniform_message")):  # recorded, not applied
+        monkeypatch.setattr(module, name, lambda *a, name=name: calls.append(name))
 
     def grid_only_unless_asked(x, positions, ranks, quant_bits, pack=False):
         if pack:
             calls.append("sampled_grid(pack=True)")
         return sampled_grid(x, positions, ranks, quant_bits, pack)
 
-    monkeypatch.setattr(fused, "sampled_grid", grid_only_unless_asked)
+    monkeypatch.setattr(numba_message, "sampled_grid", grid_only_unless_asked)
     x = torch.randn(4 * CHUNK)
     get_codec("quant", bits=4, stochastic=True).encode(x)
     get_codec("sortquant", quant_bits=3, split_bits=1, stochastic=True).encode(x)
@@ -314,35 +316,38 @@ def test_stochastic_rounding_stays_eager(monkeypatch):
     assert calls == ["uniform_message", "encode_uniform", "sampled_grid(pack=True)"]
 
 
-def test_compile_failure_falls_back_with_one_warning(monkeypatch):
-    def broken(inline=False):
+def test_compile_failure_switches_off_that_kernel_only(monkeypatch):
+    """A kernel that fails to compile warns once, its step runs the reference (same bytes), and every
+    other kernel keeps running."""
+    def broken(bits):
         raise RuntimeError("no LLVM here")
 
-    monkeypatch.setattr(fused, "_njit", broken)
-    monkeypatch.setattr(fused, "_kernels", {})
-    monkeypatch.setitem(fused._state, "failed", False)
-    previous = fused.set_enabled(True)
+    monkeypatch.setattr(numba_codes, "build_encode_uniform", broken)
+    monkeypatch.setattr(backend, "_kernels", {})
+    monkeypatch.setattr(backend, "_failed", set())
+    previous = backend.set_enabled(True)
     try:
-        x = torch.randn(5 * CHUNK + 1)
-        codec = get_codec("sortquant", quant_bits=6, split_bits=2)
-        with pytest.warns(RuntimeWarning, match="fused codec kernels unavailable.*no LLVM here"):
+        x = torch.randn(5 * CHUNK + 1)  # a tail: not the one-call path
+        codec = get_codec("quant", bits=8)
+        with pytest.warns(RuntimeWarning, match=r"encode_uniform\[8\] unavailable.*no LLVM here"):
             p = codec.encode(x)
-        assert not fused.enabled()
+        assert backend.failed_kernels() == {("encode_uniform", 8)} and backend.enabled()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # only one warning
             y = codec.decode(p)
-            p2 = get_codec("quant", bits=8).encode(x)
-        fused._state["failed"] = False
-        fused.set_enabled(False)
+            codec.encode(x)
+            p2 = get_codec("sortquant", quant_bits=6, split_bits=2).encode(x)
+        assert ("decode_uniform", 8) in backend._kernels and ("sampled_grid", 2, 6) in backend._kernels
+        backend.set_enabled(False)
         ref = codec.encode(x)
         assert all(torch.equal(a, b) for a, b in zip(p.tensors, ref.tensors))
         assert torch.equal(y, codec.decode(ref)) and p2.nbytes > 0
     finally:
-        fused.set_enabled(previous)
+        backend.set_enabled(previous)
 
 
 def test_env_switch_off():
-    code = "from dgpipe.compression import fused; print(fused.enabled())"
+    code = "from dgpipe.compression import kernels; print(kernels.enabled())"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DGPIPE_FUSED="0"),
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -351,12 +356,12 @@ def test_env_switch_off():
 def test_new_shapes_do_not_recompile():
     """A kernel is compiled once per bit width: other lengths (a last partial batch, another
     sequence length) reuse it."""
-    previous = fused.set_enabled(True)
+    previous = backend.set_enabled(True)
     try:
         codec = get_codec("quant", bits=6)
         for n in (3 * CHUNK, 5 * CHUNK + 17, 2 * CHUNK + 1, 40 * CHUNK - 3):
             codec.decode(codec.encode(torch.randn(n)))
-        assert len(fused._kernels[("encode_uniform", 6)].signatures) == 1
-        assert len(fused._kernels[("decode_uniform", 6)].signatures) == 1
+        assert len(backend._kernels[("encode_uniform", 6)].signatures) == 1
+        assert len(backend._kernels[("decode_uniform", 6)].signatures) == 1
     finally:
-        fused.set_enabled(previous)
+        backend.set_enabled(previous)

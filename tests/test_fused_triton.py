@@ -1,11 +1,11 @@
-"""The Triton kernels (dgpipe.compression.kernels.triton_codes) against the eager torch path.
+"""The Triton kernels (dgpipe.compression.kernels.triton_codes) against the reference torch path.
 
 With a GPU they run compiled, on CUDA tensors; without one on CPU tensors under
 Triton's own interpreter (``TRITON_INTERPRET=1``, set by conftest.py before Triton is
 imported; numpy's IEEE float32 arithmetic, like torch's CPU ops). Payloads must be
 byte-identical and decoded tensors bit-identical to the eager path's on the same device,
-the Triton path must really be taken, and a failing launch must fall back to the eager
-path with one warning.
+the Triton path must really be taken, and a failing launch must fall back to the reference
+for that kernel alone, with one warning.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dgpipe.compression import fused, get_codec
+from dgpipe.compression import get_codec
+from dgpipe.compression.kernels import backend
 from dgpipe.compression.kernels.bitpack import CHUNK
 from dgpipe.compression.kernels import BucketIndex
 from test_fused import CODEBOOK, QUANT, SORTQUANT, codebook_inputs, eager_and_fused, tensors  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton")
-from dgpipe.compression import fused_triton  # noqa: E402
+from dgpipe.compression.kernels import triton_codes as fused_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = ("encode_uniform", "decode_uniform", "encode_buckets", "decode_buckets", "encode_levels", "decode_levels")
@@ -109,17 +110,17 @@ def test_bucket_maxima_equal_the_eager_scatter_reduce(name):
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU routing")
 def test_cpu_tensors_go_to_triton_only_when_asked():
     x = torch.randn(3 * CHUNK)
-    assert fused.gpu_kernels(x) is fused_triton
+    assert backend.choose(x) == "triton"
     fused_triton.run_on_cpu(False)
     try:
-        assert fused.gpu_kernels(x) is None and fused.wanted(x)  # Numba's
+        assert backend.choose(x) == "numba"
     finally:
         fused_triton.run_on_cpu(True)
-    previous = fused.set_enabled(False)
+    previous = backend.set_enabled(False)
     try:
-        assert fused.gpu_kernels(x) is None and not fused.wanted(x)
+        assert backend.choose(x) == "torch"
     finally:
-        fused.set_enabled(previous)
+        backend.set_enabled(previous)
 
 
 def test_not_applicable_returns_false():
@@ -138,21 +139,21 @@ def test_launch_failure_falls_back_with_one_warning(monkeypatch):
             return launch
 
     monkeypatch.setattr(fused_triton, "_encode_uniform_kernel", Broken())
-    monkeypatch.setitem(fused_triton._state, "failed", False)
+    monkeypatch.setattr(backend, "_failed", set())
     x = torch.randn(5 * CHUNK + 1, device=DEVICE)
     codec = get_codec("quant", bits=8)
-    with pytest.warns(RuntimeWarning, match="Triton codec kernels unavailable.*no ptxas here"):
+    with pytest.warns(RuntimeWarning, match="Triton codec kernel triton_encode_uniform unavailable.*no ptxas here"):
         p = codec.encode(x)
-    assert fused.gpu_kernels(x) is None  # for the rest of the process
+    assert backend.failed_kernels() == {("triton_encode_uniform",)}  # that kernel alone, for the rest of the process
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # only one warning
         y = codec.decode(p)
         get_codec("sortquant", quant_bits=6, split_bits=2).encode(x)
-    previous = fused.set_enabled(False)
+    previous = backend.set_enabled(False)
     try:
         ref = codec.encode(x)
     finally:
-        fused.set_enabled(previous)
+        backend.set_enabled(previous)
     assert all(torch.equal(a, b) for a, b in zip(p.tensors, ref.tensors)) and torch.equal(y, codec.decode(ref))
 
 

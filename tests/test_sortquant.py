@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgpipe.compression import get_codec
-from dgpipe.compression import sortquant as sq
+from dgpipe.compression.kernels import buckets as sq
 from dgpipe.compression.kernels.bitpack import unpack_bits
 
 
@@ -222,7 +222,7 @@ def test_exact_split_grid_equals_the_sorted_values(n, s, ties, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-3, 4, (n,), generator=g).float() if ties else torch.randn(n, generator=g)
     buckets = 1 << s
-    bounds, mins, maxs = sq.bucket_grid(x, buckets, "sortquant")
+    bounds, mins, maxs = sq.bucket_ranges(x, buckets, "sortquant")
     assert torch.equal(bounds, torch.sort(x).values[[(i * n) // buckets for i in range(1, buckets)]])
     b = torch.searchsorted(bounds, x, right=True)
     assert mins[0] == x.min()

@@ -123,7 +123,8 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
 def failure(key: tuple, error: Exception, what: str = "codec kernel") -> bool:
     """Record that kernel ``key`` failed: one ``RuntimeWarning`` naming it, then it stays off. Returns False."""
     _failed.add(key)
-    warnings.warn(f"dgpipe: {what} {key[0]}{list(key[1:])} unavailable ({type(error).__name__}: {error}); "
+    name = key[0] + (f"[{', '.join(map(str, key[1:]))}]" if len(key) > 1 else "")
+    warnings.warn(f"dgpipe: {what} {name} unavailable ({type(error).__name__}: {error}); "
                   "its step runs the reference torch path", RuntimeWarning, stacklevel=4)
     return False
 

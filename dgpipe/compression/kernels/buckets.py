@@ -37,7 +37,7 @@ from .uniform import (blocks, decode_table, encode_blocks, finite_range, grid_di
 
 __all__ = [
     "SAMPLE_MIN", "SAMPLE_PER_BUCKET", "SAMPLE_PER_BUCKET_SMALL", "SAMPLE_SEED", "sample_size", "sample_positions",
-    "sort_sample", "BucketIndex", "BucketGrid", "bucket_grid", "bucket_codes", "bucket_values",
+    "sort_sample", "BucketIndex", "BucketGrid", "bucket_ranges", "bucket_grid", "bucket_codes", "bucket_values",
 ]
 
 SAMPLE_MIN = 1 << 14
@@ -235,6 +235,29 @@ def _torch_grid(flat: torch.Tensor, buckets: int, m: int, codec_name: str
     return bounds, mins, torch.where(uppers > mins, torch.cat((below, hi.view(1))), mins) + 0.0
 
 
+def bucket_ranges(flat: torch.Tensor, buckets: int, codec_name: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Boundaries and per-bucket ranges of ``flat`` split into ``buckets`` equal-count buckets.
+
+    Args:
+        flat: 1-D float32 values, ``n >= 1``, any device.
+        buckets: a power of two >= 2.
+        codec_name: for the error message.
+
+    Returns:
+        ``(bounds, mins, maxs)``. ``bounds``: the ``buckets - 1`` non-decreasing lower boundaries of
+        buckets ``1 ..``: ``s[(i * m) // buckets]``, ``s`` the sorted :func:`sample_size` values (each a
+        value of ``flat``). ``mins``: per-bucket min, ``(lo, *bounds)`` with ``lo`` the min of ``flat``.
+        ``maxs``: per-bucket max (= min for an empty bucket; a zero as ``+0.0``) when the split is exact
+        or a sampled split's compiled pass found it (:func:`.numba_message.bucket_extrema`), else None.
+
+    Raises:
+        ValueError: ``flat`` holds inf or NaN (:func:`.uniform.finite_range`).
+    """
+    m = sample_size(flat.numel(), buckets)
+    return (_cpu_grid if flat.is_cpu else _torch_grid)(flat, buckets, m, codec_name)
+
+
 def _one_call(flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str, pack: bool) -> BucketGrid | None:
     """The grid (and with ``pack`` the whole chunks' codes) of a sampled split in one compiled call
     (:func:`.numba_message.sampled_grid`), or None where that does not apply."""
@@ -276,8 +299,7 @@ def bucket_grid(flat: torch.Tensor, split_bits: int, quant_bits: int, codec_name
     grid = _one_call(flat, buckets, quant_bits, codec_name, codes)
     if grid is not None:
         return grid
-    m = sample_size(flat.numel(), buckets)
-    bounds, mins, maxs = (_cpu_grid if flat.is_cpu else _torch_grid)(flat, buckets, m, codec_name)
+    bounds, mins, maxs = bucket_ranges(flat, buckets, codec_name)
     index = None
     if maxs is None and choose(flat) == "triton":  # a sampled split on a GPU: the maxima in one kernel
         from . import triton_codes

@@ -37,7 +37,8 @@ import math
 import numpy as np
 import torch
 
-from .backend import MIN_VALUES, parts, run
+from . import backend
+from .backend import MIN_VALUES, parts
 from .bitpack import CHUNK, layout_planes, layout_word
 
 __all__ = [
@@ -211,7 +212,7 @@ def encode_uniform(
     if n < MIN_VALUES or not x.is_cpu:
         return False
     x, lo, div, out = _np(x), _np(lo.reshape(-1)), _np(div.reshape(-1)), out.numpy()
-    return run(("encode_uniform", bits), lambda: build_encode_uniform(bits),
+    return backend.run(("encode_uniform", bits), lambda: build_encode_uniform(bits),
                  [(x[c0 * CHUNK : c1 * CHUNK], lo, div, group_len, c0 * CHUNK, *stream_part(out, bits, n, c0), c1 - c0)
                   for c0, c1 in parts(n // CHUNK)])
 
@@ -266,7 +267,7 @@ def decode_uniform(
     n = y.numel()
     if n < MIN_VALUES or not y.is_cpu:
         return False
-    return run(("decode_uniform", bits), lambda: build_decode_uniform(bits),
+    return backend.run(("decode_uniform", bits), lambda: build_decode_uniform(bits),
                  grouped_parts(packed, bits, _np(lo.reshape(-1)), _np(step.reshape(-1)), np.zeros(1, np.float32),
                                 group_len, y))
 
@@ -325,7 +326,7 @@ def encode_buckets(
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not x.is_cpu:
         return False
     x, bounds, mins, div, out = _np(x), _np(bounds), _np(mins), _np(div), out.numpy()
-    return run(("encode_buckets", quant_bits, s), lambda: build_encode_buckets(quant_bits, s),
+    return backend.run(("encode_buckets", quant_bits, s), lambda: build_encode_buckets(quant_bits, s),
                  [(x[c0 * CHUNK : c1 * CHUNK], bounds, mins, div, *stream_part(out, quant_bits + s, n, c0), c1 - c0)
                   for c0, c1 in parts(n // CHUNK)])
 
@@ -370,7 +371,7 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not y.is_cpu:
         return False
     packed, mins, step, y = packed.numpy(), _np(mins), _np(step), y.numpy()
-    return run(("decode_buckets", quant_bits, s), lambda: build_decode_buckets(quant_bits, s),
+    return backend.run(("decode_buckets", quant_bits, s), lambda: build_decode_buckets(quant_bits, s),
                  [(*stream_part(packed, quant_bits + s, n, c0), mins, step, y[c0 * CHUNK : c1 * CHUNK], c1 - c0)
                   for c0, c1 in parts(n // CHUNK)])
 
@@ -415,7 +416,7 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not v.is_cpu:
         return False
     v, mids, out = _np(v), _np(mids), out.numpy()
-    return run(("encode_levels", bits), lambda: _build_encode_levels(bits),
+    return backend.run(("encode_levels", bits), lambda: _build_encode_levels(bits),
                  [(v[c0 * CHUNK : c1 * CHUNK], mids, *stream_part(out, bits, n, c0), c1 - c0)
                   for c0, c1 in parts(n // CHUNK)])
 
@@ -447,7 +448,7 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not y.is_cpu:
         return False
     scale = _np(scale.reshape(-1))
-    return run(("decode_levels", bits), lambda: _build_decode_levels(bits),
+    return backend.run(("decode_levels", bits), lambda: _build_decode_levels(bits),
                  grouped_parts(packed, bits, scale, scale, _np(table), group_len, y))
 
 
@@ -484,6 +485,6 @@ def fwht(x: torch.Tensor) -> torch.Tensor | None:
     if x.numel() < MIN_VALUES or x.dtype != torch.float32 or not x.is_cpu:
         return None
     y = x.detach().contiguous().clone()
-    if not run(("fwht",), _build_fwht, [(y.view(-1).numpy(), b, np.float32(1.0 / math.sqrt(b)))]):
+    if not backend.run(("fwht",), _build_fwht, [(y.view(-1).numpy(), b, np.float32(1.0 / math.sqrt(b)))]):
         return None
     return y

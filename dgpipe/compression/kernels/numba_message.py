@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .backend import MIN_VALUES, parts, run
+from . import backend
+from .backend import MIN_VALUES, parts
 from .bitpack import CHUNK, packed_nbytes
 from .numba_codes import (MAX_SPLIT_BITS, build_decode_buckets, build_decode_uniform, build_encode_buckets,
                           build_encode_uniform, jit, stream_part)
@@ -117,7 +118,7 @@ def sort_sample(x: np.ndarray, positions: np.ndarray | None) -> np.ndarray | Non
         return None
     pos = np.empty(0, np.int64) if positions is None else positions
     out = np.empty(m, np.float32)
-    return out if run(("sort_sample",), _build_sort_sample, [(x, pos, out)]) else None
+    return out if backend.run(("sort_sample",), _build_sort_sample, [(x, pos, out)]) else None
 
 
 def _build_bucket_extrema(split_bits: int):
@@ -211,7 +212,7 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np
     ends[-1] = (ends[-1][0], n)  # the last part takes the tail
     ext = np.empty((len(ends), nb + 2), np.float32)  # a row per part: the known min and maxima
     ext[:, 0], ext[:, 1], ext[:, 2:] = low, below[0], lows[1:]
-    if not run(("bucket_extrema", s), lambda: _build_bucket_extrema(s),
+    if not backend.run(("bucket_extrema", s), lambda: _build_bucket_extrema(s),
                  [(x[i:j], bounds, lows, low, ext[k]) for k, (i, j) in enumerate(ends)]):
         return None
     if len(ends) == 1:
@@ -306,7 +307,7 @@ def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_
     bits = quant_bits + s
     packed = np.empty(packed_nbytes(x.size, bits) if pack else 0, np.uint8)
     chunks = x.size // CHUNK if pack else 0
-    ok = run(("sampled_grid", s, quant_bits), lambda: _build_sampled_grid(s, quant_bits),
+    ok = backend.run(("sampled_grid", s, quant_bits), lambda: _build_sampled_grid(s, quant_bits),
                [(x, positions, ranks, sample, grid, *stream_part(packed, bits, x.size, 0), chunks)])
     return (grid, packed if pack else None) if ok else None
 
@@ -355,7 +356,7 @@ def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[t
     n = x.numel()
     meta, div = np.empty(2, np.float32), np.empty(1, np.float32)
     out = np.empty(packed_nbytes(n, bits), np.uint8)
-    ok = run(("uniform_message", bits), lambda: _build_uniform_message(bits),
+    ok = backend.run(("uniform_message", bits), lambda: _build_uniform_message(bits),
                [(x.detach().numpy(), lo, hi, meta, div, *stream_part(out, bits, n, 0), n // CHUNK)])
     return (torch.from_numpy(meta), torch.from_numpy(out)) if ok else None
 
@@ -407,7 +408,7 @@ def message_values(packed: torch.Tensor, quant_bits: int, split_bits: int, meta:
         raise ValueError(f"message_values: {packed.numel()} code bytes and {meta.numel()} metadata values for "
                          f"{n} codes of {quant_bits}+{split_bits} bits")  # the kernel does not check bounds
     y = np.empty(n, np.float32)
-    ok = run(("message_values", quant_bits, split_bits), lambda: _build_message_values(quant_bits, split_bits),
+    ok = backend.run(("message_values", quant_bits, split_bits), lambda: _build_message_values(quant_bits, split_bits),
                [(*stream_part(packed.numpy(), quant_bits + split_bits, n, 0), meta.numpy(), y, n // CHUNK)])
     return torch.from_numpy(y) if ok else None
 

@@ -108,7 +108,7 @@ reference's separate kernels do)."""
 def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
     """Run ``kernel[grid](*args, **constexprs)`` with :data:`COMPILE_OPTIONS`; False if kernel ``name`` cannot
     run (:func:`.backend.failure`: one warning, then the reference for this kernel from then on)."""
-    key = ("triton", name)
+    key = ("triton_" + name,)
     if key in failed_kernels():
         return False
     try:
