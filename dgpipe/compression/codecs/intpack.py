@@ -5,7 +5,7 @@ must arrive bit-exact, and as ``int64`` they cost 64 bits a value: a MiniLM boun
 int64 mask alone is 0.17 bit per hidden value (one mask value per 384), 8% of a 2-bit
 codec's budget. ``intpack`` sends ``x - min(x)`` in the fewest bits that hold the range
 (frame-of-reference bit packing: Goldstein, Ramakrishnan and Shaft, "Compressing
-Relations and Indexes", ICDE 1998), in the :mod:`.bitpack` layout: a 0/1 mask costs 1 bit
+Relations and Indexes", ICDE 1998), in the :mod:`..kernels.bitpack` layout: a 0/1 mask costs 1 bit
 a value.
 
 Two forms, told apart by the header's params:

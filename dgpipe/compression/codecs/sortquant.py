@@ -4,7 +4,7 @@ With ``split_bits`` S and ``quant_bits`` Q, the ``n`` values are split into ``B 
 buckets of (nearly) equal count by rank -- bucket ``i`` holds the values between the
 ``i/B`` and ``(i+1)/B`` quantiles -- and each bucket is quantized uniformly with
 ``L = 2**Q`` levels between its min and max. A value is sent as the code
-``bucket * L + level`` in ``S + Q`` bits (bit-packed, :mod:`.bitpack`); a bucket as its
+``bucket * L + level`` in ``S + Q`` bits (bit-packed, :mod:`..kernels.bitpack`); a bucket as its
 min and step (float32). Dense regions of the distribution get narrow buckets and fine
 steps, sparse tails wide buckets and coarse steps: every equal share of the values gets
 the same number of levels. In mean squared error it can lose to uniform quantization

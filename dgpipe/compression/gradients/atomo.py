@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Payload, check_params, check_tensor_specs, make_payload, register_codec
+from ..base import Payload, make_payload, register_codec
 from .core import SeededCodec, check_gradient
-from .lowrank import matrix_view_shape
+from .lowrank import factor_product, matrix_view_shape
 
 __all__ = ["Atomo", "atomo_probabilities"]
 
@@ -95,9 +95,4 @@ class Atomo(SeededCodec):
         return make_payload(self.codec_id, x.dtype, x.shape, (idx.numel(),), (u_kept, v_kept))
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        h = self.parse(payload)
-        m, n = matrix_view_shape(h.shape)
-        (k,) = check_params(h, ("atoms", 0, min(m, n)))
-        check_tensor_specs(h, ("u", torch.float32, m * k), ("v", torch.float32, k * n))
-        u, v = payload.tensors
-        return (u.view(m, k) @ v.view(k, n)).to(h.dtype).view(h.shape)
+        return factor_product(self.parse(payload), payload.tensors, "atoms", ("u", "v"), right_by_rows=False)

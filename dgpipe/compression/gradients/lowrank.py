@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
+from ..base import Codec, Header, Payload, check_params, check_tensor_specs, make_payload, register_codec
 
-__all__ = ["LowRank", "matrix_view_shape"]
+__all__ = ["LowRank", "matrix_view_shape", "factor_product"]
 
 SKETCH_SEED = 0x10F7
 """Seed of the Gaussian sketch ``G`` (encode is deterministic)."""
@@ -41,6 +41,28 @@ def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     if not shape:
         return 1, 1
     return shape[0], math.prod(shape[1:])
+
+
+def factor_product(h: Header, tensors: tuple[torch.Tensor, ...], param: str, names: tuple[str, str],
+                   right_by_rows: bool) -> torch.Tensor:
+    """The decoded tensor of a low-rank payload: the product of its two float32 factors.
+
+    Args:
+        h: the parsed header; its one param (named ``param``) is the rank ``k``.
+        tensors: the left factor ``(m, k)`` and the right one, sent as ``(n, k)`` (``right_by_rows``: it
+            is transposed) or ``(k, n)``, for the matrix view ``(m, n)`` of the shape
+            (:func:`matrix_view_shape`).
+        names: the factors' names, for errors.
+
+    Raises:
+        ValueError: the rank or a factor's size disagrees with the header.
+    """
+    m, n = matrix_view_shape(h.shape)
+    (k,) = check_params(h, (param, 0, min(m, n)))
+    check_tensor_specs(h, (names[0], torch.float32, m * k), (names[1], torch.float32, k * n))
+    left, right = tensors
+    right = right.view(n, k).T if right_by_rows else right.view(k, n)
+    return (left.view(m, k) @ right).to(h.dtype).view(h.shape)
 
 
 @register_codec("lowrank", 7)
@@ -90,9 +112,4 @@ class LowRank(Codec):
         return make_payload(self.codec_id, x.dtype, x.shape, (r,), (p, q))
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        h = self.parse(payload)
-        n0, m = matrix_view_shape(h.shape)
-        (r,) = check_params(h, ("rank", 0, min(n0, m)))
-        check_tensor_specs(h, ("P", torch.float32, n0 * r), ("Q", torch.float32, m * r))
-        p, q = payload.tensors
-        return (p.view(n0, r) @ q.view(m, r).T).to(h.dtype).view(h.shape)
+        return factor_product(self.parse(payload), payload.tensors, "rank", ("P", "Q"), right_by_rows=True)

@@ -31,7 +31,7 @@ import torch
 
 from . import numba_codes, numba_message
 from .backend import choose, empty, enabled
-from .bitpack import CHUNK, packed_nbytes, unpack_bits
+from .bitpack import packed_nbytes, unpack_bits
 from .uniform import (blocks, decode_table, encode_blocks, finite_range, grid_divisor, grid_levels, grid_step,
                       grid_table, pack_tail, range_of, tame, uniform_codes, uniform_values, values_tail)
 

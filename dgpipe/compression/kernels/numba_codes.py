@@ -1,6 +1,6 @@
 """Compiled CPU loops (Numba) of the per-value codec steps: values read once, packed codes written once.
 
-The reference steps (:mod:`.uniform`, :mod:`.buckets`, :mod:`.levels`, :mod:`.hadamard`)
+The reference steps (:mod:`.uniform`, :mod:`.buckets`, :mod:`.levels`, :mod:`.fwht`)
 run a chain of whole-block torch ops -- subtract, divide, round, clamp, convert, add the
 bucket, shift and add the lanes of :mod:`.bitpack` -- each a pass over memory. Here each
 of those chains is one compiled loop (Numba, which ships LLVM in its wheel: nothing to
@@ -199,14 +199,14 @@ def encode_uniform(
     Args:
         x: 1-D float32 CPU values, ``n`` of them, in wire order.
         lo, div: float32 ``(n_groups,)`` grid start and divisor of each group
-            (:func:`.quantize.grid_meta`); group ``i // group_len`` holds value ``i``.
+            (:func:`..steps.grid.grid_meta`); group ``i // group_len`` holds value ``i``.
         bits: code width, 1..16.
         group_len: values per group (``n`` for one group).
         out: uint8 ``(ceil(n * bits / 8),)``: the stream of :func:`.bitpack.pack_bits`;
             codes ``0 .. n - n % CHUNK`` are written, the tail is left to the caller.
 
     Returns:
-        True if done; False where the fused path does not apply (caller: eager path).
+        True if done; False where it does not apply (the calling step runs the reference).
     """
     n = x.numel()
     if n < MIN_VALUES or not x.is_cpu:
@@ -262,7 +262,7 @@ def decode_uniform(
         y: float32 ``(n,)`` output; values ``0 .. n - n % CHUNK`` are written.
 
     Returns:
-        True if done; False where the fused path does not apply.
+        True if done; False where it does not apply.
     """
     n = y.numel()
     if n < MIN_VALUES or not y.is_cpu:
@@ -310,7 +310,7 @@ def encode_buckets(
     """Sort-quantization codes ``bucket * 2**Q + level`` of the whole chunks of ``x``, packed into ``out``.
 
     ``level = clamp(round((x - mins[b]) / div[b]), 0, 2**Q - 1)`` as in
-    :func:`.sortquant.bucket_codes`.
+    :func:`.buckets.bucket_codes`.
 
     Args:
         x: 1-D float32 CPU values.
@@ -320,7 +320,7 @@ def encode_buckets(
         out: uint8 stream of ``x.numel()`` codes of ``Q + S`` bits (tail left to the caller).
 
     Returns:
-        True if done; False where the fused path does not apply.
+        True if done; False where it does not apply.
     """
     n, s = x.numel(), (bounds.numel() + 1).bit_length() - 1
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not x.is_cpu:
@@ -365,7 +365,7 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
         y: float32 ``(n,)`` output; values ``0 .. n - n % CHUNK`` are written.
 
     Returns:
-        True if done; False where the fused path does not apply.
+        True if done; False where it does not apply.
     """
     n, s = y.numel(), mins.numel().bit_length() - 1
     if n < MIN_VALUES or s > MAX_SPLIT_BITS or not y.is_cpu:
@@ -405,12 +405,12 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
     Args:
         v: 1-D float32 CPU values (scaled), wire order.
         mids: float32 ``(2**bits - 1,)`` ascending midpoints between neighbouring levels
-            (``torch.bucketize(v, mids)`` is the eager path's index).
+            (``torch.bucketize(v, mids)`` is the reference's index).
         bits: 1..:data:`MAX_LEVEL_BITS`.
         out: uint8 stream of ``v.numel()`` codes (the tail is left to the caller).
 
     Returns:
-        True if done; False where the fused path does not apply.
+        True if done; False where it does not apply.
     """
     n = v.numel()
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not v.is_cpu:
@@ -442,7 +442,7 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
         y: float32 ``(n,)`` output, wire order; values ``0 .. n - n % CHUNK`` are written.
 
     Returns:
-        True if done; False where the fused path does not apply.
+        True if done; False where it does not apply.
     """
     n = y.numel()
     if n < MIN_VALUES or bits > MAX_LEVEL_BITS or not y.is_cpu:
@@ -460,7 +460,7 @@ def _build_fwht():
 
     @njit
     def kernel(y, b, scale):
-        # in place, row by row: the butterflies of .hadamard.fwht in the same order
+        # in place, row by row: the butterflies of .fwht.fwht in the same order
         for r in range(y.shape[0] // b):
             row = y[r * b : (r + 1) * b]
             h = 1
@@ -480,7 +480,7 @@ def _build_fwht():
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor | None:
-    """:func:`.hadamard.fwht` of a float32 CPU tensor ``(..., b)`` (same bits), or None where it does not apply."""
+    """:func:`.fwht.fwht` of a float32 CPU tensor ``(..., b)`` (same bits), or None where it does not apply."""
     b = x.shape[-1]
     if x.numel() < MIN_VALUES or x.dtype != torch.float32 or not x.is_cpu:
         return None

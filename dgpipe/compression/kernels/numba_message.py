@@ -181,7 +181,7 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np
     Args:
         x: 1-D float32 values.
         bounds: float32 ``(2**S - 1,)`` non-decreasing boundaries; ``bucket(v)`` is the
-            number of boundaries ``<= v`` (:class:`.sortquant.BucketIndex`).
+            number of boundaries ``<= v`` (:class:`.buckets.BucketIndex`).
         below: float32 ``(2**S - 1,)``: for each boundary the largest sampled value below it,
             or ``-inf`` (none): bucket ``b``'s maximum is at least ``below[b]`` where that lies
             in bucket ``b``, and at least its min ``bounds[b - 1]`` otherwise, so only values
@@ -327,7 +327,7 @@ def _build_uniform_message(bits: int):
     @jit()
     def kernel(x, lo, hi, meta, div, out, rest, chunks):
         a, b = np.float32(lo), np.float32(hi)  # exact: float32 values
-        step = (b - a) / steps  # quantize.grid_meta's float32 operations
+        step = (b - a) / steps  # steps.grid.grid_meta's float32 operations
         meta[0], meta[1] = a, step
         div[0] = step if step > zero else one
         encode(x, meta[:1], div, x.shape[0], 0, out, rest, chunks)
@@ -337,7 +337,7 @@ def _build_uniform_message(bits: int):
 
 def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per-tensor uniform quantization's metadata and packed codes in one compiled call: the grid
-    of :func:`.quantize.grid_meta` (float32 ``step = (hi - lo) / (2**bits - 1)``) and the codes of
+    of :func:`..steps.grid.grid_meta` (float32 ``step = (hi - lo) / (2**bits - 1)``) and the codes of
     :func:`encode_uniform`, so the same bytes. A small message's encode costs mostly per call (see
     :func:`sampled_grid`).
 

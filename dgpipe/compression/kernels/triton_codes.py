@@ -9,13 +9,13 @@ it. The reference torch steps do the same in a chain of whole-tensor kernels, ea
 pass over memory.
 
 - :func:`encode_uniform` / :func:`decode_uniform`: ``quant`` per tensor or per group
-  (:mod:`.quantize`), and sort quantization with one bucket;
+  (:mod:`.uniform`), and sort quantization with one bucket;
 - :func:`bucket_maxima`, :func:`encode_buckets` / :func:`decode_buckets`: sort
   quantization's per-bucket maxima (a partial max per program, then their max) and
   codes ``bucket * 2**Q + level`` (the bucket by comparison with the boundaries), any
   number of buckets;
 - :func:`encode_levels` / :func:`decode_levels`: the codebook codec's nearest level and
-  ``level * scale`` (:mod:`.codebook`).
+  ``level * scale`` (:mod:`.levels`).
 
 Same float32 operations as the reference torch steps, in the same order, so the bytes are
 meant to be identical to it: division with IEEE rounding (``tl.math.div_rn``; Triton's
@@ -45,13 +45,12 @@ step runs the reference.
 
 Reference: Tillet et al., "Triton: an intermediate language and compiler for tiled
 neural network computations", MAPL 2019; the layout is :mod:`.bitpack`'s and the
-arithmetic that of :mod:`.quantize` and :mod:`.codebook`.
+arithmetic that of :mod:`.uniform`, :mod:`.buckets` and :mod:`.levels`.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
