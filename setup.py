@@ -32,6 +32,7 @@ setup(
             "dgpipe-nlp=dgpipe.cli.nlp:console",
             "dgpipe-vision=dgpipe.cli.vision:console",
             "dgpipe-probe=dgpipe.cli.probe:console",
+            "dgpipe-sweep=dgpipe.cli.sweep:console",
         ],
     },
 )

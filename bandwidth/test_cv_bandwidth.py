@@ -1,26 +1,8 @@
-"""Traffic of the vision pipeline (MobileNetV2 on CIFAR) under each boundary codec, one table.
-
-    python bandwidth/test_cv_bandwidth.py --bandwidth --data-dir ../shared/data/cifar10-images \\
-        [--max-steps 10] [--batch-size 128] [--chunk 4] [--client-layers 1] [--settings none,sortquant8,...]
-
-Runs ``--max-steps`` training steps (default 10) per setting -- uncompressed, sort
-quantization at 16/12/8/4 bits (Q+S = 12+4, 9+3, 6+2, 3+1), uniform quantization at 8
-and 4 bits -- and prints per boundary and direction (``--bandwidth``; else per setting)
-raw bytes, wire bytes, wire/raw, receive seconds, recv_bytes/recv_seconds and the run's
-samples/s. Every flag of ``test_vision_dgpipe.py`` (model, data, chunk, partition,
-processes) works here as there, except the compression and log flags, which the sweep
-sets; ``--train-subset`` defaults to the examples the steps use, ``--eval-subset`` to
-one batch. Under torchrun-style variables (e.g. through ``bandwidth/slow_link.py``) it
-runs in those ranks. See ``dgpipe/train/sweep.py``.
-"""
-
-from __future__ import annotations
+"""The traffic sweep of the vision job (``dgpipe-sweep vision``; usage: :mod:`dgpipe.cli.sweep`)."""
 
 import sys
 
-from dgpipe.cli.vision import build_parser
-from dgpipe.train.vision import VisionJob
-from dgpipe.train.sweep import main
+from dgpipe.cli.sweep import main
 
 if __name__ == "__main__":
-    sys.exit(main(VisionJob, build_parser()))
+    sys.exit(main(["vision", *sys.argv[1:]]))

@@ -42,10 +42,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ablation import DDP_SETTINGS
-
 from dgpipe.comm.slow_link import parse_rate
 from dgpipe.pipeline import stop_process_group
+from dgpipe.train.ablation import DDP_SETTINGS
 from dgpipe.train.runlog import read_records
 
 ROOT = Path(__file__).resolve().parent.parent

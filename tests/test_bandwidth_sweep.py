@@ -158,15 +158,11 @@ def test_ideal_speedup_is_the_byte_ratio_on_a_link_bound_run():
 # -- benchmarks/ddp_slow_link.py: the epoch-2 measurement and its table -----------------------
 
 def _load_ddp_benchmark():
-    """benchmarks/ddp_slow_link.py (it imports its sibling ablation.py, as when run as a script)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("ddp_slow_link", ROOT / "benchmarks" / "ddp_slow_link.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    """benchmarks/ddp_slow_link.py, loaded from its file (a script, not a module of the package)."""
+    spec = importlib.util.spec_from_file_location("ddp_slow_link", ROOT / "benchmarks" / "ddp_slow_link.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 DDP = _load_ddp_benchmark()
@@ -235,3 +231,24 @@ def test_ddp_slow_link_run_stops_the_whole_process_group_at_its_timeout(tmp_path
         pytest.fail("the child process outlived the timeout")
     assert DDP.run([sys.executable, "-c", "print('hi')"], tmp_path / "ok.txt", 30.0) == 0
     assert (tmp_path / "ok.txt").read_text() == "hi\n"
+
+
+@pytest.mark.parametrize("argv, message", [([], "got none"), (["bogus", "--max-steps", "2"], "got 'bogus'")])
+def test_sweep_entry_point_needs_a_job(argv, message, capsys):
+    """``dgpipe-sweep`` (and both bandwidth scripts) take the job first; none or an unknown one is a one-line
+    error and exit status 2, before any process starts."""
+    from dgpipe.cli.sweep import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: the first argument names the job (vision or nlp)" in err and message in err
+
+
+def test_sweep_entry_point_hands_the_job_its_flags(vision_parser, capsys):
+    """The job's own flags reach its parser: a bad setting list fails there, before any process starts."""
+    from dgpipe.cli.sweep import main
+
+    _, data = vision_parser
+    with pytest.raises(SystemExit) as exc:
+        main(["vision", "--data-dir", str(data), "--batch-size", "4", "--settings", "none,bogus"])
+    assert exc.value.code == 2 and "dgpipe-sweep vision" in capsys.readouterr().err

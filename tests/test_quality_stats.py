@@ -1,4 +1,4 @@
-"""The quality benchmark's statistics (benchmarks/ablation.py): paired differences with a
+"""The quality benchmark's statistics (dgpipe.train.ablation, run as benchmarks/ablation.py): paired differences with a
 Student-t interval, bits per value of each direction (dgpipe.train.runlog), and the multi-seed table, on
 synthetic logs whose numbers are computed here by hand."""
 
@@ -10,12 +10,8 @@ import sys
 
 import pytest
 
-from helpers import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import ablation  # noqa: E402
-
-from dgpipe.train.runlog import direction_bits, read_records  # noqa: E402
+from dgpipe.train import ablation
+from dgpipe.train.runlog import direction_bits, read_records
 
 
 def test_paired_difference_and_interval_by_hand():
@@ -107,9 +103,8 @@ def test_stopping_the_runner_ends_the_run_in_progress_and_starts_no_other(tmp_pa
     """))
     driver = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
-        import ablation
-        ablation.CLIS["nlp"] = {str(sleeper)!r}
+        from dgpipe.train import ablation
+        ablation.CLIS["nlp"] = [{str(sleeper)!r}]
         sys.exit(ablation.main(["--job", "nlp", "--settings", "lowbit", "--only", "none,codebook4",
                                 "--out", {str(tmp_path)!r}]))
     """)

@@ -1,0 +1,394 @@
+"""The quality benchmark: one main job under several compression settings (and seeds), tabulated and plotted.
+
+Run it as ``python benchmarks/ablation.py`` (a thin wrapper of :func:`main`).
+
+Each setting runs the job's CLI once, with the same common arguments, and writes
+``OUT/<label>.jsonl``; a setting whose log already holds a summary record is not run
+again (delete the log to redo it). Then a markdown table (metric, measured wire
+ratio, samples/s, wall seconds) is printed and ``OUT/ablation.png`` is drawn with
+:mod:`dgpipe.train.plots`.
+
+With ``--seeds 0,1,2`` (the quality benchmark) every setting runs once per seed
+(``--seed k`` appended, log ``OUT/<label>_seed<k>.jsonl``; seed-major order, so that an
+interrupted run leaves complete pairs), and the table gives per setting the measured
+bits per value of each direction (all-in: codes, metadata, headers, the lossless
+attention mask) and, for every metric of the summary (dev ``val_*`` and held-out
+``heldout_*``), the mean and standard deviation over seeds and the **paired**
+difference to ``none`` of the same seed, with a 95% Student-t confidence interval
+(:func:`paired`). Runs with ``--delta`` (``--settings delta``) also get ``OUT/delta.md``:
+per setting, boundary and epoch, the coded change and the reconstruction error relative
+to the activations' energy (:func:`delta_table`).
+
+Usage::
+
+    python benchmarks/ablation.py --job vision --out benchmarks/results/vision -- \\
+        --data-dir ../shared/data/cifar10-images --train-subset 3000 --eval-subset 1000 \\
+        --epochs 3 --batch-size 64 --chunk 4
+    python benchmarks/ablation.py --job nlp --out benchmarks/results/rte -- --task rte ...
+    python benchmarks/ablation.py --job vision --settings ddp --out ... -- ...   # DDP gradient codecs
+    python benchmarks/ablation.py --job nlp --settings lowbit --seeds 0,1,2 --out benchmarks/results/quality_sst2 \
+        -- --task sst2 --heldout 4000 ...                                         # the quality benchmark
+    python benchmarks/ablation.py --job nlp --settings delta --seeds 0,1,2 --out ... -- --epochs 3 ...  # AQ-SGD delta
+    python benchmarks/ablation.py --job nlp --settings delta --only none,codebook4 --seeds 0,1,2 --out ... --no-run
+                                                                                # tabulate what is there, run nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from scipy import stats
+
+from dgpipe.pipeline import raise_on_sigterm, stop_process_group
+
+from .plots import ablation_points, plot
+from .runlog import direction_bits, read_records, read_summary
+
+#: How each job's CLI is run (after ``python``): the main jobs' modules.
+CLIS = {"vision": ["-m", "dgpipe.cli.vision"], "nlp": ["-m", "dgpipe.cli.nlp"]}
+
+#: Pipeline boundary compression: uncompressed, sortquant at 16/12/8/4 bits (Q:S = 3:1),
+#: uniform quantization, and the data-parallel baseline.
+PIPELINE_SETTINGS: dict[str, list[str]] = {
+    "none": [],
+    "sortquant16": ["--sortquant", "--quant", "12", "--split", "4"],
+    "sortquant12": ["--sortquant", "--quant", "9", "--split", "3"],
+    "sortquant8": ["--sortquant", "--quant", "6", "--split", "2"],
+    "sortquant4": ["--sortquant", "--quant", "3", "--split", "1"],
+    "quant16": ["--quant", "16"],
+    "quant8": ["--quant", "8"],
+    "quant4": ["--quant", "4"],
+    "dataparallel": ["--mode", "dataparallel"],
+}
+
+#: Data-parallel gradient compression (docs/data-parallel.md).
+_DP = ["--mode", "dataparallel", "--grad-compression"]
+DDP_SETTINGS: dict[str, list[str]] = {
+    "ddp_none": ["--mode", "dataparallel"],
+    "ddp_fp16": _DP + ["fp16"],
+    "ddp_powersgd1": _DP + ["powersgd", "--grad-compression-opt", "matrix_approximation_rank=1"],
+    "ddp_powersgd4": _DP + ["powersgd", "--grad-compression-opt", "matrix_approximation_rank=4"],
+    "ddp_topk_ef": _DP + ["topk", "--grad-compression-opt", "ratio=0.01", "--grad-compression-opt", "error_feedback=true"],
+    "ddp_randomk": _DP + ["randomk", "--grad-compression-opt", "ratio=0.01"],
+    "ddp_onebit_ef": _DP + ["onebit", "--grad-compression-opt", "error_feedback=true"],
+    "ddp_qsgd4": _DP + ["qsgd", "--grad-compression-opt", "levels=4"],
+    "ddp_qsgd4_b512": _DP + ["qsgd", "--grad-compression-opt", "levels=4", "--grad-compression-opt", "bucket_size=512"],
+    "ddp_terngrad": _DP + ["terngrad"],
+    "ddp_dgc": _DP + ["dgc", "--grad-compression-opt", "warmup_epochs=2"],
+    "ddp_atomo4": _DP + ["atomo", "--grad-compression-opt", "budget=4"],
+}
+
+
+def _codebook(bits: int, flag: str = "--codec") -> list[str]:
+    """Flags of the codebook codec at ``bits`` bits: per-token RMS scale (bfloat16) after a Hadamard rotation."""
+    opts = [f"bits={bits}", "levels=normal", "group=token", "rotate=hadamard", "scale_dtype=bfloat16"]
+    return [flag, "codebook"] + [x for o in opts for x in (f"{flag}-opt", o)]
+
+
+#: Low-bit boundary codecs against the 8-bit ones (the quality benchmark, docs/quality.md); gradients at 4 bits
+#: with the same codebook where the forward direction goes below 4.
+LOWBIT_SETTINGS: dict[str, list[str]] = {
+    "none": [],
+    "sortquant8": PIPELINE_SETTINGS["sortquant8"],
+    "sortquant4": PIPELINE_SETTINGS["sortquant4"],
+    "quant4": PIPELINE_SETTINGS["quant4"],
+    "codebook4": _codebook(4),
+    "codebook3_g4": _codebook(3) + _codebook(4, "--grad-codec"),
+    "codebook2_g4": _codebook(2) + _codebook(4, "--grad-codec"),
+}
+
+#: Delta coding against per-example caches (AQ-SGD, docs/delta.md) with the codebook codec at 4, 3 and 2
+#: bits as the inner codec, beside the same codecs without delta; run them for >= 3 epochs so that
+#: every training example is revisited.
+DELTA_SETTINGS: dict[str, list[str]] = {
+    "none": [],
+    **{label: LOWBIT_SETTINGS[label] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
+    **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
+    "sortquant4": PIPELINE_SETTINGS["sortquant4"],
+    "delta_sortquant4": PIPELINE_SETTINGS["sortquant4"] + ["--delta"],
+    # The same pairs evaluated uncompressed: delta trains on reconstructions far closer to the
+    # activations than direct low-bit coding, which is what compressed evaluation (no cache) still sees.
+    **{f"{prefix}{label}_eval32": LOWBIT_SETTINGS[label] + flags + ["--no-compress-eval"]
+       for label in ("codebook4", "codebook3_g4", "codebook2_g4") for prefix, flags in (("", []), ("delta_", ["--delta"]))},
+}
+
+SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS}
+
+
+def has_summary(log: Path) -> bool:
+    """True if ``log`` exists and holds a summary record."""
+    try:
+        read_summary(log)
+        return True
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+_LIVE: set[subprocess.Popen] = set()  # the runs in progress
+_LIVE_LOCK = threading.Lock()
+
+
+def run_setting(job: str, label: str, flags: list[str], common: list[str], out: Path) -> bool:
+    """Run the job's CLI for one setting (``label`` names its log); returns True if it wrote a summary."""
+    log = out / f"{label}.jsonl"
+    if has_summary(log):
+        print(f"[{label}] already done: {log}", flush=True)
+        return True
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, *CLIS[job], *common, *flags, "--log", str(log), "--no-progress"]
+    print(f"[{label}] {' '.join(cmd)}", flush=True)
+    with open(out / f"{label}.out", "w") as stdout:
+        # its own process group, so that stopping the runner can end the run and its ranks (run_all)
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True)
+        with _LIVE_LOCK:
+            _LIVE.add(proc)
+        try:
+            rc = proc.wait()
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
+    ok = rc == 0 and has_summary(log)
+    status = "ok" if ok else f"FAILED (exit {rc}), see {stdout.name}"
+    print(f"[{label}] {status}", flush=True)
+    return ok
+
+
+def run_all(job: str, runs: list[tuple[str, list[str], list[str]]], out: Path, parallel: int) -> bool:
+    """:func:`run_setting` for each ``(label, flags, common)``, ``parallel`` at a time, in order of
+    submission; True if every run wrote a summary. Ctrl-C or SIGTERM to the runner ends the runs
+    in progress, ranks included (a finished run's log stays; the interrupted one is redone next
+    time), and starts no other."""
+    with ThreadPoolExecutor(parallel) as pool:
+        try:
+            done = list(pool.map(lambda r: run_setting(job, r[0], r[1], r[2], out), runs))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            with _LIVE_LOCK:
+                live = list(_LIVE)
+            for proc in live:
+                stop_process_group(proc)
+            raise
+    return all(done)
+
+
+def table(out: Path, labels: list[str]) -> str:
+    """Markdown table of the summaries of ``labels``' logs in ``out`` (missing ones skipped)."""
+    rows = ["| setting | metric | value | wire ratio | samples/s | wall s |", "|---|---|---|---|---|---|"]
+    for label in labels:
+        log = out / f"{label}.jsonl"
+        if not has_summary(log):
+            continue
+        s = read_summary(log)
+        ratio = s["wire_bytes"] / s["raw_bytes"] if s["raw_bytes"] else float("nan")
+        rows.append(
+            f"| {label} | {s['metric']} | {s['value']:.4f} | {ratio:.4f} | {s['samples_per_s']:.1f} | {s['wall_seconds']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def paired(values: list[float], baseline: list[float]) -> tuple[float, float, float]:
+    """Mean paired difference ``values[i] - baseline[i]`` and its 95% confidence interval.
+
+    Student-t interval over the ``n >= 2`` per-seed differences: ``mean +- t(0.975, n-1) * sd / sqrt(n)``.
+
+    Returns:
+        ``(mean, low, high)``; with one pair, ``(d, nan, nan)``.
+
+    Raises:
+        ValueError: no pairs, or lists of different lengths.
+    """
+    if not values or len(values) != len(baseline):
+        raise ValueError(f"paired needs equally many values and baselines, got {len(values)} and {len(baseline)}")
+    diffs = [v - b for v, b in zip(values, baseline)]
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, math.nan, math.nan
+    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half
+
+
+def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> tuple[list[str], list[dict]]:
+    """Per setting of a multi-seed run: measured bits per value and, per metric, the values over
+    seeds and the paired difference to ``baseline`` (:func:`paired`). Seeds missing for a setting or
+    its baseline are left out of its pairs.
+
+    Returns ``(metrics, rows)``; each row is ``{"label", "seeds" (pairs), "forward", "backward"
+    (bits/value), "values": {metric: [per seed]}, "delta": {metric: (mean, low, high) or None}}``.
+    """
+    def summaries(label):
+        return {k: read_summary(out / f"{label}_seed{k}.jsonl") for k in seeds if has_summary(out / f"{label}_seed{k}.jsonl")}
+
+    base = summaries(baseline)
+    metrics = sorted({m for s in base.values() for m in s.get("metrics", {})})
+    rows = []
+    for label in labels:
+        runs = summaries(label)
+        if not runs:
+            continue
+        pairs = sorted(k for k in runs if k in base)
+        bits = [direction_bits(read_records(out / f"{label}_seed{k}.jsonl")) for k in runs]
+        row = {"label": label, "seeds": len(pairs), "values": {}, "delta": {},
+               "forward": statistics.fmean(b["forward"] for b in bits),
+               "backward": statistics.fmean(b["backward"] for b in bits)}
+        for m in metrics:
+            row["values"][m] = [runs[k]["metrics"][m] for k in runs]
+            row["delta"][m] = None if label == baseline or not pairs else paired(
+                [runs[k]["metrics"][m] for k in pairs], [base[k]["metrics"][m] for k in pairs])
+        rows.append(row)
+    return metrics, rows
+
+
+def seeds_table(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> str:
+    """Markdown table of a multi-seed run (:func:`seeds_results`): bits per value, and per metric
+    mean +- sd and the paired difference to ``baseline`` (points: x100) with its 95% CI (the
+    ``seeds`` column says how many pairs there are)."""
+    metrics, results = seeds_results(out, labels, seeds, baseline)
+    head = "| setting | seeds | fwd bits/value | bwd bits/value | " + " | ".join(
+        f"{m} mean ± sd | Δ{m} (pt) [95% CI]" for m in metrics) + " |"
+    rows = [head, "|" + "---|" * (4 + 2 * len(metrics))]
+    for r in results:
+        cells = [r["label"], str(r["seeds"]), f"{r['forward']:.2f}", f"{r['backward']:.2f}"]
+        for m in metrics:
+            vals = r["values"][m]
+            sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
+            cells.append(f"{statistics.fmean(vals):.4f} ± {sd:.4f}")
+            d = r["delta"][m]
+            cells.append("--" if d is None else f"{100 * d[0]:+.2f} [{100 * d[1]:+.2f}, {100 * d[2]:+.2f}]")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def delta_table(logs: dict[str, list[Path]]) -> str | None:
+    """Markdown table of the delta-coded boundaries' statistics (``--delta`` runs): per setting,
+    boundary and epoch, the mean over its logs of the coded change and of the reconstruction
+    error, both relative to the activations' energy (``delta_change_rel`` / ``delta_error_rel``
+    of the epoch records: 1 / the direct coding error on first visits). ``None`` without
+    delta runs."""
+    rows = []
+    for label, paths in logs.items():
+        stats: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for path in paths:
+            for record in read_records(path):
+                for b in record.get("boundaries", []) if record["event"] == "epoch" else []:
+                    if b.get("delta") and b.get("delta_change_rel") is not None:
+                        key = (b["name"], record["epoch"])
+                        stats.setdefault(key, []).append((b["delta_change_rel"], b["delta_error_rel"]))
+        for name in sorted({n for n, _ in stats}):
+            cells = [f"{statistics.mean(c for c, _ in v):.3f} / {statistics.mean(e for _, e in v):.4f}"
+                     for (n, _), v in sorted(stats.items(), key=lambda kv: kv[0][1]) if n == name]
+            rows.append((label, name, len(paths), cells))
+    if not rows:
+        return None
+    epochs = max(len(r[3]) for r in rows)
+    head = "| setting | boundary | runs | " + " | ".join(f"epoch {e + 1}: change / error" for e in range(epochs)) + " |"
+    lines = [head, "|" + "---|" * (3 + epochs)]
+    lines += [f"| {label} | {name} | {n} | " + " | ".join(cells) + " |" for label, name, n, cells in rows]
+    return "\n".join(lines)
+
+
+def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None = None) -> Path | None:
+    """``OUT/quality.png``: per metric, the paired difference to ``none`` (points, 95% CI bars)
+    against measured forward bits per value. Returns the path, or None when nothing is paired yet."""
+    import matplotlib.pyplot as plt
+
+    metrics, results = seeds_results(out, labels, seeds)
+    results = [r for r in results if any(d is not None for d in r["delta"].values())]
+    if not results or not metrics:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        for r in results:
+            d = r["delta"][m]
+            if d is None:
+                continue
+            err = [[0.0], [0.0]] if math.isnan(d[1]) else [[100 * (d[0] - d[1])], [100 * (d[2] - d[0])]]
+            ax.errorbar([r["forward"]], [100 * d[0]], yerr=err, fmt="o", capsize=3)
+            ax.annotate(r["label"], (r["forward"], 100 * d[0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("forward bits per value (measured, all-in)")
+        ax.set_ylabel(f"Δ {m} vs none (pt, paired 95% CI)")
+    fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
+    fig.tight_layout()
+    path = out / "quality.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns 0 when every setting produced a summary."""
+    restore = raise_on_sigterm()  # SIGTERM as SystemExit, so that run_all stops the runs in progress
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        restore()
+
+
+def _main(argv: list[str]) -> int:
+    common: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, common = argv[:i], argv[i + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", choices=sorted(CLIS), required=True)
+    parser.add_argument("--settings", choices=sorted(SETTINGS), default="pipeline")
+    parser.add_argument("--only", help="comma-separated subset of the setting labels")
+    parser.add_argument("--out", required=True, help="folder for the logs, outputs and the plot")
+    parser.add_argument("--title", help="plot title")
+    parser.add_argument("--seeds", help="comma-separated seeds: run every setting once per seed, paired table")
+    parser.add_argument("--no-run", action="store_true",
+                        help="run nothing: tabulate and plot the logs already in --out (e.g. while runs go on elsewhere)")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs at a time (default 1; more on a machine with cores or a GPU to spare)")
+    args = parser.parse_args(argv)
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
+    settings = SETTINGS[args.settings]
+    labels = args.only.split(",") if args.only else list(settings)
+    unknown = [lab for lab in labels if lab not in settings]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; choose from {list(settings)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.seeds:
+        try:
+            seeds = [int(k) for k in args.seeds.split(",")]
+        except ValueError:
+            parser.error(f"--seeds {args.seeds!r}: write integers separated by commas, e.g. 0,1,2")
+        if "--seed" in common:
+            parser.error("--seeds gives the seeds; do not pass --seed after --")
+        runs = [(f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)]) for k in seeds for lab in labels]
+        ok = all(has_summary(out / f"{r[0]}.jsonl") for r in runs) if args.no_run else run_all(args.job, runs, out, args.parallel)
+        table_md = seeds_table(out, labels, seeds)
+        (out / "table.md").write_text(table_md + "\n")
+        print(table_md)
+        deltas = delta_table({lab: [out / f"{lab}_seed{k}.jsonl" for k in seeds
+                                    if has_summary(out / f"{lab}_seed{k}.jsonl")] for lab in labels})
+        if deltas:
+            (out / "delta.md").write_text(deltas + "\n")
+            print(deltas)
+        png = seeds_plot(out, labels, seeds, args.title)
+        if png:
+            print(f"wrote {png}")
+        return 0 if ok else 1
+    runs = [(lab, settings[lab], common) for lab in labels]
+    ok = all(has_summary(out / f"{lab}.jsonl") for lab in labels) if args.no_run else run_all(args.job, runs, out, args.parallel)
+    print(table(out, labels))
+    done = [out / f"{lab}.jsonl" for lab in labels if has_summary(out / f"{lab}.jsonl")]
+    deltas = delta_table({p.stem: [p] for p in done})
+    if deltas:
+        (out / "delta.md").write_text(deltas + "\n")
+        print(deltas)
+    if done:
+        points = ablation_points(done, [p.stem for p in done])
+        print(f"wrote {plot(points, out / 'ablation.png', args.title)}")
+    return 0 if ok else 1
+
