@@ -79,8 +79,7 @@ class UniformQuantizer(Codec):
             packed, meta = flat.to(torch.uint8), flat.to(gp.meta_dtype)
         elif gp.plain:
             lo, hi = torch.aminmax(flat)
-            finite_range(lo, hi, self.name)
-            meta, packed = uniform_message(flat, lo, hi, self.bits, self.stochastic)
+            meta, packed = uniform_message(flat, lo, hi, self.bits, self.name, self.stochastic)
         else:
             rows = gp.rows(flat.view(shape))
             if ng == 1:  # a whole-tensor reduction: several times faster than along dim 1 of one row

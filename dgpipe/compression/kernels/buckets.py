@@ -24,14 +24,13 @@ Every backend gives the same bytes (golden payloads).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from . import numba_codes, numba_message
 from .backend import choose, empty, enabled
-from .bitpack import packed_nbytes, unpack_bits
+from .bitpack import CHUNK, packed_nbytes, unpack_bits
 from .uniform import (blocks, decode_table, encode_blocks, finite_range, grid_divisor, grid_levels, grid_step,
                       grid_table, pack_tail, range_of, tame, uniform_codes, uniform_values, values_tail)
 
@@ -148,7 +147,6 @@ class BucketIndex:
         return b.to(torch.int64)
 
 
-@dataclass
 class BucketGrid:
     """What :func:`bucket_grid` found for one group of ``n`` values.
 
@@ -163,12 +161,30 @@ class BucketGrid:
             with the grid; the codes step adds the tail.
     """
 
-    bounds: torch.Tensor | None
-    mins: torch.Tensor
-    div: torch.Tensor
-    meta: torch.Tensor
-    index: torch.Tensor | None = None
-    packed: torch.Tensor | None = None
+    def __init__(self, bounds: torch.Tensor | None, mins: torch.Tensor, div: torch.Tensor, meta: torch.Tensor,
+                 index: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> None:
+        self.bounds, self.mins, self.div, self.meta, self.index, self.packed = bounds, mins, div, meta, index, packed
+
+    @classmethod
+    def of_rows(cls, grid: np.ndarray, packed: torch.Tensor | None) -> "BucketGrid":
+        """The grid of :func:`.numba_message.sampled_grid`'s float32 rows (mins, step, divisor); the tensors
+        other than ``meta`` are made when first asked for (a small message coded in the same call needs
+        only ``meta``: each tensor made costs a microsecond or two)."""
+        made = cls.__new__(cls)
+        made._rows, made.meta, made.index, made.packed = grid, torch.from_numpy(grid[:2].reshape(-1)), None, packed
+        return made
+
+    @functools.cached_property
+    def bounds(self) -> torch.Tensor:
+        return torch.from_numpy(self._rows[0, 1:])
+
+    @functools.cached_property
+    def mins(self) -> torch.Tensor:
+        return torch.from_numpy(self._rows[0])
+
+    @functools.cached_property
+    def div(self) -> torch.Tensor:
+        return torch.from_numpy(self._rows[2])
 
 
 def _steps(mins: torch.Tensor, maxs: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,8 +288,7 @@ def _one_call(flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str
     grid, packed = result
     if not tame(*grid[3, :2].tolist()):  # the min and max of flat: raises if the range is not finite
         finite_range(torch.from_numpy(grid[3, :1].copy()), torch.from_numpy(grid[3, 1:2].copy()), codec_name)
-    g = torch.from_numpy(grid)
-    return BucketGrid(g[0, 1:], g[0], g[2], g[:2].reshape(-1), packed=None if packed is None else torch.from_numpy(packed))
+    return BucketGrid.of_rows(grid, None if packed is None else torch.from_numpy(packed))
 
 
 def bucket_grid(flat: torch.Tensor, split_bits: int, quant_bits: int, codec_name: str,
@@ -343,6 +358,8 @@ def bucket_codes(flat: torch.Tensor, grid: BucketGrid, quant_bits: int, split_bi
         uint8 ``(ceil(n * (S + Q) / 8),)`` on ``flat``'s device.
     """
     n, bits = flat.numel(), quant_bits + split_bits
+    if grid.packed is not None and n % CHUNK == 0:  # one call coded it all: a small message's usual case
+        return grid.packed
     codes_of = _codes_of(flat, grid, quant_bits, stochastic)
     if grid.packed is not None:
         return pack_tail(grid.packed, n, bits, lambda start: codes_of(start, n))
@@ -372,8 +389,7 @@ def bucket_values(packed: torch.Tensor, quant_bits: int, split_bits: int, n: int
     if split_bits == 0:
         return uniform_values(packed, quant_bits, n, meta, 1, n)
     backend = choose(packed, n)
-    if (backend == "numba" and split_bits <= numba_codes.MAX_SPLIT_BITS and meta.dtype == torch.float32
-            and numba_message.one_call(packed, n)):
+    if backend == "numba":  # a small message in one call, where that applies
         y = numba_message.message_values(packed, quant_bits, split_bits, meta, n)
         if y is not None:
             return y

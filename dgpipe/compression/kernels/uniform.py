@@ -247,7 +247,7 @@ def uniform_values(packed: torch.Tensor, bits: int, n: int, meta: torch.Tensor, 
         n_groups, group_len: the grouping (group ``i // group_len`` holds value ``i``).
     """
     backend = choose(packed, n)
-    if backend == "numba" and n_groups == 1 and meta.dtype == torch.float32 and numba_message.one_call(packed, n):
+    if backend == "numba" and n_groups == 1:  # a small message in one call, where that applies
         y = numba_message.message_values(packed, bits, 0, meta, n)
         if y is not None:
             return y
@@ -269,24 +269,32 @@ def _tail_values(packed: torch.Tensor, bits: int, n: int, lo: torch.Tensor, step
     return lo.reshape(-1)[grp] + codes * step.reshape(-1)[grp]
 
 
-def uniform_message(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int,
+def uniform_message(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, codec_name: str,
                     stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One grid over all of ``values``: the metadata sent and the packed codes.
 
     Args:
         values: 1-D float32, ``n >= 1``.
-        lo, hi: 0-d float32 min and max of ``values``, finite, ``hi - lo`` finite (the caller checked).
+        lo, hi: 0-d float32 min and max of ``values``.
         bits: code width, 1..16.
+        codec_name: for the error message.
         stochastic: stochastic rounding.
 
     Returns:
         ``(meta, packed)``: float32 ``(2,)`` ``[lo, step]``, ``step = (hi - lo) / (2**bits - 1)``, and the
         uint8 code stream (:func:`uniform_codes`). A small CPU message runs in one compiled call.
+
+    Raises:
+        ValueError: the range is not finite (:func:`finite_range`).
     """
     if not stochastic and choose(values) == "numba" and numba_message.one_call(values) and values.is_contiguous():
-        done = numba_message.uniform_message(values, lo.item(), hi.item(), bits)
+        a, b = lo.item(), hi.item()
+        if not tame(a, b):
+            finite_range(lo, hi, codec_name)  # raises
+        done = numba_message.uniform_message(values, a, b, bits)
         if done is not None:
             return done
+    finite_range(lo, hi, codec_name)
     if values.is_cpu:  # numpy: a fraction of torch's per-call cost
         a, b = lo.detach().numpy().reshape(1), hi.detach().numpy().reshape(1)
         step = grid_step(a, b, 1 << bits)
