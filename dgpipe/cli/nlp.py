@@ -66,6 +66,3 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 #: The ``dgpipe-nlp`` console script.
 console = entry_point(main)
-
-if __name__ == "__main__":  # python -m dgpipe.cli.nlp (how the quality benchmark runs the job)
-    console()

@@ -61,6 +61,3 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 #: The ``dgpipe-vision`` console script.
 console = entry_point(main)
-
-if __name__ == "__main__":  # python -m dgpipe.cli.vision (how the quality benchmark runs the job)
-    console()
