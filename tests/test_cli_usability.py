@@ -130,4 +130,4 @@ def test_console_scripts_are_the_repository_scripts():
 
     scripts = {e.name: e.value for e in entry_points(group="console_scripts") if e.name.startswith("dgpipe-")}
     assert scripts == {"dgpipe-nlp": "dgpipe.cli.nlp:console", "dgpipe-vision": "dgpipe.cli.vision:console",
-                       "dgpipe-probe": "dgpipe.cli.probe:console"}
+                       "dgpipe-probe": "dgpipe.cli.probe:console", "dgpipe-sweep": "dgpipe.cli.sweep:console"}
