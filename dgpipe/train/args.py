@@ -38,7 +38,7 @@ __all__ = [
     "validate_common",
     "dist_env",
     "rank_device",
-    "resolve_backend",
+    "placement_backend",
 ]
 
 #: Environment variables that ``torchrun`` sets for every rank.
@@ -273,9 +273,11 @@ def _shared_gpu(args: argparse.Namespace) -> bool:
     return not dist_env(args.world_size).torchrun and len(set(devices)) < len(devices)
 
 
-def resolve_backend(args: argparse.Namespace) -> str:
-    """``--backend`` with ``auto`` resolved: nccl when every rank has a GPU of its own,
-    else gloo (which also connects a CPU client to a GPU server)."""
+def placement_backend(args: argparse.Namespace) -> str:
+    """``--backend`` with ``auto`` resolved for the job's placement: nccl when every rank has a GPU of
+    its own, else gloo (which also connects a CPU client to a GPU server). The Pipeline API's
+    :func:`dgpipe.pipeline.resolve_backend` knows no placement: there ``auto`` is nccl whenever CUDA
+    is present."""
     if args.backend != "auto":
         return args.backend
     return "nccl" if _all_cuda(args) and not _shared_gpu(args) else "gloo"
@@ -414,7 +416,7 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
         raise ValueError(f"--train-subset {args.train_subset} is smaller than one batch (--batch-size "
                          f"{args.batch_size}); use --train-subset >= {args.batch_size} or a smaller batch")
     _parse_devices(args.devices, args.world_size)
-    if resolve_backend(args) == "nccl":
+    if placement_backend(args) == "nccl":
         if not _all_cuda(args):
             raise ValueError("--backend nccl needs a CUDA device on every rank; use --backend gloo with CPU ranks")
         if _shared_gpu(args):

@@ -41,7 +41,7 @@ from dgpipe.comm import wire_device
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from . import checkpoint, runlog
-from .args import dist_env, rank_device, resolve_backend, validate_common
+from .args import dist_env, placement_backend, rank_device, validate_common
 from .engine import make_engine, reads_data
 from .job import Job
 
@@ -116,7 +116,7 @@ def launch(job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]], captu
     """
     first = runs[0][1]
     env = dist_env(first.world_size)
-    backend = resolve_backend(first)
+    backend = placement_backend(first)
     if env.torchrun:
         init_distributed(backend, first.timeout)
         try:
