@@ -42,7 +42,8 @@ import torch
 from .bitpack import CHUNK
 
 __all__ = [
-    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose", "triton_takes", "parts",
+    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose", "triton_takes", "kernels_of",
+    "parts",
     "run", "failed_kernels", "empty",
 ]
 
@@ -95,6 +96,18 @@ def choose(t: torch.Tensor, n: int | None = None) -> str:
     if triton_takes(t):
         return "triton"
     return "numba" if t.is_cpu else "torch"
+
+
+def kernels_of(backend: str):
+    """The module of compiled kernels of ``backend`` (``"numba"``: :mod:`.numba_codes`, ``"triton"``:
+    :mod:`.triton_codes`), imported on first use."""
+    if backend == "triton":
+        from . import triton_codes
+
+        return triton_codes
+    from . import numba_codes
+
+    return numba_codes
 
 
 def parts(chunks: int) -> list[tuple[int, int]]:

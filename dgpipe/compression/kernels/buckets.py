@@ -28,8 +28,8 @@ import functools
 import numpy as np
 import torch
 
-from . import numba_codes, numba_message
-from .backend import choose, empty, enabled
+from . import numba_message
+from .backend import choose, empty, enabled, kernels_of
 from .bitpack import CHUNK, packed_nbytes, unpack_bits
 from .uniform import (blocks, decode_table, encode_blocks, finite_range, grid_divisor, grid_levels, grid_step,
                       grid_table, pack_tail, range_of, tame, uniform_codes, uniform_values, values_tail)
@@ -317,9 +317,7 @@ def bucket_grid(flat: torch.Tensor, split_bits: int, quant_bits: int, codec_name
     bounds, mins, maxs = bucket_ranges(flat, buckets, codec_name)
     index = None
     if maxs is None and choose(flat) == "triton":  # a sampled split on a GPU: the maxima in one kernel
-        from . import triton_codes
-
-        maxs = triton_codes.bucket_maxima(flat, bounds, mins)
+        maxs = kernels_of("triton").bucket_maxima(flat, bounds, mins)
     if maxs is None:  # the reference: the maxima (and the buckets, which the codes reuse)
         search = BucketIndex(bounds)
         index = torch.empty(flat.numel(), dtype=torch.uint8 if split_bits <= 8 else torch.int16, device=flat.device)
@@ -368,10 +366,7 @@ def bucket_codes(flat: torch.Tensor, grid: BucketGrid, quant_bits: int, split_bi
     backend = "torch" if stochastic else choose(flat)
     if backend != "torch":
         out = empty(packed_nbytes(n, bits), torch.uint8, flat)
-        kernels = numba_codes
-        if backend == "triton":
-            from . import triton_codes as kernels
-        if kernels.encode_buckets(flat, grid.bounds, grid.mins, grid.div, quant_bits, out):
+        if kernels_of(backend).encode_buckets(flat, grid.bounds, grid.mins, grid.div, quant_bits, out):
             return pack_tail(out, n, bits, lambda start: codes_of(start, n))
     return encode_blocks(flat, bits, codes_of)
 
@@ -397,10 +392,7 @@ def bucket_values(packed: torch.Tensor, quant_bits: int, split_bits: int, n: int
     mins, step = meta[:buckets].float(), meta[buckets:].float()
     if backend != "torch":
         y = empty(n, torch.float32, packed)
-        kernels = numba_codes
-        if backend == "triton":
-            from . import triton_codes as kernels
-        if kernels.decode_buckets(packed, quant_bits, mins, step, y):
+        if kernels_of(backend).decode_buckets(packed, quant_bits, mins, step, y):
             table = grid_table(mins, step, 1 << quant_bits)
             return values_tail(y, lambda start: table[unpack_bits(packed, quant_bits + split_bits, n, start=start)])
     return decode_table(packed, quant_bits + split_bits, n, grid_table(mins, step, 1 << quant_bits))

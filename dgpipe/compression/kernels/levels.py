@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import numba_codes
-from .backend import choose, empty
+from .backend import choose, empty, kernels_of
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .uniform import pack_tail, values_tail
 
@@ -41,14 +41,6 @@ def nearest_level(v: torch.Tensor, levels: torch.Tensor, stochastic: bool) -> to
     return (i + up).to(torch.int32)
 
 
-def _kernels(backend: str):
-    if backend == "triton":
-        from . import triton_codes
-
-        return triton_codes
-    return numba_codes
-
-
 def level_codes(v: torch.Tensor, levels: torch.Tensor, bits: int, stochastic: bool = False) -> torch.Tensor:
     """Packed :func:`nearest_level` indices of ``v``.
 
@@ -65,7 +57,7 @@ def level_codes(v: torch.Tensor, levels: torch.Tensor, bits: int, stochastic: bo
     if backend != "torch":
         n = v.numel()
         out = empty(packed_nbytes(n, bits), torch.uint8, v)
-        if _kernels(backend).encode_levels(v, (levels[1:] + levels[:-1]) / 2, bits, out):
+        if kernels_of(backend).encode_levels(v, (levels[1:] + levels[:-1]) / 2, bits, out):
             return pack_tail(out, n, bits, lambda start: nearest_level(v[start:], levels, False))
     return pack_bits(nearest_level(v, levels, stochastic), bits, check=False)
 
@@ -83,7 +75,7 @@ def level_values(packed: torch.Tensor, bits: int, n: int, levels: torch.Tensor, 
     backend = "torch" if bits > numba_codes.MAX_LEVEL_BITS else choose(packed, n)
     if backend != "torch":
         y = empty(n, torch.float32, packed)
-        if _kernels(backend).decode_levels(packed, bits, levels, scale, group_len, y):
+        if kernels_of(backend).decode_levels(packed, bits, levels, scale, group_len, y):
             return values_tail(y, lambda start: levels[unpack_bits(packed, bits, n, start=start)]
                                * scale[torch.arange(start, n, device=packed.device) // group_len])
     codes = unpack_bits(packed, bits, n, dtype=torch.int64)

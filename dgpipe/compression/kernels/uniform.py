@@ -25,8 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import numba_codes, numba_message
-from .backend import choose, empty
+from . import numba_message
+from .backend import choose, empty, kernels_of
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = [
@@ -215,7 +215,7 @@ def uniform_codes(values: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bit
     if backend != "torch":
         n = values.numel()
         out = empty(packed_nbytes(n, bits), torch.uint8, values)
-        if _backend(backend).encode_uniform(values, lo, div, bits, group_len, out):
+        if kernels_of(backend).encode_uniform(values, lo, div, bits, group_len, out):
             lo, div = lo.reshape(-1), div.reshape(-1)
             return pack_tail(out, n, bits, lambda start: _tail_codes(values, lo, div, bits, group_len, start))
     return _reference_codes(values, lo, div, bits, group_len, stochastic)
@@ -226,15 +226,6 @@ def _tail_codes(values: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits:
     """The int32 codes of ``values[start:]`` (reference arithmetic), each with its group's grid."""
     grp = torch.arange(start, values.numel(), device=values.device) // group_len
     return grid_levels(values[start:] - lo[grp], div[grp], 1 << bits, False).to(torch.int32)
-
-
-def _backend(name: str):
-    """The module of accelerated kernels named ``name`` (:func:`.backend.choose`)."""
-    if name == "triton":
-        from . import triton_codes
-
-        return triton_codes
-    return numba_codes
 
 
 def uniform_values(packed: torch.Tensor, bits: int, n: int, meta: torch.Tensor, n_groups: int,
@@ -254,7 +245,7 @@ def uniform_values(packed: torch.Tensor, bits: int, n: int, meta: torch.Tensor, 
     lo, step = meta[:n_groups].float(), meta[n_groups:].float()
     if backend != "torch":
         y = empty(n, torch.float32, packed)
-        if _backend(backend).decode_uniform(packed, bits, lo, step, group_len, y):
+        if kernels_of(backend).decode_uniform(packed, bits, lo, step, group_len, y):
             return values_tail(y, lambda start: _tail_values(packed, bits, n, lo, step, group_len, start))
     if n_groups == 1:  # one grid: a table lookup per value
         return decode_table(packed, bits, n, grid_table(lo, step, 1 << bits))
