@@ -20,7 +20,7 @@ import torch
 from . import numba_codes
 from .backend import choose, empty, kernels_of
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .uniform import pack_tail, values_tail
+from .uniform import in_groups, pack_tail, values_tail
 
 __all__ = ["nearest_level", "level_codes", "level_values"]
 
@@ -78,9 +78,5 @@ def level_values(packed: torch.Tensor, bits: int, n: int, levels: torch.Tensor, 
         if kernels_of(backend).decode_levels(packed, bits, levels, scale, group_len, y):
             return values_tail(y, lambda start: levels[unpack_bits(packed, bits, n, start=start)]
                                * scale[torch.arange(start, n, device=packed.device) // group_len])
-    codes = unpack_bits(packed, bits, n, dtype=torch.int64)
-    ng = scale.numel()
-    values = levels[codes]
-    if ng * group_len != n:
-        values = torch.nn.functional.pad(values, (0, ng * group_len - n))
-    return (values.view(ng, group_len) * scale[:, None]).reshape(-1)[:n]
+    values = in_groups(levels[unpack_bits(packed, bits, n, dtype=torch.int64)], group_len)
+    return (values * scale[:, None]).reshape(-1)[:n]

@@ -31,7 +31,7 @@ from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bit
 
 __all__ = [
     "BLOCK", "blocks", "tame", "finite_range", "range_of", "values_tail", "encode_blocks", "decode_table", "pack_tail", "grid_step", "grid_divisor", "grid_levels",
-    "grid_table", "uniform_codes", "uniform_values", "uniform_message",
+    "grid_table", "in_groups", "uniform_codes", "uniform_values", "uniform_message",
 ]
 
 BLOCK = 1 << 18
@@ -176,8 +176,9 @@ def grid_table(lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tenso
     return (lo[:, None] + k * step[:, None]).reshape(-1)
 
 
-def _in_groups(values: torch.Tensor, group_len: int) -> torch.Tensor:
-    """``values`` (1-D, wire order) as ``(n_groups, group_len)`` rows, the last one padded with its last value."""
+def in_groups(values: torch.Tensor, group_len: int) -> torch.Tensor:
+    """``values`` (1-D, wire order) as ``(n_groups, group_len)`` rows, the last one padded with its last value
+    (a short last tile: the padding is dropped again after the per-group arithmetic)."""
     n = values.numel()
     ng = -(-n // group_len)
     if ng * group_len != n:
@@ -192,7 +193,7 @@ def _reference_codes(values: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, 
     if group_len >= n:  # one grid: block by block
         return encode_blocks(values, bits,
                              lambda i, j: grid_levels(values[i:j] - lo[0], div[0], levels, stochastic).to(torch.int32))
-    rows = _in_groups(values, group_len)
+    rows = in_groups(values, group_len)
     codes = grid_levels(rows - lo[:, None], div[:, None], levels, stochastic).to(torch.int32)
     return pack_bits(codes.reshape(-1)[:n], bits, check=False)
 
@@ -249,7 +250,7 @@ def uniform_values(packed: torch.Tensor, bits: int, n: int, meta: torch.Tensor, 
             return values_tail(y, lambda start: _tail_values(packed, bits, n, lo, step, group_len, start))
     if n_groups == 1:  # one grid: a table lookup per value
         return decode_table(packed, bits, n, grid_table(lo, step, 1 << bits))
-    codes = _in_groups(unpack_bits(packed, bits, n, dtype=torch.int32).to(torch.float32), group_len)
+    codes = in_groups(unpack_bits(packed, bits, n, dtype=torch.int32).to(torch.float32), group_len)
     return (lo[:, None] + codes * step[:, None]).reshape(-1)[:n]  # as the table: multiply, then add
 
 
