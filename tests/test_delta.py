@@ -36,7 +36,7 @@ def test_first_visit_codes_the_activation_itself_and_sides_agree():
     sender, receiver = pair()
     x, ids = torch.randn(6, 5, 8), torch.tensor([3, 0, 7, 1, 20, 11])
     payload = sender.encode(x, ids)
-    r = receiver.decode(payload, ids, x.dtype)
+    r = receiver.decode(payload, ids)
     direct = get_codec("quant", bits=2)
     torch.testing.assert_close(r, direct.decode(direct.encode(x)))  # m = 0: the change is the activation
     assert payload.nbytes == direct.encode(x).nbytes
@@ -52,7 +52,7 @@ def test_caches_stay_identical_over_epochs_and_error_shrinks_for_a_fixed_example
     for epoch in range(6):
         for ids in torch.randperm(N, generator=g).split(8):
             a = acts[ids] + 0.01 * epoch  # activations drift a little between visits
-            r = receiver.decode(sender.encode(a, ids), ids, a.dtype)
+            r = receiver.decode(sender.encode(a, ids), ids)
             errors.append(float(((r - a) ** 2).mean() / (a**2).mean()) if 0 in ids else None)
         assert sender.cache.digest() == receiver.cache.digest()
     errors = [e for e in errors if e is not None]
@@ -66,7 +66,7 @@ def test_lossless_inner_codec_with_a_float64_cache_reconstructs_exactly():
     for visit in range(4):
         ids = torch.randperm(N, generator=g)[:10]
         a = torch.randn(10, 7, generator=g) * 10 ** (visit - 2)
-        assert torch.equal(receiver.decode(sender.encode(a, ids), ids, a.dtype), a)
+        assert torch.equal(receiver.decode(sender.encode(a, ids), ids), a)
 
 
 def test_rows_of_varying_length_grow_the_cache_and_use_its_leading_part():
@@ -75,7 +75,7 @@ def test_rows_of_varying_length_grow_the_cache_and_use_its_leading_part():
     for length in (5, 9, 3, 9):  # padded text batches: the sequence length changes per batch
         ids = torch.randperm(N, generator=g)[:4]
         a = torch.randn(4, length, 6, generator=g)
-        r = receiver.decode(sender.encode(a, ids), ids, a.dtype)
+        r = receiver.decode(sender.encode(a, ids), ids)
         assert r.shape == a.shape
         assert torch.equal(receiver.cache.values[ids, :length], r)
     assert sender.cache.values.shape == (N, 9, 6) and sender.cache.digest() == receiver.cache.digest()
@@ -365,7 +365,7 @@ def test_bad_use_ends_both_ranks_with_a_clear_error(fn, match):
     assert time.monotonic() - start < 30
 
 
-# -- the wire: meta, ids and delta flags are validated ------------------------------------------
+# -- the wire: ids and delta payloads are validated ------------------------------------------
 
 def _boundary(delta=True):
     from dgpipe.comm import BandwidthMeter
@@ -376,38 +376,45 @@ def _boundary(delta=True):
                     torch.device("cpu"), 5.0, rank=1, delta=spec, report=None)
 
 
-def test_meta_with_ids_and_delta_flags_is_parsed_and_bad_ones_refused():
-    from dgpipe.compression.base import code_from_dtype
-    from dgpipe.pipeline.boundary import CODED, DELTA, DTYPE_SHIFT, REQUIRES_GRAD
-
-    b = _boundary()
-    flag = CODED | REQUIRES_GRAD | DELTA | code_from_dtype(torch.float32) << DTYPE_SHIFT
-    assert b._parse_meta([3, 4, 0, 0, flag], 2, 0, 0) == (True, True, 4, 0.0, [flag])
-    assert b._parse_meta([2, 4, 0, 0, flag, 1], 3, 0, 0)[:2] == (False, True)
-    for meta, n in [([3, 4, 0, 0, flag], 1),  # the ids payload is missing
-                    ([4, 4, 0, 0, 1], 1),  # unknown head bit
-                    ([0, 4, 0, 0, DELTA], 1),  # delta without a coded/lossless kind
-                    ([0, 4, 0, 0, CODED | REQUIRES_GRAD | DELTA | code_from_dtype(torch.int64) << DTYPE_SHIFT], 1),
-                    ([0, 4, 0, 0, CODED | DELTA | code_from_dtype(torch.float32) << DTYPE_SHIFT], 1)]:
-        with pytest.raises(ValueError, match="corrupt message meta"):
-            b._parse_meta(meta, n, 0, 0)
-
-
 def test_ids_and_delta_payloads_are_checked_on_receipt():
-    from dgpipe.compression.base import code_from_dtype
-    from dgpipe.pipeline.boundary import CODED, DELTA, DTYPE_SHIFT, REQUIRES_GRAD
+    from dgpipe.pipeline.lanes import LaneContext
+    from dgpipe.pipeline.message import DELTA_CODED
 
-    flag = CODED | REQUIRES_GRAD | DELTA | code_from_dtype(torch.float32) << DTYPE_SHIFT
     payload = get_codec("quant", bits=2).encode(torch.randn(2, 3))
+    lane = lambda b=None: (b or _boundary())._lane("forward", 0, 0, DELTA_CODED)  # noqa: E731
     with pytest.raises(ValueError, match=r"id 30 is out of range"):
         _boundary()._parse_ids(torch.tensor([1, 30]), "forward", 0)
     with pytest.raises(ValueError, match="sample ids in a eval message"):
         _boundary()._parse_ids(torch.tensor([1, 2]), "eval", 0)
     with pytest.raises(ValueError, match="expects none"):
         _boundary(delta=False)._parse_ids(torch.tensor([1, 2]), "forward", 0)
+    with pytest.raises(ValueError, match="does not delta-code"):
+        lane(_boundary(delta=False))
     with pytest.raises(ValueError, match="without sample ids"):
-        _boundary()._recv_delta(0, flag, payload, None)
+        lane().decode(payload, LaneContext())
     with pytest.raises(ValueError, match="delta payload of shape"):
-        _boundary()._recv_delta(0, flag, payload, torch.tensor([1, 2, 3]))
-    r = _boundary()._recv_delta(0, flag, payload, torch.tensor([4, 5]))
+        lane().decode(payload, LaneContext(torch.tensor([1, 2, 3])))
+    r = lane().decode(payload, LaneContext(torch.tensor([4, 5])))
     assert r.shape == (2, 3) and r.dtype == torch.float32
+
+
+def test_a_delta_payload_names_the_activation_dtype_in_the_inner_payload_bytes():
+    """bf16 activations, float16 caches: the change is coded in float32 (their promotion), the
+    header's dtype field says bfloat16, the receiver returns bfloat16, and the bytes are the
+    inner codec's payload of the change with only that field changed."""
+    from dgpipe.compression.base import code_from_dtype
+
+    sender, receiver = pair()
+    ids = torch.tensor([2, 9, 4])
+    x = torch.randn(3, 4, 8).bfloat16()
+    p = sender.encode(x, ids)
+    direct = get_codec("quant", bits=2).encode(x.float())  # first visit: the change is the activation
+    assert p.header[2] == code_from_dtype(torch.bfloat16) and direct.header[2] == code_from_dtype(torch.float32)
+    assert torch.equal(p.header[3:], direct.header[3:]) and all(map(torch.equal, p.tensors, direct.tensors))
+    r = receiver.decode(p, ids)
+    assert r.dtype == torch.bfloat16 and sender.cache.digest() == receiver.cache.digest()
+    torch.testing.assert_close(r, get_codec("quant", bits=2).decode(direct).bfloat16())
+    bad = p.header.clone()
+    bad[2] = code_from_dtype(torch.int64)
+    with pytest.raises(ValueError, match="not a floating dtype"):
+        receiver.decode(type(p)(bad, p.tensors), ids)

@@ -153,7 +153,7 @@ def stateful_runs() -> dict[str, dict]:
         for kind in ("outliers", "randn"):  # first visit, then a revisit of the same examples
             x = make_input((4, 64, 384), kind, torch.float32)
             p = sender.encode(x, ids)
-            digests += [payload_digest(p), digest([receiver.decode(p, ids, x.dtype)])]
+            digests += [payload_digest(p), digest([receiver.decode(p, ids)])]
         out[f"delta({','.join(f'{k}={v}' for k, v in sorted(inner.items()))})"] = {"payloads": digests}
     return out
 

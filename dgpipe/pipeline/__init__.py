@@ -9,8 +9,14 @@ Modules (one idea each):
   ``validate_placement(placement, n_stages, world_size)``.
 - :mod:`~dgpipe.pipeline.schedule` -- GPipe fill-drain task order per rank;
   ``bubble_fraction(S, M) = (S-1)/(M+S-1)``.
-- :mod:`~dgpipe.pipeline.boundary` -- one stage boundary: tensor or tuple through the
-  activation/gradient codecs, :mod:`dgpipe.comm.transport` and the meter.
+- :mod:`~dgpipe.pipeline.boundary` -- one stage boundary: tensor or tuple through its
+  lanes, :mod:`dgpipe.comm.transport` and the meter.
+- :mod:`~dgpipe.pipeline.lanes` -- one tuple position's way over the wire: lossless,
+  coded (a codec), delta (AQ-SGD change against a cache) or delta warm-up; all
+  ``encode(t, ctx) -> Payload`` / ``decode(payload, ctx) -> t``.
+- :mod:`~dgpipe.pipeline.message` -- :class:`~dgpipe.pipeline.message.Message`, a
+  boundary message's meta (lane per position, micro-batch, loss) with
+  ``to_meta()``/``from_meta()``.
 - :mod:`~dgpipe.pipeline.runtime` -- :class:`Pipeline`, this rank's part of the pipeline.
 - :mod:`~dgpipe.pipeline.launch` -- ``spawn(fn, world_size, args=(), backend="gloo",
   timeout=300)`` for one machine; ``init_distributed(backend="auto", timeout=300)``

@@ -17,22 +17,20 @@ Which tensors are compressed:
 - evaluation (no gradients exist to tell tensors apart): floating tensors go through
   the activation codec if ``compress`` is set, others losslessly.
 
-One message (a :class:`dgpipe.comm.transport.Sender` stream per direction) carries one
-payload per present tensor and the meta ``[head, n_micro, slot, loss, flag_0 ..
-flag_{n-1}]``, where ``head`` = 1 if the value is one tensor (not a tuple) + 2 if
-sample ids come first, ``flag`` = kind (0 absent, 1 lossless, 2 coded) + 4 if the
-tensor requires grad + 8 if it is delta-coded, in which case ``flag >> 4`` is the
-activation's dtype code, and ``loss`` is the step's mean loss as the bits of a float64
-(backward messages; 0 forward).
+Each tuple position travels in a lane (:mod:`dgpipe.pipeline.lanes`: lossless, coded,
+delta, delta warm-up); one message (a :class:`dgpipe.comm.transport.Sender` stream per
+direction) carries one payload per present tensor and a :class:`~dgpipe.pipeline.message.Message`
+as its meta: the lane of each position, the micro-batch, and the step's mean loss
+(backward messages). :class:`Boundary` loops over the lanes, then the transport, then the meter.
 
 Delta coding (AQ-SGD, :mod:`dgpipe.compression.wrappers.delta`): when the pipeline has a
 :class:`~dgpipe.compression.wrappers.delta.DeltaSpec`, every training forward message starts
 with the sample ids of its rows (a lossless int64 payload, counted in the wire bytes
-and not in the raw ones), and on a delta-coded boundary each tensor that requires
-grad goes through a :class:`~dgpipe.compression.wrappers.delta.DeltaCoder` with one cache per
-tuple position on each side: coded (the change against the cache, by the activation
-codec) or, during a warm-up, lossless (the cache stores it). Evaluation carries no
-ids and uses the activation codec directly.
+and not in the raw ones; the lanes get them in a :class:`~dgpipe.pipeline.lanes.LaneContext`),
+and on a delta-coded boundary each tensor that requires grad takes a delta lane with one
+cache per tuple position on each side: the change against the cache, coded by the
+activation codec, or, during a warm-up, the tensor losslessly (the cache stores it).
+Evaluation carries no ids and uses the activation codec directly.
 
 In training every forward message is answered by one backward
 message, even when no tensor needs a gradient, so the loss computed on the last stage
@@ -50,7 +48,6 @@ evaluation uses its own instances and never touches training state.
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import Callable, Sequence, Union
 
@@ -59,39 +56,15 @@ import torch
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, get_codec
-from dgpipe.compression.base import DTYPE_CODES, code_from_dtype, dtype_from_code
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
+
+from .lanes import LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, decode_ids, encode_ids
+from .message import (ABSENT, CODED, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REQUIRES_GRAD,
+                      Message)
 
 __all__ = ["CodecSpec", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
 CodecSpec = Union[str, tuple, Callable[[], Codec], Codec]
-MAX_BOUNDARY_TENSORS = 16
-ABSENT, LOSSLESS, CODED, REQUIRES_GRAD, DELTA = 0, 1, 2, 4, 8
-ATOMIC, HAS_IDS = 1, 2  # bits of the meta's head
-DTYPE_SHIFT = 4  # a delta-coded tensor's flag carries its dtype code above the kind bits
-_VALID_FLAGS = {ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD}
-_FLOAT_CODES = {c for d, c in DTYPE_CODES.items() if d.is_floating_point}
-_LOSSLESS = get_codec("none")
-_INTS = get_codec("intpack")  # integer and bool tensors (masks): lossless, in the fewest bits their range needs
-_LOSSLESS_BY_ID = {c.codec_id: c for c in (_LOSSLESS, _INTS)}
-
-
-def _lossless(t: torch.Tensor) -> Codec:
-    """The lossless codec of a tensor: ``none`` for floating tensors, ``intpack`` for the others."""
-    return _LOSSLESS if t.is_floating_point() else _INTS
-
-
-def _decode_lossless(payload: Payload) -> torch.Tensor:
-    """Decode a lossless payload with the codec its header names (``none`` or ``intpack``).
-
-    Raises:
-        ValueError: the header names another codec, or is corrupt.
-    """
-    h = payload.header
-    codec = _LOSSLESS_BY_ID.get(int(h[1])) if h.dim() == 1 and h.numel() > 1 else None
-    if codec is None:
-        raise ValueError("corrupt payload: a lossless tensor's header names neither 'none' nor 'intpack'")
-    return codec.decode(payload)
 
 
 def codec_factory(spec: CodecSpec) -> Callable[[], Codec]:
@@ -142,23 +115,6 @@ def codec_factories(spec: CodecSpec | list, n_boundaries: int, what: str) -> lis
         return [codec_factory(s) for s in spec]
     factory = codec_factory(spec)
     return [factory] * n_boundaries
-
-
-def _valid_flag(flag: int) -> bool:
-    """A plain flag, or a delta flag: coded or lossless, requires grad, a floating dtype code."""
-    if flag in _VALID_FLAGS:
-        return True
-    low, code = flag & ((1 << DTYPE_SHIFT) - 1), flag >> DTYPE_SHIFT
-    return low in (CODED | REQUIRES_GRAD | DELTA, LOSSLESS | REQUIRES_GRAD | DELTA) and code in _FLOAT_CODES
-
-
-def _float_bits(x: float) -> int:
-    """The IEEE float64 bits of ``x`` as a signed int64 (to travel in int64 meta)."""
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_float(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _now(device: torch.device) -> float:
@@ -238,7 +194,14 @@ class Boundary:
         return self._codecs[key]
 
     def _delta_coder(self, pos: int) -> DeltaCoder:
-        """The delta coder of tuple position ``pos`` on this rank's side (made on first use)."""
+        """The delta coder of tuple position ``pos`` on this rank's side (made on first use).
+
+        Raises:
+            ValueError: this boundary is not delta-coded on this rank.
+        """
+        if not self.delta_coded:
+            raise ValueError("a delta-coded tensor on a boundary this rank does not delta-code "
+                             "(configure delta alike on every rank)")
         if pos not in self._deltas:
             side = "sender" if self.rank == self.src else "receiver"
             spec = self.delta
@@ -250,6 +213,14 @@ class Boundary:
                                f"rank {self.rank}: delta cache {self.name} tensor {pos} ({side})", self._report)
             self._deltas[pos] = DeltaCoder(self._factories["forward"](), cache)
         return self._deltas[pos]
+
+    def _lane(self, direction: str, slot: int, pos: int, kind: int) -> Lane:
+        """The lane of kind ``kind`` for tuple position ``pos`` of micro-batch ``slot``."""
+        if kind == LOSSLESS:
+            return LOSSLESS_LANE
+        if kind == CODED:
+            return CodedLane(self._codec(direction, slot, pos))
+        return (DeltaLane if kind == DELTA_CODED else DeltaWarmupLane)(self._delta_coder(pos))
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -281,14 +252,15 @@ class Boundary:
         for t in tensors:
             if direction == "forward":
                 rg = t.is_floating_point() and t.requires_grad
-                flag = (CODED | REQUIRES_GRAD) if rg else LOSSLESS
+                kind = CODED if rg else LOSSLESS
                 if rg and self.delta_coded:
-                    flag = ((LOSSLESS if refresh else CODED) | REQUIRES_GRAD | DELTA
-                            | code_from_dtype(t.dtype) << DTYPE_SHIFT)
-                flags.append(flag)
+                    kind = DELTA_WARMUP if refresh else DELTA_CODED
+                flags.append(kind | (REQUIRES_GRAD if rg else 0))
             else:
                 flags.append(CODED if compress and t.is_floating_point() else LOSSLESS)
-        works = self._send(direction, slot, tensors, flags, atomic, n_micro, ids=ids if direction == "forward" else None)
+        ids = ids if direction == "forward" else None
+        message = Message(tuple(flags), n_micro, slot, atomic=atomic, has_ids=ids is not None)
+        works = self._send(direction, message, tensors, ids)
         if direction == "forward":  # a backward message will answer it: have the receive ready
             self._grads_due += 1
             self._stream("backward", sending=False).post()
@@ -306,25 +278,25 @@ class Boundary:
             require grad (pass their ``.grad`` to :meth:`send_backward`), the sender's
             number of micro-batches in this step, and the rows' sample ids (or ``None``).
         """
-        atomic, n_micro, _, tensors, flags, ids = self._recv(direction, slot, self.src)
-        if slot + 1 < n_micro:
+        message, tensors, ids = self._recv(direction, slot, self.src)
+        if slot + 1 < message.n_micro:
             self.expect_forward()
         if any(t is None for t in tensors):
             raise ValueError(f"{self.name}: forward message from rank {self.src} has absent tensors")
         leaves = []
-        for i, f in enumerate(flags):
-            if f & REQUIRES_GRAD:
-                tensors[i] = tensors[i].detach().requires_grad_()
-                leaves.append(tensors[i])
-        return (tensors[0] if atomic else tuple(tensors)), leaves, n_micro, ids
+        for pos in range(len(tensors)):
+            if message.requires_grad(pos):
+                tensors[pos] = tensors[pos].detach().requires_grad_()
+                leaves.append(tensors[pos])
+        return (tensors[0] if message.atomic else tuple(tensors)), leaves, message.n_micro, ids
 
     # -- backward --------------------------------------------------------------------------
 
     def send_backward(self, slot: int, grads: Sequence[torch.Tensor | None], loss: float) -> list[SendWork]:
         """Send the gradients of the leaves :meth:`recv_forward` returned for ``slot`` (maybe
         none) and the step's mean ``loss`` to ``src``."""
-        flags = [ABSENT if g is None else CODED for g in grads]
-        return self._send("backward", slot, list(grads), flags, False, 0, loss)
+        message = Message(tuple(ABSENT if g is None else CODED for g in grads), 0, slot, loss)
+        return self._send("backward", message, list(grads))
 
     def recv_backward(self, slot: int, n_expected: int) -> tuple[list[torch.Tensor | None], float]:
         """Receive the gradients for the ``n_expected`` tensors :meth:`send_forward` returned.
@@ -332,46 +304,42 @@ class Boundary:
         Returns:
             ``(grads, loss)``: one gradient or ``None`` per tensor, and the step's mean loss.
         """
-        _, _, loss, grads, _, _ = self._recv("backward", slot, self.dst)
+        message, grads, _ = self._recv("backward", slot, self.dst)
         self._grads_due -= 1
         if self._grads_due > 0:
             self._stream("backward", sending=False).post()
         if len(grads) != n_expected:
             raise ValueError(f"{self.name}: rank {self.dst} sent {len(grads)} gradients, expected {n_expected}")
-        return grads, loss
+        return grads, message.loss
 
     # -- wire ------------------------------------------------------------------------------
 
-    def _send(self, direction, slot, tensors, flags, atomic, n_micro, loss: float = 0.0,
-              ids: torch.Tensor | None = None) -> list[SendWork]:
+    def _send(self, direction: str, message: Message, tensors: list, ids: torch.Tensor | None = None
+              ) -> list[SendWork]:
+        """Lanes -> transport -> meter for one message."""
         start = _now(self._device)
+        ctx = LaneContext(ids)
         payloads: list[Payload] = []
         raw = 0
         with torch.no_grad():
-            if ids is not None:  # lossless, first; wire bytes but no raw bytes (a plain pipeline sends none)
-                payloads.append(_LOSSLESS.encode(ids.cpu()))
-            for pos, (t, f) in enumerate(zip(tensors, flags)):
-                if f == ABSENT:
+            if ids is not None:  # first; wire bytes but no raw bytes (a plain pipeline sends none)
+                payloads.append(encode_ids(ids))
+            for pos, t in enumerate(tensors):
+                if message.kind(pos) == ABSENT:
                     continue
                 raw += t.numel() * t.element_size()
-                if f & DELTA:
-                    coder = self._delta_coder(pos)
-                    if f & CODED:
-                        payloads.append(coder.encode(t.detach(), ids))
-                        continue
-                    coder.refresh(t.detach(), ids)
-                codec = self._codec(direction, slot, pos) if f & CODED else _lossless(t)
-                payloads.append(codec.encode(t.detach()))
+                payloads.append(self._lane(direction, message.slot, pos, message.kind(pos)).encode(t.detach(), ctx))
         encode_seconds = _now(self._device) - start
-        meta = [int(atomic) | (HAS_IDS if ids is not None else 0), n_micro, slot, _float_bits(loss), *flags]
-        work = self._stream(direction, sending=True).send(payloads, meta=meta,
-                                                           label=f"{self.name} {direction}, micro-batch {slot}")
+        label = f"{self.name} {direction}, micro-batch {message.slot}"
+        work = self._stream(direction, sending=True).send(payloads, meta=message.to_meta(), label=label)
         wire = sum(p.nbytes for p in payloads)
         self._meter.record_send(self.name, direction, raw_bytes=raw, wire_bytes=wire,
                                 frame_bytes=work.nbytes - wire, encode_seconds=encode_seconds)  # fmt: skip
         return [work]
 
-    def _recv(self, direction, slot, peer):
+    def _recv(self, direction: str, slot: int, peer: int
+              ) -> tuple[Message, list[torch.Tensor | None], torch.Tensor | None]:
+        """Transport -> lanes -> meter for one message: ``(message, tensors or None, ids)``."""
         start = time.perf_counter()
         where = f"{self.name} {direction}, micro-batch {slot}"
         try:
@@ -381,27 +349,22 @@ class Boundary:
         except ValueError as err:  # a corrupt message: name the boundary too
             raise ValueError(f"{where}: {err}") from err
         recv_seconds = time.perf_counter() - start
-        atomic, has_ids, n_micro, loss, flags = self._parse_meta(meta, len(payloads), slot, peer)
+        message = self._parse_meta(meta, len(payloads), slot, peer)
         start = _now(self._device)
         tensors, it, ids = [], iter(payloads), None
         try:
-            if has_ids:
-                ids = self._parse_ids(_LOSSLESS.decode(next(it)), direction, peer)
-            for pos, f in enumerate(flags):
-                if f == ABSENT:
-                    tensors.append(None)
-                elif f & DELTA:
-                    tensors.append(self._recv_delta(pos, f, next(it), ids))
-                elif f & CODED:
-                    tensors.append(self._codec(direction, slot, pos).decode(next(it)))
-                else:
-                    tensors.append(_decode_lossless(next(it)))
+            if message.has_ids:
+                ids = self._parse_ids(decode_ids(next(it)), direction, peer)
+            ctx = LaneContext(ids, self._device)
+            for pos in range(len(message.flags)):
+                kind = message.kind(pos)
+                tensors.append(None if kind == ABSENT else self._lane(direction, slot, pos, kind).decode(next(it), ctx))
         except ValueError as err:
             raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
         decode_seconds = _now(self._device) - start
         self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
-        return atomic, n_micro, loss, tensors, flags, ids
+        return message, tensors, ids
 
     def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
         """Check a message's sample ids against the delta spec (the rows are checked where they
@@ -412,34 +375,20 @@ class Boundary:
         check_ids(ids, self.delta.examples, where=f"sample ids from rank {peer}")
         return ids
 
-    def _recv_delta(self, pos: int, flag: int, payload: Payload, ids: torch.Tensor | None) -> torch.Tensor:
-        """Decode a delta-coded (or warm-up lossless) tensor against this side's cache."""
-        if ids is None or not self.delta_coded:
-            raise ValueError("a delta-coded tensor " + ("without sample ids" if ids is None else
-                             "on a boundary this rank does not delta-code (configure delta alike on every rank)"))
-        dtype = dtype_from_code(flag >> DTYPE_SHIFT, "delta dtype")
-        coder = self._delta_coder(pos)
-        if flag & CODED:
-            return coder.decode(payload, ids, dtype).to(self._device)
-        x = _LOSSLESS.decode(payload)
-        if x.dtype != dtype or x.dim() < 1 or x.shape[0] != ids.numel():
-            raise ValueError(f"warm-up tensor {x.dtype} {tuple(x.shape)} for {ids.numel()} ids of {dtype}")
-        coder.refresh(x, ids)
-        return x
+    def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int) -> Message:
+        """The :class:`Message` of ``meta``, from rank ``peer``, for micro-batch ``slot``.
 
-    def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int):
-        """Check ``[head, n_micro, slot, loss, *flags]``; returns (atomic, has_ids, n_micro, loss, flags)."""
-        flags = meta[4:]
-        ok = len(meta) >= 4 and 0 <= meta[0] <= ATOMIC | HAS_IDS and meta[1] >= 0 and len(flags) <= MAX_BOUNDARY_TENSORS
-        ok = ok and all(_valid_flag(f) for f in flags) and (not meta[0] & ATOMIC or len(flags) == 1)
-        has_ids = ok and bool(meta[0] & HAS_IDS)
-        ok = ok and n_payloads == sum(f != ABSENT for f in flags) + has_ids
-        if not ok:
-            raise ValueError(f"{self.name}: corrupt message meta from rank {peer}: {meta[:8]}")
-        if meta[2] != slot:
-            raise ValueError(f"{self.name}: rank {peer} sent micro-batch {meta[2]}, expected {slot} "
+        Raises:
+            ValueError: corrupt meta, or another micro-batch (ranks out of step).
+        """
+        try:
+            message = Message.from_meta(meta, n_payloads)
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err} (from rank {peer})") from None
+        if message.slot != slot:
+            raise ValueError(f"{self.name}: rank {peer} sent micro-batch {message.slot}, expected {slot} "
                              f"(ranks out of step)")  # fmt: skip
-        return bool(meta[0] & ATOMIC), has_ids, meta[1], _bits_float(meta[3]), flags
+        return message
 
     # -- state -----------------------------------------------------------------------------
 

@@ -35,7 +35,12 @@ Usage (one coder per side, same inner codec and cache options)::
     sender = DeltaCoder(get_codec("quant", bits=2), DeltaCache(n_examples))
     receiver = DeltaCoder(get_codec("quant", bits=2), DeltaCache(n_examples))
     payload = sender.encode(a, ids)        # a: (B, ...) floating, ids: int64 (B,)
-    r = receiver.decode(payload, ids, a.dtype)
+    r = receiver.decode(payload, ids)    # r: a.dtype
+
+The payload is the inner codec's payload of the change with one header field relabelled:
+its ``dtype`` names the activation's dtype (what the receiver returns), not the change's;
+the change's dtype is ``promote_types(that, cache dtype)``, which both sides know. So a
+delta payload carries its dtype itself, in exactly the inner payload's bytes.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..base import Codec, Payload
+from ..base import Codec, Payload, code_from_dtype, dtype_from_code
 
 __all__ = ["CACHE_DTYPES", "DEFAULT_MAX_BYTES", "DeltaSpec", "DeltaCache", "DeltaCoder", "check_ids"]
 
@@ -279,7 +284,8 @@ class DeltaCoder:
             ids: int64 ``(B,)``, checked by the caller (:func:`check_ids`).
 
         Returns:
-            The inner codec's payload of the change (dtype: ``promote_types(x.dtype, cache dtype)``).
+            The inner codec's payload of the change (computed in ``promote_types(x.dtype,
+            cache dtype)``), its header's ``dtype`` field relabelled to ``x.dtype``.
 
         Raises:
             ValueError: ``x`` not floating or not batched like ``ids``; what the inner codec raises.
@@ -295,15 +301,23 @@ class DeltaCoder:
         self.cache.store(ids, r)
         sums = [t.double().square().sum() for t in (a, change, a - r)]
         self.stats += torch.stack(sums).cpu()
-        return payload
+        return _relabel(payload, x.dtype)
 
-    def decode(self, payload: Payload, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Receiver: ``m[ids] + decode(payload)``, stored as the new ``m[ids]``, returned as ``dtype``.
+    def decode(self, payload: Payload, ids: torch.Tensor) -> torch.Tensor:
+        """Receiver: ``m[ids] + decode(payload)``, stored as the new ``m[ids]``, returned in the
+        activation's dtype (the payload's header names it).
 
         Raises:
-            ValueError: a corrupt payload, or one whose rows do not match ``ids``.
+            ValueError: a corrupt payload (a non-floating dtype field included), or one whose
+                rows do not match ``ids``.
         """
-        d = self.inner.decode(payload)
+        h = payload.header
+        if not isinstance(h, torch.Tensor) or h.dim() != 1 or h.numel() < 3:
+            raise ValueError("corrupt header: a delta payload's header has no 'dtype' field")
+        dtype = dtype_from_code(int(h[2]), "delta dtype")
+        if not dtype.is_floating_point:
+            raise ValueError(f"corrupt header: field 'delta dtype' is {dtype}, not a floating dtype")
+        d = self.inner.decode(_relabel(payload, torch.promote_types(dtype, self.cache.dtype)))
         if d.dim() < 1 or d.shape[0] != ids.numel():
             raise ValueError(f"{self.cache.name}: delta payload of shape {tuple(d.shape)} for {ids.numel()} ids")
         r = self._base(ids, d.shape[1:], d.device, dtype)
@@ -314,3 +328,13 @@ class DeltaCoder:
     def refresh(self, x: torch.Tensor, ids: torch.Tensor) -> None:
         """Store ``x`` itself as ``m[ids]`` (the activation travelled losslessly: warm-up)."""
         self.cache.store(ids, x)
+
+
+def _relabel(payload: Payload, dtype: torch.dtype) -> Payload:
+    """``payload`` with its header's ``dtype`` field set to ``dtype`` (the same payload if it is already)."""
+    code = code_from_dtype(dtype)
+    if int(payload.header[2]) == code:
+        return payload
+    header = payload.header.clone()
+    header[2] = code
+    return Payload(header, payload.tensors)

@@ -1,0 +1,121 @@
+"""The meta of one boundary message: which lane carries each tuple position, and the step's counters.
+
+A boundary message (:class:`dgpipe.comm.transport.Sender`) carries payloads and a short
+list of int64 meta fields. :class:`Message` is that meta as a value, with its own wire
+form::
+
+    [head, n_micro, slot, loss, flag_0 .. flag_{n-1}]
+
+- ``head``: 1 if the value is one tensor (not a tuple) + 2 if the first payload is the
+  rows' sample ids;
+- ``n_micro``: the sender's number of micro-batches in this step; ``slot``: this
+  message's micro-batch;
+- ``loss``: the step's mean loss as the bits of a float64 (backward messages; 0 forward);
+- ``flag``: the lane of one tuple position (:data:`ABSENT`, :data:`LOSSLESS`,
+  :data:`CODED`, :data:`DELTA_WARMUP`, :data:`DELTA_CODED`; see
+  :mod:`dgpipe.pipeline.lanes`) + :data:`REQUIRES_GRAD` if the tensor requires grad
+  (delta lanes always do).
+
+One payload follows per present tensor, after the ids payload if ``head`` says so.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ABSENT", "LOSSLESS", "CODED", "DELTA_WARMUP", "DELTA_CODED", "REQUIRES_GRAD", "MAX_BOUNDARY_TENSORS",
+           "Message"]
+
+#: Lane kinds (the low bits of a flag).
+ABSENT, LOSSLESS, CODED = 0, 1, 2
+DELTA = 8
+DELTA_WARMUP, DELTA_CODED = DELTA | LOSSLESS, DELTA | CODED
+#: Flag bit: the tensor requires grad (it arrives as a leaf and its gradient comes back).
+REQUIRES_GRAD = 4
+#: Most tensors one boundary value (a tuple) may hold.
+MAX_BOUNDARY_TENSORS = 16
+_ATOMIC, _HAS_IDS = 1, 2  # bits of the head
+_VALID_FLAGS = frozenset({ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD,
+                          DELTA_WARMUP | REQUIRES_GRAD, DELTA_CODED | REQUIRES_GRAD})
+
+
+def _float_bits(x: float) -> int:
+    """The IEEE float64 bits of ``x`` as a signed int64 (to travel in int64 meta)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+@dataclass(frozen=True)
+class Message:
+    """The meta of one boundary message (module docstring), validated at construction.
+
+    Attributes:
+        flags: one per tuple position: lane kind + :data:`REQUIRES_GRAD`.
+        n_micro: the sender's number of micro-batches in this step.
+        slot: this message's micro-batch.
+        loss: the step's mean loss (backward messages), 0.0 forward.
+        atomic: the value is one tensor, not a tuple (then there is exactly one flag).
+        has_ids: the first payload is the rows' sample ids (int64 ``(B,)``).
+
+    Raises:
+        ValueError: an unknown flag, too many or (for an atomic value) more than one flag,
+            or a negative count; the message says "corrupt message meta".
+    """
+
+    flags: tuple[int, ...]
+    n_micro: int = 0
+    slot: int = 0
+    loss: float = 0.0
+    atomic: bool = False
+    has_ids: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flags", tuple(int(f) for f in self.flags))
+        ok = len(self.flags) <= MAX_BOUNDARY_TENSORS and all(f in _VALID_FLAGS for f in self.flags)
+        ok = ok and self.n_micro >= 0 and self.slot >= 0 and (not self.atomic or len(self.flags) == 1)
+        if not ok:
+            raise ValueError(f"corrupt message meta: flags {list(self.flags)[:MAX_BOUNDARY_TENSORS]}, "
+                             f"n_micro {self.n_micro}, slot {self.slot}, atomic {self.atomic}")
+
+    @property
+    def n_payloads(self) -> int:
+        """Payloads the message carries: one per present tensor, plus the ids payload."""
+        return sum(f != ABSENT for f in self.flags) + self.has_ids
+
+    def kind(self, pos: int) -> int:
+        """The lane kind of tuple position ``pos`` (its flag without :data:`REQUIRES_GRAD`)."""
+        return self.flags[pos] & ~REQUIRES_GRAD
+
+    def requires_grad(self, pos: int) -> bool:
+        """Whether tuple position ``pos`` requires grad."""
+        return bool(self.flags[pos] & REQUIRES_GRAD)
+
+    def to_meta(self) -> list[int]:
+        """The int64 meta fields ``[head, n_micro, slot, loss bits, *flags]``."""
+        head = (_ATOMIC if self.atomic else 0) | (_HAS_IDS if self.has_ids else 0)
+        return [head, self.n_micro, self.slot, _float_bits(self.loss), *self.flags]
+
+    @classmethod
+    def from_meta(cls, meta: Sequence[int], n_payloads: int) -> Message:
+        """Parse and check meta fields against the number of payloads that came with them.
+
+        Raises:
+            ValueError: "corrupt message meta: ..." for fewer than 4 fields, an unknown head
+                bit, an invalid flag, or a payload count other than the flags imply.
+        """
+        if len(meta) < 4 or not 0 <= meta[0] <= _ATOMIC | _HAS_IDS:
+            raise ValueError(f"corrupt message meta: {list(meta[:8])}")
+        try:
+            message = cls(tuple(meta[4:]), meta[1], meta[2], _bits_float(meta[3]), bool(meta[0] & _ATOMIC),
+                          bool(meta[0] & _HAS_IDS))
+        except ValueError:
+            raise ValueError(f"corrupt message meta: {list(meta[:8])}") from None
+        if message.n_payloads != n_payloads:
+            raise ValueError(f"corrupt message meta: {list(meta[:8])} implies {message.n_payloads} payloads, "
+                             f"{n_payloads} came")
+        return message
