@@ -12,7 +12,9 @@ import pytest
 from dgpipe.train import args as targs
 from dgpipe.train import loop, vision
 from dgpipe.compression import ErrorFeedback
-from dgpipe.train.codecs import CodecSpec, parse_options
+from dgpipe.baseline import GradCompression
+from dgpipe.compression import CodecSpec
+from dgpipe.train.codecs import parse_options
 from helpers import load_cli
 
 RTE_ROWS = [("The cat sat on the mat.", "A cat sat.", "entailment"), ("It rained.", "It was dry.", "not_entailment")]
@@ -200,7 +202,7 @@ def test_compression_flags_map_to_codecs():
     assert isinstance(ef, ErrorFeedback) and ef.codec.bits == 4 and not isinstance(c.forward.build(), ErrorFeedback)
     a = _validated(["--mode", "dataparallel", "--grad-compression", "powersgd",
                     "--grad-compression-opt", "matrix_approximation_rank=4"])
-    assert a.compression is None and a.dp_compression == CodecSpec("powersgd", {"matrix_approximation_rank": 4})
+    assert a.compression is None and a.dp_compression == GradCompression("powersgd", {"matrix_approximation_rank": 4})
     assert _validated(["--mode", "dataparallel"]).dp_compression is None
 
 

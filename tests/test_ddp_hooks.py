@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dgpipe.baseline import build_ddp, grad_compression_names, validate_grad_compression
+from dgpipe.baseline import GradCompression, build_ddp, grad_compression_names
 from dgpipe.compression import get_codec
 
 WORLD = 2
@@ -49,7 +49,7 @@ def backward(module: torch.nn.Module, rank: int, step: int, zero_input: bool = F
 
 
 def ddp_grads(name, options, rank, steps=1, zero_input=False, **kw):
-    dp = build_ddp(tiny_model(), "cpu", name, options, seed=1, **kw)
+    dp = build_ddp(tiny_model(), "cpu", GradCompression(name, options), seed=1, **kw)
     for step in range(steps):
         backward(dp.module, rank, step, zero_input)
     return grads_of(dp.module), dp
@@ -73,7 +73,7 @@ def mean_of_own_decodes(name, options, rank, zero_input=False) -> list[torch.Ten
 def train_steps(name, options, rank, steps, state=None):
     """SGD steps through build_ddp; returns (model state, optimizer state, hook state,
     gradients of the last step). ``state`` resumes from a previous return value."""
-    dp = build_ddp(tiny_model(), "cpu", name, options, seed=1)
+    dp = build_ddp(tiny_model(), "cpu", GradCompression(name, options), seed=1)
     opt = torch.optim.SGD(dp.module.parameters(), lr=0.1, momentum=0.9)
     start = 0
     if state is not None:
@@ -134,12 +134,12 @@ def _scenarios(rank: int) -> dict:
         full = train_steps(name, options, rank, steps)
         half = train_steps(name, options, rank, cut)
         resumed = train_steps(name, options, rank, steps, state=half)
-        untrained = build_ddp(tiny_model(), "cpu", name, options, seed=1).hook_state_dict()
+        untrained = build_ddp(tiny_model(), "cpu", GradCompression(name, options), seed=1).hook_state_dict()
         fresh = train_steps(name, options, rank, steps, state={**half, "hook": untrained})
         res[f"resume_{name}"] = (full, resumed, fresh)
 
     # a rank that cannot encode (NaN gradient) must stop every rank with an error
-    dp = build_ddp(tiny_model(), "cpu", "onebit", {}, seed=1)
+    dp = build_ddp(tiny_model(), "cpu", GradCompression("onebit"), seed=1)
     x, y = batch(rank, 0)
     if rank == 1:
         x[0, 0] = float("nan")
@@ -272,10 +272,10 @@ def test_failing_rank_stops_every_rank(runs):
 
 
 def test_validation_errors_before_any_process():
-    validate_grad_compression(None, None)
-    validate_grad_compression("topk" if "topk" in grad_compression_names() else "onebit", {"error_feedback": True})
-    validate_grad_compression("powersgd", {"matrix_approximation_rank": 4})
-    validate_grad_compression("qsgd", {"levels": 4, "norm": "max"})
+    GradCompression(None, None)
+    GradCompression("topk" if "topk" in grad_compression_names() else "onebit", {"error_feedback": True})
+    GradCompression("powersgd", {"matrix_approximation_rank": 4})
+    GradCompression("qsgd", {"levels": 4, "norm": "max"})
     for name, options, match in [
         ("nope", {}, "unknown grad compression"),
         ("fp16", {"x": 1}, "takes no options"),
@@ -289,7 +289,7 @@ def test_validation_errors_before_any_process():
         ("dgc", {"error_feedback": True}, "dgc"),
     ]:
         with pytest.raises(ValueError, match=match):
-            validate_grad_compression(name, options)
+            GradCompression(name, options)
 
 
 def _leb128_zigzag_size(v: int) -> int:

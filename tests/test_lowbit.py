@@ -21,7 +21,7 @@ from dgpipe.compression.steps.grouping import Grouping
 from dgpipe.compression.kernels import fwht
 from dgpipe.compression.steps.hadamard import HadamardRotation, random_signs
 from dgpipe.pipeline import Pipeline
-from dgpipe.train.codecs import CodecSpec
+from dgpipe.compression import CodecSpec
 from helpers import assert_ranks_ok, spawn_checks
 
 BF16, FP16 = "bfloat16", "float16"

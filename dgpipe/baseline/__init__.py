@@ -1,5 +1,5 @@
-"""Data-parallel (DDP) baseline with optionally compressed, metered gradient exchange."""
+"""The data-parallel baseline: DDP with metered, optionally compressed gradient exchange."""
 
-from .ddp import DataParallel, build_ddp, grad_compression_names, validate_grad_compression
+from .ddp import DataParallel, GradCompression, build_ddp, grad_compression_names
 
-__all__ = ["DataParallel", "build_ddp", "grad_compression_names", "validate_grad_compression"]
+__all__ = ["DataParallel", "GradCompression", "build_ddp", "grad_compression_names"]

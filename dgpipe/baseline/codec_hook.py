@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dgpipe.comm.transport import wire_device
-from dgpipe.compression.base import Codec, Payload, get_codec
-from dgpipe.compression.wrappers.feedback import ErrorFeedback
+from dgpipe.compression import CodecSpec
+from dgpipe.compression.base import Codec, Payload
 from dgpipe.compression.gradients.core import mix_seed
 
 from .framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
@@ -46,18 +46,18 @@ class CodecHook(MeteredHook):
     Args:
         named_parameters: ``(name, parameter)`` pairs of the module wrapped by DDP, in
             ``named_parameters()`` order (the order fixes the per-parameter seeds).
-        codec: registered codec name (``dgpipe.compression.available_codecs()``).
-        codec_options: keyword options of the codec, without ``seed``.
+        codec: the encoders' :class:`~dgpipe.compression.CodecSpec` (options without
+            ``seed``; ``error_feedback=True`` wraps every encoder in ``ErrorFeedback``, a
+            residual per parameter).
         seed: base seed. Codecs that take a ``seed`` get ``mix_seed(seed, index)`` on the
             all-reduce exchange (equal on all ranks, as ``randomk`` needs) and
             ``mix_seed(seed, rank, index)`` on the all-gather exchange (independent
             randomness per rank, so that averaging reduces the variance).
-        error_feedback: wrap every encoder in ``ErrorFeedback`` (residual per parameter).
         exchange: ``"auto"`` (all-reduce for :data:`LINEAR_CODECS`, else all-gather),
             ``"allreduce"`` (only for :data:`LINEAR_CODECS`) or ``"allgather"``.
 
     Raises:
-        ValueError: unknown codec or options, or ``"allreduce"`` for a non-linear codec.
+        ValueError: ``"allreduce"`` for a non-linear codec, or an unknown ``exchange``.
 
     State (:meth:`state_dict`): ``{"encoders": {parameter name: encoder state}}`` for
     the encoders that have state (error-feedback residuals, DGC momenta, counters of
@@ -67,33 +67,31 @@ class CodecHook(MeteredHook):
     def __init__(
         self,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-        codec: str,
-        codec_options: dict,
+        codec: CodecSpec,
         *,
         seed: int = 0,
-        error_feedback: bool = False,
         exchange: str = "auto",
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(process_group)
         if exchange not in ("auto", "allreduce", "allgather"):
             raise ValueError(f"exchange must be 'auto', 'allreduce' or 'allgather', got {exchange!r}")
-        if exchange == "allreduce" and codec not in LINEAR_CODECS:
-            raise ValueError(f"codec {codec!r} cannot be all-reduced; use exchange='allgather' (or 'auto')")
-        self.codec = codec
-        self.exchange = exchange if exchange != "auto" else ("allreduce" if codec in LINEAR_CODECS else "allgather")
-        self.decoder = get_codec(codec, **codec_options)
+        if exchange == "allreduce" and codec.name not in LINEAR_CODECS:
+            raise ValueError(f"codec {codec.name!r} cannot be all-reduced; use exchange='allgather' (or 'auto')")
+        self.codec = codec.name
+        self.exchange = exchange if exchange != "auto" else ("allreduce" if codec.name in LINEAR_CODECS else "allgather")
+        self.decoder = codec.build(error_feedback=False)
         seeded = "seed" in inspect.signature(type(self.decoder)).parameters
         self.encoders: dict[str, Codec] = {}
         self._names: dict[int, str] = {}
         for index, (name, param) in enumerate(named_parameters):
             if not param.requires_grad:
                 continue
-            opts = dict(codec_options)
             if seeded:
-                opts["seed"] = mix_seed(seed, index) if self.exchange == "allreduce" else mix_seed(seed, self.rank, index)
-            encoder = get_codec(codec, **opts)
-            self.encoders[name] = ErrorFeedback(encoder) if error_feedback else encoder
+                seed_of = mix_seed(seed, index) if self.exchange == "allreduce" else mix_seed(seed, self.rank, index)
+                self.encoders[name] = codec.build(seed=seed_of)
+            else:
+                self.encoders[name] = codec.build()
             self._names[id(param)] = name
 
     def _bucket_names(self, bucket: dist.GradBucket) -> list[str]:

@@ -3,16 +3,16 @@ gradient exchange is optionally compressed, metered and checkpointable.
 
 Usage (in every rank, after ``torch.distributed.init_process_group``)::
 
-    from dgpipe.baseline import build_ddp, validate_grad_compression
-    validate_grad_compression("topk", {"ratio": 0.01, "error_feedback": True})  # parent, before spawning
-    dp = build_ddp(model, torch.device("cpu"), "topk", {"ratio": 0.01, "error_feedback": True}, seed=0)
+    from dgpipe.baseline import GradCompression, build_ddp
+    spec = GradCompression("topk", {"ratio": 0.01, "error_feedback": True})  # checked here: parent, before spawning
+    dp = build_ddp(model, torch.device("cpu"), spec, seed=0)
     loss_fn(dp.module(x), y).backward()        # gradients averaged through the hook
     optimizer.step()
     dp.step_records()                          # meter records of this step
     dp.meter.records(); dp.meter.reset()       # per epoch
     ckpt["hook"] = dp.hook_state_dict()        # ... and dp.load_hook_state_dict(ckpt["hook"])
 
-``grad_compression`` names (options in parentheses):
+:class:`GradCompression` names (options in parentheses):
 
 - ``None`` / ``"none"``: plain all-reduce, metered (no options).
 - ``"fp16"``, ``"bf16"``: PyTorch's cast hooks (no options; ``bf16`` needs a backend
@@ -39,17 +39,22 @@ For ``powersgd`` the DDP model keeps all gradients in one bucket (see
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from dgpipe.compression.base import available_codecs, get_codec
+from dgpipe.compression import CodecSpec, available_codecs
 
 from .codec_hook import LINEAR_CODECS, CodecHook
 from .hooks import POWERSGD_OPTIONS, AllReduceHook, CastHook, MeteredHook, PowerSGDHook
 
-__all__ = ["DataParallel", "build_ddp", "validate_grad_compression", "grad_compression_names"]
+__all__ = ["DataParallel", "GradCompression", "build_ddp", "grad_compression_names"]
 
 _TORCH_CASTS = ("fp16", "bf16")
 _HOOK_OPTIONS = ("error_feedback", "exchange")
@@ -57,77 +62,102 @@ _ONE_BUCKET_MB = 1 << 20
 
 
 def grad_compression_names() -> list[str]:
-    """Every accepted ``grad_compression`` name (for a CLI's ``choices``)."""
+    """Every accepted :class:`GradCompression` name (for a CLI's ``choices``)."""
     return sorted(set(available_codecs()) | {"powersgd"})
 
 
-def _split_options(name: str | None, options: dict | None) -> tuple[str, str, dict, dict]:
-    """Validate ``name``/``options``; returns ``(kind, name, hook_options, codec_options)``."""
-    options = dict(options or {})
-    if (name is None or name == "none" or name in _TORCH_CASTS) and options and set(options) <= set(_HOOK_OPTIONS):
-        kind = "codec"  # the generic hook with a cast codec (e.g. to measure the generic exchange)
-        name = name or "none"
-    elif name is None or name == "none":
-        kind = "none"
-    elif name in _TORCH_CASTS:
-        kind = "cast"
-    elif name == "powersgd":
-        kind = "powersgd"
-    elif name in available_codecs():
-        kind = "codec"
-    else:
-        raise ValueError(f"unknown grad compression {name!r}; choose one of: {', '.join(grad_compression_names())}")
-    if kind in ("none", "cast"):
-        if options:
-            raise ValueError(
-                f"grad compression {name or 'none'!r} takes no options except {list(_HOOK_OPTIONS)}, got {sorted(options)}"
-            )
-        return kind, name or "none", {}, {}
-    if kind == "powersgd":
-        unknown = sorted(set(options) - set(POWERSGD_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown powersgd options {unknown}; valid: {sorted(POWERSGD_OPTIONS)}")
-        merged = {**POWERSGD_OPTIONS, **options}
-        rank = merged["matrix_approximation_rank"]
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"powersgd: matrix_approximation_rank must be an int >= 1, got {rank!r}")
-        start = merged["start_powerSGD_iter"]
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"powersgd: start_powerSGD_iter must be an int >= 0, got {start!r}")
-        for flag in ("use_error_feedback", "warm_start"):
-            if not isinstance(merged[flag], bool):
-                raise ValueError(f"powersgd: {flag} must be True or False, got {merged[flag]!r}")
-        powerSGD_hook.PowerSGDState(None, **merged)  # its own checks (start_powerSGD_iter > 1 with EF/warm start)
-        return kind, name, options, {}
-    if "seed" in options:
-        raise ValueError("grad compression options must not contain 'seed': pass seed= to build_ddp")
-    hook_options = {k: options.pop(k) for k in _HOOK_OPTIONS if k in options}
-    if not isinstance(hook_options.get("error_feedback", False), bool):
-        raise ValueError(f"error_feedback must be True or False, got {hook_options['error_feedback']!r}")
-    if name == "dgc" and hook_options.get("error_feedback"):
-        raise ValueError("dgc accumulates its own residual: drop error_feedback for dgc")
-    exchange = hook_options.get("exchange", "auto")
-    if exchange not in ("auto", "allreduce", "allgather"):
-        raise ValueError(f"exchange must be 'auto', 'allreduce' or 'allgather', got {exchange!r}")
-    if exchange == "allreduce" and name not in LINEAR_CODECS:
-        raise ValueError(
-            f"codec {name!r} cannot be all-reduced (its decode is not linear in the payload); "
-            "use exchange='allgather' or 'auto'"
-        )
-    get_codec(name, **options)  # raises ValueError on bad codec options
-    return kind, name, hook_options, options
+def _check_powersgd(options: dict) -> None:
+    unknown = sorted(set(options) - set(POWERSGD_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown powersgd options {unknown}; valid: {sorted(POWERSGD_OPTIONS)}")
+    merged = {**POWERSGD_OPTIONS, **options}
+    rank = merged["matrix_approximation_rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"powersgd: matrix_approximation_rank must be an int >= 1, got {rank!r}")
+    start = merged["start_powerSGD_iter"]
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"powersgd: start_powerSGD_iter must be an int >= 0, got {start!r}")
+    for flag in ("use_error_feedback", "warm_start"):
+        if not isinstance(merged[flag], bool):
+            raise ValueError(f"powersgd: {flag} must be True or False, got {merged[flag]!r}")
+    powerSGD_hook.PowerSGDState(None, **merged)  # its own checks (start_powerSGD_iter > 1 with EF/warm start)
 
 
-def validate_grad_compression(name: str | None, options: dict | None = None) -> None:
-    """Check a ``grad_compression`` name and its options without any process group.
+@dataclass(frozen=True)
+class GradCompression:
+    """The gradient exchange :func:`build_ddp` installs: a name and its options, checked at
+    construction (no process group needed: make it in the parent, before spawning ranks).
 
-    Call it in the parent process before spawning ranks.
+    Attributes:
+        name: a name of :func:`grad_compression_names` (module docstring); ``None`` and
+            ``"none"`` both mean plain all-reduce.
+        options: its options (module docstring); ``None``: none.
+        kind: ``"none"`` (all-reduce), ``"cast"`` (torch's fp16/bf16 hook), ``"powersgd"``
+            (torch's PowerSGD hook) or ``"codec"`` (the generic hook).
+        codec: for ``"codec"``, the :class:`~dgpipe.compression.CodecSpec` of each
+            parameter's encoder (``error_feedback`` included); else ``None``.
+        exchange: for ``"codec"``, ``"auto"``, ``"allreduce"`` or ``"allgather"``.
 
     Raises:
-        ValueError: unknown name (the message lists the valid ones), unknown or
-            invalid options (the message says what is valid).
+        ValueError: unknown name (the message lists the valid ones), unknown or invalid
+            options (the message says what is valid).
     """
-    _split_options(name, options)
+
+    name: str | None = "none"
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    kind: str = field(init=False)
+    codec: CodecSpec | None = field(init=False, compare=False)
+    exchange: str = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        name, options = self.name or "none", dict(self.options or {})
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "options", MappingProxyType(dict(options)))
+        codec, exchange = None, "auto"
+        if name in ("none", *_TORCH_CASTS) and options and set(options) <= set(_HOOK_OPTIONS):
+            kind = "codec"  # the generic hook with a cast codec (e.g. to measure the generic exchange)
+        elif name == "none":
+            kind = "none"
+        elif name in _TORCH_CASTS:
+            kind = "cast"
+        elif name == "powersgd":
+            kind = "powersgd"
+        elif name in available_codecs():
+            kind = "codec"
+        else:
+            raise ValueError(f"unknown grad compression {name!r}; choose one of: {', '.join(grad_compression_names())}")
+        if kind in ("none", "cast") and options:
+            raise ValueError(f"grad compression {name!r} takes no options except {list(_HOOK_OPTIONS)}, "
+                             f"got {sorted(options)}")
+        if kind == "powersgd":
+            _check_powersgd(options)
+        if kind == "codec":
+            if "seed" in options:
+                raise ValueError("grad compression options must not contain 'seed': pass seed= to build_ddp")
+            exchange = options.pop("exchange", "auto")
+            if name == "dgc" and options.get("error_feedback"):
+                raise ValueError("dgc accumulates its own residual: drop error_feedback for dgc")
+            if exchange not in ("auto", "allreduce", "allgather"):
+                raise ValueError(f"exchange must be 'auto', 'allreduce' or 'allgather', got {exchange!r}")
+            if exchange == "allreduce" and name not in LINEAR_CODECS:
+                raise ValueError(f"codec {name!r} cannot be all-reduced (its decode is not linear in the payload); "
+                                 "use exchange='allgather' or 'auto'")
+            codec = CodecSpec(name, options)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "codec", codec)
+        object.__setattr__(self, "exchange", exchange)
+
+    def __reduce__(self):
+        """Pickle as ``GradCompression(name, options dict)`` (to spawned local processes; checked again there)."""
+        return GradCompression, (self.name, dict(self.options))
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"name": ..., "options": {...}}`` for logs."""
+        return {"name": self.name, "options": dict(self.options)}
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.name}({opts})" if opts else self.name
 
 
 class DataParallel:
@@ -178,29 +208,25 @@ class DataParallel:
 def build_ddp(
     model: torch.nn.Module,
     device: torch.device | str,
-    grad_compression: str | None,
-    options: dict | None,
+    compression: GradCompression | None,
     seed: int,
     process_group: dist.ProcessGroup | None = None,
 ) -> DataParallel:
-    """Wrap ``model`` in DDP with the gradient exchange ``grad_compression``.
+    """Wrap ``model`` in DDP with the gradient exchange ``compression``.
 
     Args:
         model: the full model; moved to ``device``.
         device: this rank's device (``cuda:i`` gives ``device_ids=[i]``).
-        grad_compression: a name of :func:`grad_compression_names`, or ``None``.
-        options: its options (see the module docstring), or ``None``.
+        compression: the exchange; ``None``: plain all-reduce.
         seed: base seed of the codecs' randomness (equal on all ranks; each rank
             derives its own where the exchange needs independent draws).
         process_group: default: the world.
 
     Returns:
         A :class:`DataParallel`.
-
-    Raises:
-        ValueError: as :func:`validate_grad_compression`.
     """
-    kind, name, hook_options, codec_options = _split_options(grad_compression, options)
+    compression = compression or GradCompression()
+    kind = compression.kind
     device = torch.device(device)
     model = model.to(device)
     device_ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
@@ -212,14 +238,14 @@ def build_ddp(
     if kind == "none":
         hook: MeteredHook = AllReduceHook(process_group)
     elif kind == "cast":
-        hook = CastHook(name, process_group)
+        hook = CastHook(compression.name, process_group)
     elif kind == "powersgd":
-        hook = PowerSGDHook(model.named_parameters(), hook_options, seed, process_group)
+        hook = PowerSGDHook(model.named_parameters(), dict(compression.options), seed, process_group)
     else:
-        if name == "dgc":
-            codec_options.setdefault("world_size", dist.get_world_size(process_group))
-        hook = CodecHook(
-            model.named_parameters(), name, codec_options, seed=seed, process_group=process_group, **hook_options
-        )
+        codec = compression.codec
+        if codec.name == "dgc" and "world_size" not in codec.options:
+            codec = CodecSpec("dgc", {**codec.options, "world_size": dist.get_world_size(process_group)})
+        hook = CodecHook(model.named_parameters(), codec, seed=seed, exchange=compression.exchange,
+                         process_group=process_group)
     hook.register(ddp)
-    return DataParallel(ddp, hook, name)
+    return DataParallel(ddp, hook, compression.name)

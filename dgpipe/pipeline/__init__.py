@@ -46,7 +46,8 @@ Pipeline API::
 - ``inputs`` are needed only on the rank holding stage 0, ``targets`` only on the one
   holding the last stage (both: tensor or tuple, batch in dim 0; for training the
   batch must be a multiple of ``chunks``). Every rank calls every step.
-- Codec specs: a name, ``(name, options)``, a zero-argument factory, a stateless
+- Codec specs: a :class:`~dgpipe.compression.CodecSpec`, a name, ``(name, options)``
+  (checked on the spot), a zero-argument factory, a stateless
   codec, or a list with one spec per stage boundary. Stateful codecs get one instance
   per boundary, direction and micro-batch slot.
 - A boundary carries a tensor or a tuple; floating tensors that require grad are

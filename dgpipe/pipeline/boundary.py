@@ -55,39 +55,33 @@ import torch
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import Receiver, Sender
-from dgpipe.compression import Codec, Payload, get_codec
+from dgpipe.compression import Codec, CodecSpec, Payload
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 
 from .lanes import LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, decode_ids, encode_ids
 from .message import (ABSENT, CODED, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REQUIRES_GRAD,
                       Message)
 
-__all__ = ["CodecSpec", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
+__all__ = ["CodecArg", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
-CodecSpec = Union[str, tuple, Callable[[], Codec], Codec]
+#: What the Pipeline API takes for a boundary's codec (see :func:`codec_factory`).
+CodecArg = Union[CodecSpec, str, tuple, Callable[[], Codec], Codec]
 
 
-def codec_factory(spec: CodecSpec) -> Callable[[], Codec]:
-    """Turn a codec spec into a zero-argument factory of fresh codec instances.
+def codec_factory(spec: CodecArg) -> Callable[[], Codec]:
+    """Turn a codec argument into a zero-argument factory of fresh codec instances.
 
     Args:
-        spec: a registered codec name (``"sortquant"``), a ``(name, options)`` tuple
-            (``("sortquant", {"quant_bits": 6, "split_bits": 2})``), a zero-argument
-            callable returning a :class:`Codec`, or a stateless :class:`Codec`
-            instance (shared; stateful codecs need a factory).
+        spec: a :class:`~dgpipe.compression.CodecSpec`, a registered codec name
+            (``"sortquant"``), a ``(name, options)`` tuple (``("sortquant", {"quant_bits":
+            6, "split_bits": 2})``), a zero-argument callable returning a :class:`Codec`, or
+            a stateless :class:`Codec` instance (shared; stateful codecs need a factory).
 
     Raises:
         ValueError: unknown name, bad options, a stateful instance, or anything else.
     """
-    if isinstance(spec, str):
-        get_codec(spec)
-        return lambda: get_codec(spec)
-    if isinstance(spec, tuple):
-        if len(spec) != 2 or not isinstance(spec[0], str) or not isinstance(spec[1], dict):
-            raise ValueError(f"a codec tuple must be (name, options dict), got {spec!r}")
-        name, options = spec
-        get_codec(name, **options)
-        return lambda: get_codec(name, **options)
+    if isinstance(spec, (CodecSpec, str, tuple)):
+        return CodecSpec.of(spec).build
     if isinstance(spec, Codec):
         if spec.stateful:
             raise ValueError(
@@ -100,10 +94,10 @@ def codec_factory(spec: CodecSpec) -> Callable[[], Codec]:
         if not isinstance(made, Codec):
             raise ValueError(f"codec factory {spec!r} returned {type(made).__name__}, not a Codec")
         return spec
-    raise ValueError(f"codec spec must be a name, (name, options), a factory or a Codec; got {spec!r}")
+    raise ValueError(f"codec spec must be a CodecSpec, a name, (name, options), a factory or a Codec; got {spec!r}")
 
 
-def codec_factories(spec: CodecSpec | list, n_boundaries: int, what: str) -> list[Callable[[], Codec]]:
+def codec_factories(spec: CodecArg | list, n_boundaries: int, what: str) -> list[Callable[[], Codec]]:
     """One factory per stage boundary: ``spec`` for all, or a list with one spec per boundary.
 
     Raises:

@@ -33,7 +33,7 @@ from torchgpipe.microbatch import Batch, gather
 from dgpipe.comm import BandwidthMeter
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 
-from .boundary import Boundary, CodecSpec, codec_factories
+from .boundary import Boundary, CodecArg, codec_factories
 from .partition import validate_placement
 from .schedule import Task, gpipe_tasks, segments
 
@@ -96,8 +96,9 @@ class Pipeline:
         chunks: micro-batches per mini-batch (M).
         loss_fn: ``(output, target) -> scalar`` mean loss of one micro-batch; needed
             on the rank holding the last stage.
-        act_codec: codec for activations crossing a boundary: a name, a
-            ``(name, options)`` tuple, a zero-argument factory, a stateless codec, or
+        act_codec: codec for activations crossing a boundary: a
+            :class:`~dgpipe.compression.CodecSpec`, a name, a ``(name, options)`` tuple
+            (made a ``CodecSpec``), a zero-argument factory, a stateless codec, or
             a list with one such spec per stage boundary (``len(stages) - 1``).
         grad_codec: the same for gradients; ``None`` means the same as ``act_codec``.
         device: this rank's device (CPU client and GPU server may differ).
@@ -125,8 +126,8 @@ class Pipeline:
         rank: int | None = None,
         chunks: int = 1,
         loss_fn: Callable | None = None,
-        act_codec: CodecSpec | list = "none",
-        grad_codec: CodecSpec | list | None = None,
+        act_codec: CodecArg | list = "none",
+        grad_codec: CodecArg | list | None = None,
         device: torch.device | str = "cpu",
         timeout: float = 300.0,
         deferred_batchnorm: bool = False,

@@ -16,21 +16,24 @@ The flag rules (the original scripts' flag names):
 - ``--grad-compression NAME`` (+ ``--grad-compression-opt``): the DDP gradient hook
   of ``--mode dataparallel``.
 
-Every spec is checked by building its codec once, so an unknown codec or a bad option
-is an argument error, raised before any process starts.
+Every spec is a :class:`~dgpipe.compression.CodecSpec`, checked where it is made, so an
+unknown codec or a bad option is an argument error naming the flag, raised before any
+process starts; ``--grad-compression`` makes a :class:`~dgpipe.baseline.GradCompression`.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from dgpipe.compression import Codec, ErrorFeedback, available_codecs, get_codec
+from dgpipe.compression import CodecSpec, available_codecs
+
+if TYPE_CHECKING:
+    from dgpipe.baseline import GradCompression
 
 __all__ = [
     "MAX_BITS",
-    "CodecSpec",
     "BoundaryCompression",
     "SETTINGS",
     "setting_label",
@@ -41,44 +44,6 @@ __all__ = [
 
 #: Most bits per value a quantizing codec may use (Q + S for sort quantization).
 MAX_BITS = 16
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """A codec name with its keyword options: what a rank needs to build the codec.
-
-    Attributes:
-        name: registry name (:func:`dgpipe.compression.available_codecs`).
-        options: keyword arguments of :func:`dgpipe.compression.get_codec`.
-    """
-
-    name: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def build(self) -> Codec:
-        """A fresh codec instance (stateful wrappers get their own state per call).
-
-        The option ``error_feedback=True`` is not the codec's own: it wraps the codec in
-        :class:`~dgpipe.compression.ErrorFeedback` (one residual per instance, i.e. per
-        boundary, direction and micro-batch slot in a pipeline).
-
-        Raises:
-            ValueError: unknown codec name, bad options, ``error_feedback`` not a bool.
-        """
-        options = dict(self.options)
-        feedback = options.pop("error_feedback", False)
-        if not isinstance(feedback, bool):
-            raise ValueError(f"error_feedback must be true or false, got {feedback!r}")
-        codec = get_codec(self.name, **options)
-        return ErrorFeedback(codec) if feedback else codec
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"name": ..., "options": {...}}`` for logs."""
-        return {"name": self.name, "options": dict(self.options)}
-
-    def __str__(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.name}({opts})" if opts else self.name
 
 
 @dataclass(frozen=True)
@@ -177,22 +142,23 @@ def _check_bits(quant: int, split: int | None, flags: str) -> None:
                          "e.g. --quant 12 --split 4 (16 bits) or --quant 6 --split 2 (8 bits)")
 
 
-def _sortquant(quant: int, split: int) -> CodecSpec:
-    return CodecSpec("sortquant", {"quant_bits": quant, "split_bits": split})
+def _sortquant(quant: int, split: int, flag: str) -> CodecSpec:
+    return _spec("sortquant", {"quant_bits": quant, "split_bits": split}, flag)
 
 
-def _quant(bits: int) -> CodecSpec:
-    return CodecSpec("quant", {"bits": bits})
+def _quant(bits: int, flag: str) -> CodecSpec:
+    return _spec("quant", {"bits": bits}, flag)
 
 
-def _checked(spec: CodecSpec, flag: str) -> CodecSpec:
-    if spec.name not in available_codecs():
-        raise ValueError(f"{flag}: unknown codec {spec.name!r}; available: {', '.join(available_codecs())}")
+def _spec(name: str, options: dict[str, Any], flag: str) -> CodecSpec:
+    """``CodecSpec(name, options)``, its error prefixed with the flag to change."""
     try:
-        spec.build()
+        return CodecSpec(name, options)
     except ValueError as e:
-        raise ValueError(f"{flag} {spec}: {e}") from None
-    return spec
+        if name not in available_codecs():
+            raise ValueError(f"{flag}: {e}") from None
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
+        raise ValueError(f"{flag} {name}{f'({opts})' if opts else ''}: {e}") from None
 
 
 def _forward(args: argparse.Namespace) -> CodecSpec:
@@ -204,7 +170,7 @@ def _forward(args: argparse.Namespace) -> CodecSpec:
             raise ValueError("--codec-opt error_feedback: error feedback carries a gradient's residual into the "
                              "next step's; activations of different examples are no such stream. Use "
                              "--grad-codec NAME --grad-codec-opt error_feedback=true for the backward direction")
-        return _checked(CodecSpec(args.codec, options), "--codec")
+        return _spec(args.codec, options, "--codec")
     if args.codec_opt:
         raise ValueError("--codec-opt needs --codec NAME")
     if args.sortquant:
@@ -212,12 +178,12 @@ def _forward(args: argparse.Namespace) -> CodecSpec:
             raise ValueError("--sortquant needs --quant Q and --split S (Q+S bits per value), "
                              "e.g. --sortquant --quant 6 --split 2")
         _check_bits(args.quant, args.split, f"--quant {args.quant} --split {args.split}")
-        return _checked(_sortquant(args.quant, args.split), "--sortquant")
+        return _sortquant(args.quant, args.split, "--sortquant")
     if args.split is not None:
         raise ValueError("--split is the bucket bits of sort quantization: add --sortquant")
     if args.quant is not None:
         _check_bits(args.quant, None, f"--quant {args.quant}")
-        return _checked(_quant(args.quant), "--quant")
+        return _quant(args.quant, "--quant")
     return CodecSpec("none")
 
 
@@ -225,8 +191,7 @@ def _backward(args: argparse.Namespace, forward: CodecSpec) -> CodecSpec:
     if args.grad_codec is not None:
         if args.grad_quant is not None or args.grad_split is not None:
             raise ValueError("--grad-codec replaces --grad-quant/--grad-split; give one or the other")
-        return _checked(CodecSpec(args.grad_codec, parse_options(args.grad_codec_opt, "--grad-codec-opt")),
-                        "--grad-codec")
+        return _spec(args.grad_codec, parse_options(args.grad_codec_opt, "--grad-codec-opt"), "--grad-codec")
     if args.grad_codec_opt:
         raise ValueError("--grad-codec-opt needs --grad-codec NAME")
     if args.grad_quant is None and args.grad_split is None:
@@ -238,9 +203,9 @@ def _backward(args: argparse.Namespace, forward: CodecSpec) -> CodecSpec:
             raise ValueError("sort-quantized gradients need both --grad-quant Q and --grad-split S "
                              "(the forward direction is not sort-quantized)")
         _check_bits(quant, split, f"--grad-quant {quant} --grad-split {split}")
-        return _checked(_sortquant(quant, split), "--grad-quant/--grad-split")
+        return _sortquant(quant, split, "--grad-quant/--grad-split")
     _check_bits(args.grad_quant, None, f"--grad-quant {args.grad_quant}")
-    return _checked(_quant(args.grad_quant), "--grad-quant")
+    return _quant(args.grad_quant, "--grad-quant")
 
 
 def boundary_compression(args: argparse.Namespace) -> BoundaryCompression:
@@ -254,24 +219,22 @@ def boundary_compression(args: argparse.Namespace) -> BoundaryCompression:
     return BoundaryCompression(forward, _backward(args, forward))
 
 
-def grad_compression(args: argparse.Namespace) -> CodecSpec | None:
+def grad_compression(args: argparse.Namespace) -> GradCompression | None:
     """The DDP gradient compression of ``--grad-compression`` (None: plain all-reduce).
 
-    The name and options are checked by :func:`dgpipe.baseline.validate_grad_compression`.
-
     Raises:
-        ValueError: unknown name or bad options, with the fix.
+        ValueError: unknown name or bad options (checked by
+            :class:`~dgpipe.baseline.GradCompression`), with the fix.
     """
-    from dgpipe.baseline import validate_grad_compression
+    from dgpipe.baseline import GradCompression
 
     options = parse_options(args.grad_compression_opt, "--grad-compression-opt")
     if args.grad_compression is None:
         if options:
             raise ValueError("--grad-compression-opt needs --grad-compression NAME")
         return None
-    spec = CodecSpec(args.grad_compression, options)
     try:
-        validate_grad_compression(spec.name, dict(spec.options))
+        return GradCompression(args.grad_compression, options)
     except ValueError as e:
-        raise ValueError(f"--grad-compression {spec}: {e}") from None
-    return spec
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
+        raise ValueError(f"--grad-compression {args.grad_compression}{f'({opts})' if opts else ''}: {e}") from None

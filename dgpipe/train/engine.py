@@ -27,11 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dgpipe.comm import wire_device
+from dgpipe.compression import CodecSpec
 from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
 
-from .codecs import CodecSpec
 from .job import Job
 
 __all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEngine", "DataParallelEngine",
@@ -114,7 +114,7 @@ class PipelineEngine:
         warm_up_codecs((comp.forward, comp.backward), device)
         self.pipe = Pipeline(
             stages, self.placement, rank, chunks=args.chunk, loss_fn=job.loss,
-            act_codec=comp.forward.build, grad_codec=comp.backward.build,
+            act_codec=comp.forward, grad_codec=comp.backward,
             device=device, timeout=args.timeout,
             deferred_batchnorm=getattr(args, "deferred_batchnorm", False), compress_eval=args.compress_eval,
             delta=delta, delta_report=lambda line: print(line, flush=True),
@@ -184,8 +184,7 @@ class DataParallelEngine:
         spec = args.dp_compression
         self.job, self.device = job, device
         self.model = Stage(*layers)
-        self.dp = build_ddp(self.model, device, spec.name if spec else None, dict(spec.options) if spec else None,
-                            seed=args.seed)
+        self.dp = build_ddp(self.model, device, spec, seed=args.seed)
         self.model = self.dp.module.module
         self.meter = self.dp.meter
         self.reads_data = True

@@ -75,6 +75,7 @@ class UniformQuantizer(Codec):
         flat = flat_float32(x, self.name)
         gp, shape = self.grouping, tuple(x.shape)
         ng, g, n_sent = gp.counts(shape)
+        params = (self.bits, gp.param(len(shape)))
         if n_sent == 0:
             packed, meta = flat.to(torch.uint8), flat.to(gp.meta_dtype)
         elif gp.plain:
@@ -89,7 +90,6 @@ class UniformQuantizer(Codec):
             finite_range(lo, hi, self.name)
             meta, lo32, div = grid_meta(lo, hi, 1 << self.bits, gp, self.name)
             packed = uniform_codes(gp.sent(rows, shape), lo32, div, self.bits, g, self.stochastic)
-        params = (self.bits, gp.param(len(shape)))
         return make_payload(self.codec_id, x.dtype, x.shape, params, (packed, meta))
 
     def decode(self, payload: Payload) -> torch.Tensor:
