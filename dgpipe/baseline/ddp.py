@@ -50,6 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from dgpipe.compression import CodecSpec, available_codecs
+from dgpipe.compression.spec import spell
 
 from .codec_hook import LINEAR_CODECS, CodecHook
 from .hooks import POWERSGD_OPTIONS, AllReduceHook, CastHook, MeteredHook, PowerSGDHook
@@ -156,8 +157,7 @@ class GradCompression:
         return {"name": self.name, "options": dict(self.options)}
 
     def __str__(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.name}({opts})" if opts else self.name
+        return spell(self.name, self.options)
 
 
 class DataParallel:

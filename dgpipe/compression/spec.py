@@ -24,7 +24,13 @@ from typing import Any
 from .base import Codec, available_codecs, get_codec
 from .wrappers.feedback import ErrorFeedback
 
-__all__ = ["CodecSpec"]
+__all__ = ["CodecSpec", "spell"]
+
+
+def spell(name: str, options: Mapping[str, Any]) -> str:
+    """``name(key=value, ...)`` with the keys sorted, or ``name`` without options (for messages and logs)."""
+    opts = ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return f"{name}({opts})" if opts else name
 
 
 @dataclass(frozen=True)
@@ -91,5 +97,4 @@ class CodecSpec:
         return {"name": self.name, "options": dict(self.options)}
 
     def __str__(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.name}({opts})" if opts else self.name
+        return spell(self.name, self.options)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dgpipe.compression import CodecSpec, available_codecs
+from dgpipe.compression.spec import spell
 
 if TYPE_CHECKING:
     from dgpipe.baseline import GradCompression
@@ -157,8 +158,7 @@ def _spec(name: str, options: dict[str, Any], flag: str) -> CodecSpec:
     except ValueError as e:
         if name not in available_codecs():
             raise ValueError(f"{flag}: {e}") from None
-        opts = ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
-        raise ValueError(f"{flag} {name}{f'({opts})' if opts else ''}: {e}") from None
+        raise ValueError(f"{flag} {spell(name, options)}: {e}") from None
 
 
 def _forward(args: argparse.Namespace) -> CodecSpec:
@@ -236,5 +236,4 @@ def grad_compression(args: argparse.Namespace) -> GradCompression | None:
     try:
         return GradCompression(args.grad_compression, options)
     except ValueError as e:
-        opts = ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
-        raise ValueError(f"--grad-compression {args.grad_compression}{f'({opts})' if opts else ''}: {e}") from None
+        raise ValueError(f"--grad-compression {spell(args.grad_compression, options)}: {e}") from None
