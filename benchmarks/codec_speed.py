@@ -41,7 +41,10 @@ tensors that cross a client/server boundary in one step, both directions
 per model: measured bits per value (all-in: codes, metadata, header), relative MSE
 (MSE / variance of the tensor, padding positions included: they are sent too) per
 tensor, and MB/s on the largest tensor, eager and fused (the same where no fused kernel
-applies: rotated or per-channel groups, the codebook codec).
+applies: rotated or per-channel groups, the codebook codec), and the link rate below which
+the codec pays on that tensor: sending it raw takes ``raw bits / rate``, coded ``wire bits /
+rate`` plus the encode + decode time ``t`` (fused), so the codec saves time only below
+``(raw bits - wire bits) / t`` -- above it, the codec, not the link, sets the step time.
 
 ``--messages`` adds the per-message cost of the small messages a pipeline sends (those of
 ``benchmarks/slow_link_speedup.py``: a micro-batch of 16 CIFAR images is a 65,536-value
@@ -207,8 +210,8 @@ def real_table(model: str, reps: int, device: str, clock, sync) -> list[str]:
     tensors = {k.removeprefix(f"{model}_"): v.to(device) for k, v in tensors.items()}
     largest = max(tensors, key=lambda k: tensors[k].numel())
     rows = [
-        f"| codec | bits/value | {' | '.join(tensors)} | MB/s eager ({largest}) | MB/s fused |",
-        "|---|---|" + "---|" * len(tensors) + "---|---|",
+        f"| codec | bits/value | {' | '.join(tensors)} | MB/s eager ({largest}) | MB/s fused | pays below (Mbit/s) |",
+        "|---|---|" + "---|" * len(tensors) + "---|---|---|",
     ]
     for label, (name, options, grouped) in REAL_CODECS.items():
         codec = get_codec(name, **options, **(GROUPED[model] if grouped else {}))
@@ -221,7 +224,9 @@ def real_table(model: str, reps: int, device: str, clock, sync) -> list[str]:
         x = tensors[largest]
         times = timed({on: (lambda on=on: roundtrip(codec, x, on)) for on in (False, True)}, reps, 1, clock, sync)
         speeds = " | ".join(f"{x.numel() * 4 / times[on][0] / 1e6:.0f}" for on in (False, True))
-        rows.append(f"| {label} | {bits:.2f} | {' | '.join(f'{e:.3g}' for e in errors)} | {speeds} |")
+        saved_bits = 8 * (x.numel() * 4 - times[True][1][0].nbytes)
+        rows.append(f"| {label} | {bits:.2f} | {' | '.join(f'{e:.3g}' for e in errors)} | {speeds} | "
+                    f"{saved_bits / times[True][0] / 1e6:,.0f} |")
     return rows
 
 
