@@ -50,7 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from dgpipe.compression import CodecSpec, available_codecs
-from dgpipe.compression.spec import spell
+from dgpipe.compression.spec import NamedOptions
 
 from .codec_hook import LINEAR_CODECS, CodecHook
 from .hooks import POWERSGD_OPTIONS, AllReduceHook, CastHook, MeteredHook, PowerSGDHook
@@ -85,7 +85,7 @@ def _check_powersgd(options: dict) -> None:
 
 
 @dataclass(frozen=True)
-class GradCompression:
+class GradCompression(NamedOptions):
     """The gradient exchange :func:`build_ddp` installs: a name and its options, checked at
     construction (no process group needed: make it in the parent, before spawning ranks).
 
@@ -147,17 +147,6 @@ class GradCompression:
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "codec", codec)
         object.__setattr__(self, "exchange", exchange)
-
-    def __reduce__(self):
-        """Pickle as ``GradCompression(name, options dict)`` (to spawned local processes; checked again there)."""
-        return GradCompression, (self.name, dict(self.options))
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"name": ..., "options": {...}}`` for logs."""
-        return {"name": self.name, "options": dict(self.options)}
-
-    def __str__(self) -> str:
-        return spell(self.name, self.options)
 
 
 class DataParallel:

@@ -24,7 +24,7 @@ from typing import Any
 from .base import Codec, available_codecs, get_codec
 from .wrappers.feedback import ErrorFeedback
 
-__all__ = ["CodecSpec", "spell"]
+__all__ = ["CodecSpec", "NamedOptions", "spell"]
 
 
 def spell(name: str, options: Mapping[str, Any]) -> str:
@@ -33,8 +33,26 @@ def spell(name: str, options: Mapping[str, Any]) -> str:
     return f"{name}({opts})" if opts else name
 
 
+class NamedOptions:
+    """What a frozen ``name`` + ``options`` spec shares: pickling (re-checked on load), log JSON, a short text."""
+
+    name: str
+    options: Mapping[str, Any]
+
+    def __reduce__(self):
+        """Pickle as ``type(self)(name, options dict)`` (to spawned local processes; checked again there)."""
+        return type(self), (self.name, dict(self.options))
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"name": ..., "options": {...}}`` for logs."""
+        return {"name": self.name, "options": dict(self.options)}
+
+    def __str__(self) -> str:
+        return spell(self.name, self.options)
+
+
 @dataclass(frozen=True)
-class CodecSpec:
+class CodecSpec(NamedOptions):
     """A codec name with its keyword options (immutable).
 
     Attributes:
@@ -87,14 +105,3 @@ class CodecSpec:
             raise ValueError(f"error_feedback must be true or false, got {feedback!r}")
         codec = get_codec(self.name, **options)
         return ErrorFeedback(codec) if feedback else codec
-
-    def __reduce__(self):
-        """Pickle as ``CodecSpec(name, options dict)`` (to spawned local processes; checked again there)."""
-        return CodecSpec, (self.name, dict(self.options))
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"name": ..., "options": {...}}`` for logs."""
-        return {"name": self.name, "options": dict(self.options)}
-
-    def __str__(self) -> str:
-        return spell(self.name, self.options)
