@@ -94,19 +94,23 @@ def test_a_gpu_payload_decodes_on_cpu_and_back(label):
 def test_every_registered_codec_runs_on_cuda():
     tested = {label.split("_")[0] for label in {**EXACT, **APPROX}}
     untested = set(available_codecs()) - tested
-    x = torch.randn(8, 64, device="cuda")
+    floats = torch.randn(8, 64, device="cuda")
+    ints = torch.randint(-3, 1000, (8, 64), device="cuda")  # token ids, masks: what the lossless codecs carry
     for name in sorted(untested):
         try:
             codec = get_codec(name)
         except ValueError:  # a codec that needs options: covered by the DDP tests' names
             continue
+        x = ints if name == "intpack" else floats
         y = codec.decode(codec.encode(x))
-        assert y.is_cuda and y.shape == x.shape, name
+        assert y.is_cuda and y.shape == x.shape and y.dtype == x.dtype, name
+        if name == "intpack":
+            assert torch.equal(y, x)
 
 
-def _nlp_run(tmp_path, devices: str, extra=()):
+def _nlp_run(tmp_path, devices: str, extra=(), model_config: str = "tiny-roberta"):
     log = tmp_path / f"rte_{devices.replace(',', '_').replace(':', '')}.jsonl"
-    argv = ["--task", "rte", "--data-dir", str(RTE.parent), "--model-config", "tiny-roberta", "--max-length", "64",
+    argv = ["--task", "rte", "--data-dir", str(RTE.parent), "--model-config", model_config, "--max-length", "64",
             "--chunk", "4", "--batch-size", "16", "--train-subset", "64", "--eval-subset", "64", "--epochs", "1",
             "--max-steps", "4", "--lr", "1e-4", "--seed", "3", "--no-progress", "--devices", devices, "--timeout", "60",
             "--log", str(log), *extra]
@@ -114,24 +118,33 @@ def _nlp_run(tmp_path, devices: str, extra=()):
     return log
 
 
-#: Seen on an H100 (torch 2.11, 2026-11-23): these failed, the DDP one after hanging; the
-#: device was withdrawn before the cause was found. Vision with the same devices ran.
-UNDIAGNOSED = pytest.mark.xfail(reason="failed on an H100, cause not yet diagnosed", strict=False)
+def _without_dropout(tmp_path) -> str:
+    """A tiny-roberta config directory with dropout off. Dropout draws its masks from the
+    generator of the device it runs on, and a CUDA generator seeded alike draws other masks
+    than the CPU one: on an H100 the first step's loss of a GPU client already differed from
+    the CPU run's by 2e-3 (0.6931 vs 0.6945), one step before any update. Without dropout,
+    one seed gives one run on any device."""
+    from dgpipe.models.encoder import small_encoder_config
+
+    config = small_encoder_config("roberta", 8000, 1, max_length=80)  # the offline tokenizer sets vocab and pad
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
+    config.save_pretrained(tmp_path / "tiny-roberta-no-dropout")
+    return str(tmp_path / "tiny-roberta-no-dropout")
 
 
 @pytest.mark.skipif(not RTE.is_dir(), reason=f"needs {RTE}")
-@pytest.mark.parametrize("devices", ["cpu,cuda:0", pytest.param("cuda:0,cuda:0", marks=UNDIAGNOSED)])
+@pytest.mark.parametrize("devices", ["cpu,cuda:0", "cuda:0,cuda:0"])
 def test_nlp_pipeline_on_gpu_ranks_matches_cpu_ranks(tmp_path, devices):
-    codec = ["--codec", "quant", "--codec-opt", "bits=8"]
-    gpu, cpu = _nlp_run(tmp_path, devices, codec), _nlp_run(tmp_path, "cpu,cpu", codec)
+    extra = ["--codec", "quant", "--codec-opt", "bits=8"]
+    config = _without_dropout(tmp_path)
+    gpu, cpu = _nlp_run(tmp_path, devices, extra, config), _nlp_run(tmp_path, "cpu,cpu", extra, config)
     (g_epoch, g_sum), (c_epoch, c_sum) = read_records(gpu), read_records(cpu)
     assert g_sum["wire_bytes"] == c_sum["wire_bytes"] and g_sum["raw_bytes"] == c_sum["raw_bytes"]
-    assert g_epoch["train_loss"] == pytest.approx(c_epoch["train_loss"], rel=1e-3)
+    assert g_epoch["train_loss"] == pytest.approx(c_epoch["train_loss"], rel=1e-4)
     assert abs(read_summary(gpu)["value"] - read_summary(cpu)["value"]) <= 2 / 64  # at most 2 of 64 flip
 
 
 @pytest.mark.skipif(not RTE.is_dir(), reason=f"needs {RTE}")
-@UNDIAGNOSED
 def test_nlp_data_parallel_on_one_gpu_with_gloo(tmp_path):
     log = _nlp_run(tmp_path, "cuda:0,cuda:0", ["--mode", "dataparallel", "--grad-compression", "fp16"])
     assert read_summary(log)["samples_per_s"] > 0

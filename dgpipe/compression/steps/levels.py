@@ -51,16 +51,25 @@ def fit_levels(v: torch.Tensor, bits: int) -> torch.Tensor:
 
     Up to :data:`FIT_SAMPLE` values (a fixed-seed sample), :data:`FIT_ITERATIONS`
     Lloyd iterations from :func:`normal_levels`; a level whose cell is empty keeps its
-    value. Returns 1-D float32, ascending.
+    value. The sample is sorted once, so each cell is a run of it: the cell means come from
+    float64 prefix sums, in the same order on every device (a scatter-add on CUDA adds in
+    whatever order its atomics land, and two encodes of one tensor would differ).
+    Returns 1-D float32, ascending.
     """
     if v.numel() > FIT_SAMPLE:
         gen = torch.Generator(device=v.device).manual_seed(FIT_SEED)
         v = v[torch.randint(v.numel(), (FIT_SAMPLE,), generator=gen, device=v.device)]
+    v = v.sort().values
+    prefix = torch.cat((v.new_zeros(1, dtype=torch.float64), v.double().cumsum(0)))
+    last = torch.full((1,), v.numel(), device=v.device, dtype=torch.long)
+    first = torch.zeros_like(last)
     levels = normal_levels(bits).to(v.device)
-    n = levels.numel()
     for _ in range(FIT_ITERATIONS):
-        cell = nearest_level(v, levels, False).long()
-        sums = torch.zeros(n, device=v.device).index_add_(0, cell, v)
-        counts = torch.zeros(n, device=v.device).index_add_(0, cell, torch.ones_like(v))
-        levels = torch.where(counts > 0, sums / counts.clamp(min=1), levels).sort().values
+        # a value goes to the nearest level, ties down (bucketize against the midpoints):
+        # cell k ends after the last value <= midpoint k
+        ends = torch.searchsorted(v, (levels[1:] + levels[:-1]) / 2, right=True)
+        bounds = torch.cat((first, ends, last))
+        counts = bounds[1:] - bounds[:-1]
+        means = (prefix[bounds[1:]] - prefix[bounds[:-1]]) / counts.clamp(min=1)
+        levels = torch.where(counts > 0, means.float(), levels).sort().values
     return levels
