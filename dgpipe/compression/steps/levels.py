@@ -14,8 +14,6 @@ import functools
 
 import torch
 
-from ..kernels.levels import nearest_level
-
 __all__ = ["FIT_SAMPLE", "FIT_ITERATIONS", "FIT_SEED", "normal_levels", "fit_levels"]
 
 FIT_SAMPLE = 1 << 16
