@@ -100,12 +100,13 @@ def test_prepare_runs_one_codec_and_log_per_setting(vision_parser):
     argv = ["--data-dir", str(data), "--batch-size", "4", "--chunk", "2", "--settings", "sortquant8,none"]
     base, runs = prepare_runs(parser, VisionJob, argv, data / "logs")
     assert [label for label, _ in runs] == ["sortquant8", "none"]
-    for label, args in runs:
-        assert args.compression == SETTINGS[label]
-        assert Path(args.log) == data / "logs" / f"{label}.jsonl"
-        assert (args.max_steps, args.train_subset, args.eval_subset, args.chunk) == (2, 8, 4, 2)
-        assert not args.bandwidth and not args.progress
-    assert runs[0][1].compression.forward.options == {"quant_bits": 6, "split_bits": 2}
+    for label, config in runs:
+        assert config.codec.compression == SETTINGS[label]
+        assert Path(config.log.log) == data / "logs" / f"{label}.jsonl"
+        assert (config.train.max_steps, config.data.train_subset, config.data.eval_subset,
+                config.pipeline.chunk) == (2, 8, 4, 2)
+        assert not config.log.bandwidth and not config.log.progress
+    assert runs[0][1].codec.compression.forward.options == {"quant_bits": 6, "split_bits": 2}
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -59,9 +59,12 @@ def _error(cli, argv, capsys) -> str:
 
 
 def _validated(argv, cli=VISION):
-    args = cli.build_parser().parse_args(argv)
-    targs.validate_common(args, environ={})
-    return args
+    """The run config of ``argv`` (the shared checks; the job's own are not run)."""
+    from dgpipe.train.vision import VisionOptions
+    from dgpipe.train.nlp import GlueOptions
+
+    options = VisionOptions if cli is VISION else GlueOptions
+    return targs.run_config(cli.build_parser().parse_args(argv), options, environ={})
 
 
 @pytest.mark.parametrize(
@@ -179,31 +182,31 @@ def test_torchrun_world_size():
 
 def test_compression_flags_map_to_codecs():
     sq = CodecSpec("sortquant", {"quant_bits": 6, "split_bits": 2})
-    c = _validated(["--sortquant", "--quant", "6", "--split", "2"]).compression
+    c = _validated(["--sortquant", "--quant", "6", "--split", "2"]).codec.compression
     assert (c.forward, c.backward) == (sq, sq)
-    c = _validated(["--quant", "8"]).compression
+    c = _validated(["--quant", "8"]).codec.compression
     assert c.forward == c.backward == CodecSpec("quant", {"bits": 8})
-    c = _validated([]).compression
+    c = _validated([]).codec.compression
     assert c.forward == c.backward == CodecSpec("none")
-    c = _validated(["--sortquant", "--quant", "6", "--split", "2", "--grad-quant", "9", "--grad-split", "3"]).compression
+    c = _validated(["--sortquant", "--quant", "6", "--split", "2", "--grad-quant", "9", "--grad-split", "3"]).codec.compression
     assert (c.forward, c.backward) == (sq, CodecSpec("sortquant", {"quant_bits": 9, "split_bits": 3}))
-    c = _validated(["--sortquant", "--quant", "6", "--split", "2", "--grad-quant", "10"]).compression
+    c = _validated(["--sortquant", "--quant", "6", "--split", "2", "--grad-quant", "10"]).codec.compression
     assert c.backward == CodecSpec("sortquant", {"quant_bits": 10, "split_bits": 2})
-    c = _validated(["--quant", "4", "--grad-quant", "8"]).compression
+    c = _validated(["--quant", "4", "--grad-quant", "8"]).codec.compression
     assert (c.forward, c.backward) == (CodecSpec("quant", {"bits": 4}), CodecSpec("quant", {"bits": 8}))
-    c = _validated(["--sortquant", "--quant", "3", "--split", "1", "--grad-codec", "none"]).compression
+    c = _validated(["--sortquant", "--quant", "3", "--split", "1", "--grad-codec", "none"]).codec.compression
     assert c.backward == CodecSpec("none") and str(c) == "forward sortquant(quant_bits=3, split_bits=1), backward none"
-    c = _validated(["--codec", "quant", "--codec-opt", "bits=6", "--codec-opt", "stochastic=true"]).compression
+    c = _validated(["--codec", "quant", "--codec-opt", "bits=6", "--codec-opt", "stochastic=true"]).codec.compression
     assert c.forward == CodecSpec("quant", {"bits": 6, "stochastic": True})
     c = _validated(["--codec", "codebook", "--codec-opt", "bits=3", "--grad-codec", "quant",
-                    "--grad-codec-opt", "bits=4", "--grad-codec-opt", "error_feedback=true"]).compression
+                    "--grad-codec-opt", "bits=4", "--grad-codec-opt", "error_feedback=true"]).codec.compression
     assert c.backward == CodecSpec("quant", {"bits": 4, "error_feedback": True})
     ef = c.backward.build()
     assert isinstance(ef, ErrorFeedback) and ef.codec.bits == 4 and not isinstance(c.forward.build(), ErrorFeedback)
     a = _validated(["--mode", "dataparallel", "--grad-compression", "powersgd",
                     "--grad-compression-opt", "matrix_approximation_rank=4"])
-    assert a.compression is None and a.dp_compression == GradCompression("powersgd", {"matrix_approximation_rank": 4})
-    assert _validated(["--mode", "dataparallel"]).dp_compression is None
+    assert a.codec.compression is None and a.codec.dp_compression == GradCompression("powersgd", {"matrix_approximation_rank": 4})
+    assert _validated(["--mode", "dataparallel"]).codec.dp_compression is None
 
 
 def test_parse_options_types_and_linear_defaults():
@@ -212,6 +215,6 @@ def test_parse_options_types_and_linear_defaults():
     with pytest.raises(ValueError, match="gives 'a' twice"):
         parse_options(["a=1", "a=2"], "--x")
     a = _validated(["--partition", "linear", "--world-size", "3"])
-    assert (a.stages, a.balance) == (3, None)
+    assert (a.pipeline.stages, a.pipeline.balance) == (3, None)
     a = _validated(["--partition", "linear", "--balance", "4,4,4,8"])
-    assert (a.stages, a.balance) == (4, (4, 4, 4, 8))
+    assert (a.pipeline.stages, a.pipeline.balance) == (4, (4, 4, 4, 8))

@@ -171,11 +171,10 @@ def _in_process(cli: str, job_cls, argv: list[str]) -> None:
     from dgpipe.pipeline import free_port
     from dgpipe.train import loop
 
-    args = loop.parse_args(job_cls, load_cli(cli).build_parser(), argv, environ={})
-    args.launch_time = time.time()
+    config = loop.parse_config(job_cls, load_cli(cli).build_parser(), argv, environ={})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        loop.worker(0, 1, job_cls, args, 0)
+        loop.worker(0, 1, job_cls, config, 0, time.time())
     finally:
         dist.destroy_process_group()
 

@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import json
 import math
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
 from dgpipe.train import compare
+from dgpipe.train.args import run_config
 from dgpipe.train.codecs import SETTINGS
 from dgpipe.train.loop import top_class
 from dgpipe.train.runlog import format_summary, one_class_warning, read_records
+from dgpipe.train.vision import VisionOptions
 from helpers import ROOT, load_cli
 
 RTE = ROOT.parent / "shared" / "data" / "glue" / "RTE"
 pytestmark = pytest.mark.usefixtures("no_torchrun")
 
+
+
+def _config(*argv: str):
+    """The vision CLI's run config of ``argv`` (the shared checks only)."""
+    return run_config(load_cli("test_vision_dgpipe").build_parser().parse_args(list(argv)), VisionOptions, environ={})
 
 def _log(path: Path, value: float, fwd_wire: int, bwd_wire: int, bwd_raw: int, seconds: float, top) -> None:
     boundaries = [{"name": "stage0->stage1", "direction": "forward", "raw_bytes": bwd_raw + 8, "wire_bytes": fwd_wire},
@@ -35,7 +41,7 @@ def _log(path: Path, value: float, fwd_wire: int, bwd_wire: int, bwd_raw: int, s
 def test_rows_and_table_from_the_logs(tmp_path):
     _log(tmp_path / "a.jsonl", 0.80, 4_000_000, 4_000_000, 4_000_000, 10.0, [500, 872])
     _log(tmp_path / "b.jsonl", 0.79, 1_000_000, 500_000, 4_000_000, 11.0, [872, 872])
-    runs = [("codebook4", Namespace(log=str(tmp_path / "b.jsonl"))), ("none", Namespace(log=str(tmp_path / "a.jsonl")))]
+    runs = [("codebook4", _config("--log", str(tmp_path / "b.jsonl"))), ("none", _config("--log", str(tmp_path / "a.jsonl")))]
     rows = compare.rows(runs)
     assert [r["setting"] for r in rows] == ["none", "codebook4"]  # the uncompressed run first
     none, cb = rows
@@ -53,17 +59,19 @@ def test_rows_and_table_from_the_logs(tmp_path):
 
 
 def test_plan_names_a_log_per_setting(tmp_path):
-    args = Namespace(compression=SETTINGS["sortquant8"], mode="pipeline", compare_to=("none", "codebook4"),
-                     log=str(tmp_path / "runs" / "x.jsonl"))
-    runs = compare.plan(args, tmp_path / "tmp")
-    assert [(label, a.compression, Path(a.log).name) for label, a in runs] == [
+    (tmp_path / "runs").mkdir()
+    config = _config("--sortquant", "--quant", "6", "--split", "2", "--compare-to", "none,codebook4",
+                     "--log", str(tmp_path / "runs" / "x.jsonl"))
+    assert config.codec.compression == SETTINGS["sortquant8"]
+    runs = compare.plan(config, tmp_path / "tmp")
+    assert [(label, c.codec.compression, Path(c.log.log).name) for label, c in runs] == [
         ("sortquant8", SETTINGS["sortquant8"], "x.jsonl"), ("none", SETTINGS["none"], "x.none.jsonl"),
         ("codebook4", SETTINGS["codebook4"], "x.codebook4.jsonl")]
-    args.log = None
-    assert [Path(a.log) for _, a in compare.plan(args, tmp_path)] == [
+    config = config.replace(log={"log": None})
+    assert [Path(c.log.log) for _, c in compare.plan(config, tmp_path)] == [
         tmp_path / "sortquant8.jsonl", tmp_path / "none.jsonl", tmp_path / "codebook4.jsonl"]
-    args.compare_to = ()
-    assert compare.plan(args, tmp_path) == [("sortquant8", args)]
+    config = config.replace(codec={"compare_to": ()})
+    assert compare.plan(config, tmp_path) == [("sortquant8", config)]
 
 
 def test_top_class_and_the_one_class_warning():

@@ -3,13 +3,15 @@
 Modules (one idea each):
 
 - :mod:`.args` -- the common flags (:func:`~.args.common_parser`) and their validation
-  (:func:`~.args.validate_common`), run before any process starts.
+  (:func:`~.args.run_config`), run before any process starts.
+- :mod:`.config` -- the :class:`~.config.RunConfig` the validation returns: typed, frozen,
+  in parts (pipeline, data, train, codec, delta, log, and the job's own options).
 - :mod:`.codecs` -- compression flags -> codec specs (boundaries, DDP gradients), and the
   named boundary settings (:data:`~.codecs.SETTINGS`).
 - :mod:`.job` -- the :class:`~.job.Job` interface; :mod:`.vision` (MobileNetV2 on
   CIFAR) and :mod:`.nlp` (encoders on GLUE) implement it.
 - :mod:`.engine` -- one rank's training step: the compressed pipeline or DDP.
-- :mod:`.loop` -- :func:`~.loop.main` (a main-job CLI's body: parse, validate, run) and
+- :mod:`.loop` -- :func:`~.loop.main` (a main-job CLI's body: parse into a run config, run) and
   :func:`~.loop.run`: launch (local spawn or torchrun), epochs, evaluation, logs,
   checkpoints.
 - :mod:`.runlog` -- JSON-lines records and their readable form; :mod:`.checkpoint`;

@@ -2,7 +2,8 @@
 
 Both CLIs (``test_vision_dgpipe.py``, ``test_nlp_dgpipe.py``) start from
 :func:`common_parser`, add their model-specific flags, then call
-:func:`validate_common`. Validation raises :class:`ValueError` whose message says
+:func:`run_config`, which checks them and returns the frozen
+:class:`~dgpipe.train.config.RunConfig`. Validation raises :class:`ValueError` whose message says
 what is wrong *and how to fix it*; the CLIs turn it into ``parser.error`` so that
 every argument error is reported before any process starts.
 
@@ -11,8 +12,7 @@ Usage::
     parser = common_parser("my job", batch_size=128, lr=0.1, epochs=10, client_layers=1,
                            data_dir=None, data_dir_help="...", epilog="example: ...")
     parser.add_argument("--dataset", choices=["cifar10", "cifar100"], default="cifar10")
-    args = parser.parse_args()
-    validate_common(args)          # ValueError with the fix
+    config = run_config(parser.parse_args(), VisionOptions)   # ValueError with the fix
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DEFAULT_MAX_BYTES
 
 from .checkpoint import read_meta
-from .codecs import SETTINGS, boundary_compression, grad_compression, setting_label
+from .codecs import SETTINGS, BoundaryCompression, boundary_compression, grad_compression, setting_label
+from .config import PipelineConfig, RunConfig
 
 __all__ = [
     "TORCHRUN_VARS",
@@ -35,7 +36,7 @@ __all__ = [
     "JobParser",
     "DistEnv",
     "common_parser",
-    "validate_common",
+    "run_config",
     "dist_env",
     "rank_device",
     "placement_backend",
@@ -255,32 +256,32 @@ def _parse_devices(spec: str | None, world_size: int) -> list[str]:
     return devices
 
 
-def rank_device(args: argparse.Namespace, rank: int, local_rank: int) -> torch.device:
-    """The device of ``rank`` (under torchrun, by ``local_rank``) from validated ``args``."""
-    devices = _parse_devices(args.devices, args.world_size)
-    if args.devices is None and devices[0].startswith("cuda"):
+def rank_device(pipeline: PipelineConfig, rank: int, local_rank: int) -> torch.device:
+    """The device of ``rank`` (under torchrun, by ``local_rank``) of a validated config."""
+    devices = _parse_devices(pipeline.devices, pipeline.world_size)
+    if pipeline.devices is None and devices[0].startswith("cuda"):
         return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
     return torch.device(devices[rank])
 
 
-def _all_cuda(args: argparse.Namespace) -> bool:
-    return all(d.startswith("cuda") for d in _parse_devices(args.devices, args.world_size))
+def _all_cuda(pipeline: PipelineConfig) -> bool:
+    return all(d.startswith("cuda") for d in _parse_devices(pipeline.devices, pipeline.world_size))
 
 
-def _shared_gpu(args: argparse.Namespace) -> bool:
+def _shared_gpu(pipeline: PipelineConfig, environ: dict | None = None) -> bool:
     """Two local ranks on one GPU (NCCL refuses that)."""
-    devices = _parse_devices(args.devices, args.world_size)
-    return not dist_env(args.world_size).torchrun and len(set(devices)) < len(devices)
+    devices = _parse_devices(pipeline.devices, pipeline.world_size)
+    return not dist_env(pipeline.world_size, environ).torchrun and len(set(devices)) < len(devices)
 
 
-def placement_backend(args: argparse.Namespace) -> str:
+def placement_backend(pipeline: PipelineConfig, environ: dict | None = None) -> str:
     """``--backend`` with ``auto`` resolved for the job's placement: nccl when every rank has a GPU of
     its own, else gloo (which also connects a CPU client to a GPU server). The Pipeline API's
     :func:`dgpipe.pipeline.resolve_backend` knows no placement: there ``auto`` is nccl whenever CUDA
     is present."""
-    if args.backend != "auto":
-        return args.backend
-    return "nccl" if _all_cuda(args) and not _shared_gpu(args) else "gloo"
+    if pipeline.backend != "auto":
+        return pipeline.backend
+    return "nccl" if _all_cuda(pipeline) and not _shared_gpu(pipeline, environ) else "gloo"
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -324,7 +325,7 @@ def _check_delta(args: argparse.Namespace) -> None:
                              "choose a writable directory")
 
 
-def _compare_to(args: argparse.Namespace) -> tuple[str, ...]:
+def _compare_to(args: argparse.Namespace, compression: BoundaryCompression) -> tuple[str, ...]:
     """``--compare-to`` as a tuple of labels of :data:`~dgpipe.train.codecs.SETTINGS` (empty without it)."""
     if args.compare_to is None:
         return ()
@@ -333,7 +334,7 @@ def _compare_to(args: argparse.Namespace) -> tuple[str, ...]:
     if not labels or unknown or len(set(labels)) != len(labels):
         raise ValueError(f"--compare-to {args.compare_to!r}: give distinct settings out of {', '.join(SETTINGS)}, "
                          "e.g. --compare-to none,codebook4")
-    own = setting_label(args.compression)
+    own = setting_label(compression)
     if own in labels:
         raise ValueError(f"--compare-to {own}: the command's own compression flags already select {own}")
     if args.save or args.resume:
@@ -342,14 +343,15 @@ def _compare_to(args: argparse.Namespace) -> tuple[str, ...]:
     return labels
 
 
-def validate_common(args: argparse.Namespace, environ: dict | None = None) -> None:
-    """Check the shared flags and fill in derived values, before any process starts.
+def run_config(args: argparse.Namespace, job_options: type, environ: dict | None = None) -> RunConfig:
+    """Check the parsed flags, derive what they mean, and freeze them into a :class:`RunConfig`,
+    before any process starts. ``args`` is read, not changed.
 
-    Sets on ``args``: ``world_size`` (resolved), ``stages`` (linear default),
-    ``balance`` (tuple or None), ``compression`` (a
-    :class:`~dgpipe.train.codecs.BoundaryCompression`, pipeline mode),
-    ``dp_compression`` (a :class:`~dgpipe.train.codecs.CodecSpec` or None) and
-    ``compare_to`` (a tuple of setting labels, empty without ``--compare-to``).
+    Derived: ``pipeline.world_size`` (resolved with torchrun's), ``pipeline.stages`` (linear
+    default), ``pipeline.balance`` (a tuple or None), ``codec.compression`` (a
+    :class:`~dgpipe.train.codecs.BoundaryCompression`, pipeline mode), ``codec.dp_compression``
+    (a :class:`~dgpipe.baseline.GradCompression` or None) and ``codec.compare_to`` (a tuple of
+    setting labels, empty without ``--compare-to``). ``job_options``: the job's own flags' type.
 
     Raises:
         ValueError: the first problem found, with the flag to change.
@@ -358,8 +360,8 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
               "client_layers", "stages", "world_size", "timeout")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
-    env = dist_env(args.world_size, environ)
-    args.world_size = env.world_size
+    world_size = dist_env(args.world_size, environ).world_size
+    derived: dict = {"world_size": world_size, "balance": None, "stages": args.stages}
 
     if args.mode == "pipeline":
         if args.chunk > args.batch_size:
@@ -371,31 +373,30 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
         if args.grad_compression or args.grad_compression_opt:
             raise ValueError("--grad-compression compresses the DDP gradient exchange: add --mode dataparallel, "
                              "or use --sortquant/--quant/--codec for pipeline boundaries")
-        args.balance = _balance(args)
+        balance = derived["balance"] = _balance(args)
         if args.partition == "client-server":
-            if args.world_size != 2:
-                raise ValueError(f"--partition client-server runs on exactly 2 processes, not {args.world_size}; "
+            if world_size != 2:
+                raise ValueError(f"--partition client-server runs on exactly 2 processes, not {world_size}; "
                                  "use --world-size 2 or --partition linear")
-            if args.stages is not None or args.balance is not None:
+            if args.stages is not None or balance is not None:
                 raise ValueError("--stages/--balance apply to --partition linear; "
                                  "client-server is set by --client-layers")
         else:
-            if args.stages is None:
-                args.stages = len(args.balance) if args.balance else args.world_size
-            if args.stages < args.world_size:
-                raise ValueError(f"--stages {args.stages} leaves processes idle with --world-size "
-                                 f"{args.world_size}; use --stages >= {args.world_size}")
-            if args.balance is not None and len(args.balance) != args.stages:
-                raise ValueError(f"--balance lists {len(args.balance)} stages but --stages is {args.stages}")
-        args.compression = boundary_compression(args)
-        args.dp_compression = None
+            stages = derived["stages"] = args.stages or (len(balance) if balance else world_size)
+            if stages < world_size:
+                raise ValueError(f"--stages {stages} leaves processes idle with --world-size "
+                                 f"{world_size}; use --stages >= {world_size}")
+            if balance is not None and len(balance) != stages:
+                raise ValueError(f"--balance lists {len(balance)} stages but --stages is {stages}")
+        compression = derived["compression"] = boundary_compression(args)
+        derived["dp_compression"] = None
         _check_delta(args)
-        args.compare_to = _compare_to(args)
+        derived["compare_to"] = _compare_to(args, compression)
     else:
-        if args.batch_size % args.world_size:
-            raise ValueError(f"--batch-size {args.batch_size} is not divisible by --world-size {args.world_size} "
+        if args.batch_size % world_size:
+            raise ValueError(f"--batch-size {args.batch_size} is not divisible by --world-size {world_size} "
                              "(dataparallel splits each batch over the processes); "
-                             f"use e.g. --batch-size {args.batch_size - args.batch_size % args.world_size or args.world_size}")
+                             f"use e.g. --batch-size {args.batch_size - args.batch_size % world_size or world_size}")
         pipeline_flags = [f for f, v in (("--sortquant", args.sortquant), ("--quant", args.quant),
                                          ("--split", args.split), ("--codec", args.codec),
                                          ("--grad-quant", args.grad_quant), ("--grad-split", args.grad_split),
@@ -408,23 +409,23 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
             raise ValueError("--delta codes pipeline boundaries; it has no meaning in --mode dataparallel")
         if args.compare_to:
             raise ValueError("--compare-to compares pipeline boundary settings; drop it in --mode dataparallel")
-        args.compare_to = ()
-        args.compression = None
-        args.dp_compression = grad_compression(args)
+        derived.update(compare_to=(), compression=None, dp_compression=grad_compression(args))
 
     if args.train_subset is not None and args.train_subset < args.batch_size:
         raise ValueError(f"--train-subset {args.train_subset} is smaller than one batch (--batch-size "
                          f"{args.batch_size}); use --train-subset >= {args.batch_size} or a smaller batch")
-    _parse_devices(args.devices, args.world_size)
-    if placement_backend(args) == "nccl":
-        if not _all_cuda(args):
+    config = RunConfig.from_flags({**vars(args), **derived}, job_options)
+    pipeline = config.pipeline
+    _parse_devices(pipeline.devices, world_size)
+    if placement_backend(pipeline, environ) == "nccl":
+        if not _all_cuda(pipeline):
             raise ValueError("--backend nccl needs a CUDA device on every rank; use --backend gloo with CPU ranks")
-        if _shared_gpu(args):
+        if _shared_gpu(pipeline, environ):
             raise ValueError("NCCL cannot run two ranks on one GPU; use --backend gloo, or give each rank its own "
                              "device, e.g. --devices cpu,cuda:0 (CPU client, GPU server)")
     if args.resume is not None:
         meta = read_meta(args.resume)
-        if meta["world_size"] != args.world_size or meta["mode"] != args.mode:
+        if meta["world_size"] != world_size or meta["mode"] != args.mode:
             raise ValueError(f"--resume {args.resume} was saved by {meta['world_size']} processes in "
                              f"{meta['mode']} mode; resume with --world-size {meta['world_size']} "
                              f"--mode {meta['mode']}")
@@ -434,3 +435,4 @@ def validate_common(args: argparse.Namespace, environ: dict | None = None) -> No
             existing = next(p for p in (parent, *parent.parents) if p.exists())
             if not existing.is_dir() or not os.access(existing, os.W_OK):
                 raise ValueError(f"{flag} {path}: cannot create it under {existing}; choose a writable path")
+    return config

@@ -18,13 +18,12 @@ runs the same command across a real shaped link (root).
 
 from __future__ import annotations
 
-import argparse
-import copy
 import math
 from pathlib import Path
 from typing import Any
 
 from .codecs import SETTINGS, setting_label
+from .config import RunConfig
 from .runlog import direction_bits, read_records
 
 __all__ = ["LINK_RATES", "plan", "rows", "format_table"]
@@ -33,30 +32,28 @@ __all__ = ["LINK_RATES", "plan", "rows", "format_table"]
 LINK_RATES = {"100 Mbit/s": 100e6, "10 Mbit/s": 10e6}
 
 
-def plan(args: argparse.Namespace, log_dir: str | Path) -> list[tuple[str, argparse.Namespace]]:
-    """The runs of one command: ``[(label, args)]`` -- the command's own setting, then each
-    ``--compare-to`` setting (validated ``args``; ``args.compare_to`` a tuple of labels).
+def plan(config: RunConfig, log_dir: str | Path) -> list[tuple[str, RunConfig]]:
+    """The runs of one command: ``[(label, config)]`` -- the command's own setting, then each
+    ``--compare-to`` setting (``config.codec.compare_to``, a tuple of labels).
 
     Logs: without ``--compare-to`` the command's ``--log`` (or none). With it every run
     needs one: the command's own run writes ``--log PATH`` and setting ``s`` writes PATH
     with ``.s`` before the suffix (``runs/x.jsonl`` -> ``runs/x.none.jsonl``); without
     ``--log``, ``<log_dir>/<label>.jsonl``.
     """
-    own = setting_label(args.compression) if args.compression is not None else args.mode
-    if not args.compare_to:
-        return [(own, args)]
-    path = Path(args.log) if args.log else Path(log_dir) / f"{own}.jsonl"
-    runs = [(own, copy.copy(args))]
-    runs[0][1].log = str(path)
-    for label in args.compare_to:
-        other = copy.copy(args)
-        other.compression = SETTINGS[label]
-        other.log = str(path.with_name(f"{path.stem}.{label}{path.suffix}") if args.log else Path(log_dir) / f"{label}.jsonl")
-        runs.append((label, other))
+    codec, log = config.codec, config.log.log
+    own = setting_label(codec.compression) if codec.compression is not None else config.pipeline.mode
+    if not codec.compare_to:
+        return [(own, config)]
+    path = Path(log) if log else Path(log_dir) / f"{own}.jsonl"
+    runs = [(own, config.replace(log={"log": str(path)}))]
+    for label in codec.compare_to:
+        other = path.with_name(f"{path.stem}.{label}{path.suffix}") if log else Path(log_dir) / f"{label}.jsonl"
+        runs.append((label, config.replace(codec={"compression": SETTINGS[label]}, log={"log": str(other)})))
     return runs
 
 
-def rows(runs: list[tuple[str, argparse.Namespace]]) -> list[dict[str, Any]]:
+def rows(runs: list[tuple[str, RunConfig]]) -> list[dict[str, Any]]:
     """One dict per run, from its log, the ``none`` run first: ``setting``, ``metric`` (name), ``value``, ``delta``
     (value minus the ``none`` run's; None without one), ``forward_bits``/``backward_bits``
     (measured bits per value), ``wire_bytes`` (training, both directions), ``train_seconds``,
@@ -67,11 +64,11 @@ def rows(runs: list[tuple[str, argparse.Namespace]]) -> list[dict[str, Any]]:
         ValueError: a log without a summary record (the run did not finish).
     """
     out = []
-    for label, args in runs:
-        records = read_records(args.log)
+    for label, config in runs:
+        records = read_records(config.log.log)
         summary = next((r for r in reversed(records) if r.get("event") == "summary"), None)
         if summary is None:
-            raise ValueError(f"{args.log}: no summary record (did the run finish?)")
+            raise ValueError(f"{config.log.log}: no summary record (did the run finish?)")
         bits = direction_bits(records)
         seconds = summary["train_seconds"]
         out.append({

@@ -12,14 +12,13 @@ Both give the training loop (:mod:`dgpipe.train.loop`) the same small interface,
   ``delta_boundaries`` (names of the delta-coded boundaries, for the logs) and
   ``delta_stats()`` (a collective: their coded-change and error energies).
 
-:func:`reads_data` says, from the flags alone, which ranks iterate the data loaders, so
+:func:`reads_data` says, from the pipeline config alone, which ranks iterate the data loaders, so
 that the loaders (and the training set's size, which delta caches need) exist before
 the engine.
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Sequence
 
 import torch
@@ -32,29 +31,31 @@ from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
 
+from .config import PipelineConfig, RunConfig
 from .job import Job
 
 __all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEngine", "DataParallelEngine",
            "make_engine"]
 
 
-def placement(args: argparse.Namespace) -> list[int]:
+def placement(pipeline: PipelineConfig) -> list[int]:
     """Rank of every stage: ``[0, 1, 0]`` client/server; stage i on rank ``i % world_size`` linear."""
-    if args.partition == "client-server":
+    if pipeline.partition == "client-server":
         return client_server_placement()
-    return [i % args.world_size for i in range(args.stages)]
+    return [i % pipeline.world_size for i in range(pipeline.stages)]
 
 
-def reads_data(args: argparse.Namespace, rank: int) -> bool:
+def reads_data(pipeline: PipelineConfig, rank: int) -> bool:
     """Whether ``rank`` iterates the loaders: every DDP rank; the pipeline ranks holding the
     first stage (inputs) or the last (targets). Rank 0 always does."""
-    if args.mode != "pipeline":
+    if pipeline.mode != "pipeline":
         return True
-    stages = placement(args)
+    stages = placement(pipeline)
     return rank in (stages[0], stages[-1])
 
 
-def partition(layers: list[nn.Module], args: argparse.Namespace, pinned: tuple[int, int]) -> tuple[list[nn.Module], list[int]]:
+def partition(layers: list[nn.Module], pipeline: PipelineConfig,
+              pinned: tuple[int, int]) -> tuple[list[nn.Module], list[int]]:
     """Stages and placement from the partition flags.
 
     client-server: ``[client front, server middle, client back]`` on ranks ``[0, 1, 0]``
@@ -62,10 +63,10 @@ def partition(layers: list[nn.Module], args: argparse.Namespace, pinned: tuple[i
     ``--stages`` consecutive stages, ``--balance`` layers each (default: even parameter
     counts), stage i on rank ``i % world_size``.
     """
-    if args.partition == "client-server":
-        return client_server_split(layers, args.client_layers, pinned), placement(args)
-    balance = list(args.balance) if args.balance else balance_by_params(layers, args.stages)
-    return split_layers(layers, balance), placement(args)
+    if pipeline.partition == "client-server":
+        return client_server_split(layers, pipeline.client_layers, pinned), placement(pipeline)
+    balance = list(pipeline.balance) if pipeline.balance else balance_by_params(layers, pipeline.stages)
+    return split_layers(layers, balance), placement(pipeline)
 
 
 #: Shapes :func:`warm_up_codecs` codes: a message of whole kernel chunks and two small ones
@@ -101,22 +102,23 @@ class PipelineEngine:
     ``--delta-warmup-epochs`` epochs uncompressed.
     """
 
-    def __init__(self, job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
+    def __init__(self, job: Job, layers: list[nn.Module], config: RunConfig, rank: int,
                  device: torch.device, train_examples: int | None = None) -> None:
-        stages, self.placement = partition(layers, args, job.pinned)
+        p, d = config.pipeline, config.delta
+        stages, self.placement = partition(layers, p, job.pinned)
         self.layers_per_stage = [len(list(s.children())) for s in stages]
-        self._warmup_epochs = args.delta_warmup_epochs if args.delta else 0
+        self._warmup_epochs = d.delta_warmup_epochs if d.delta else 0
         delta = None
-        if args.delta:
-            delta = DeltaSpec(train_examples, cache_dtype=CACHE_DTYPES[args.delta_cache_dtype],
-                              cache_dir=args.delta_cache_dir, max_bytes=int(args.delta_cache_limit * 2**30))
-        comp = args.compression
+        if d.delta:
+            delta = DeltaSpec(train_examples, cache_dtype=CACHE_DTYPES[d.delta_cache_dtype],
+                              cache_dir=d.delta_cache_dir, max_bytes=int(d.delta_cache_limit * 2**30))
+        comp = config.codec.compression
         warm_up_codecs((comp.forward, comp.backward), device)
         self.pipe = Pipeline(
-            stages, self.placement, rank, chunks=args.chunk, loss_fn=job.loss,
+            stages, self.placement, rank, chunks=p.chunk, loss_fn=job.loss,
             act_codec=comp.forward, grad_codec=comp.backward,
-            device=device, timeout=args.timeout,
-            deferred_batchnorm=getattr(args, "deferred_batchnorm", False), compress_eval=args.compress_eval,
+            device=device, timeout=p.timeout,
+            deferred_batchnorm=job.deferred_batchnorm, compress_eval=p.compress_eval,
             delta=delta, delta_report=lambda line: print(line, flush=True),
         )
         self.meter = self.pipe.meter
@@ -177,14 +179,14 @@ class DataParallelEngine:
     outputs are scored.
     """
 
-    def __init__(self, job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
+    def __init__(self, job: Job, layers: list[nn.Module], config: RunConfig, rank: int,
                  device: torch.device) -> None:
         from dgpipe.baseline import build_ddp
 
-        spec = args.dp_compression
+        spec = config.codec.dp_compression
         self.job, self.device = job, device
         self.model = Stage(*layers)
-        self.dp = build_ddp(self.model, device, spec, seed=args.seed)
+        self.dp = build_ddp(self.model, device, spec, seed=config.train.seed)
         self.model = self.dp.module.module
         self.meter = self.dp.meter
         self.reads_data = True
@@ -233,9 +235,9 @@ class DataParallelEngine:
         self.dp.load_hook_state_dict(state["hook"])
 
 
-def make_engine(job: Job, layers: list[nn.Module], args: argparse.Namespace, rank: int,
+def make_engine(job: Job, layers: list[nn.Module], config: RunConfig, rank: int,
                 device: torch.device, train_examples: int | None = None) -> PipelineEngine | DataParallelEngine:
-    """The engine of ``args.mode`` (``train_examples``: the training set's size, for delta caches)."""
-    if args.mode == "pipeline":
-        return PipelineEngine(job, layers, args, rank, device, train_examples)
-    return DataParallelEngine(job, layers, args, rank, device)
+    """The engine of ``config.pipeline.mode`` (``train_examples``: the training set's size, for delta caches)."""
+    if config.pipeline.mode == "pipeline":
+        return PipelineEngine(job, layers, config, rank, device, train_examples)
+    return DataParallelEngine(job, layers, config, rank, device)

@@ -2,16 +2,16 @@
 
 :class:`Job` is the interface :func:`dgpipe.train.loop.run` drives; the vision job
 (:class:`~dgpipe.train.vision.VisionJob`) and the GLUE job
-(:class:`~dgpipe.train.nlp.GlueJob`) implement it. A job is built from the parsed
-arguments in every rank; :meth:`Job.check` runs once in the launching process, before
-any rank starts, and turns every problem it can see (data, model, partition) into a
-``ValueError`` that says what to change.
+(:class:`~dgpipe.train.nlp.GlueJob`) implement it. A job is built from the run config
+(:class:`~dgpipe.train.config.RunConfig`) in every rank; :meth:`Job.check` runs once in the
+launching process, before any rank starts, turns every problem it can see (data, model,
+partition) into a ``ValueError`` that says what to change, and returns the job's options
+with their defaults resolved.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader
 
 from dgpipe.models import client_server_split
 from dgpipe.pipeline import split_layers
+
+from .config import PipelineConfig, RunConfig
 
 __all__ = ["Job", "metric_key", "decay_groups", "check_partition"]
 
@@ -40,30 +42,30 @@ def decay_groups(named: Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Paramet
     ]
 
 
-def check_partition(n_layers: int, args: argparse.Namespace, pinned: tuple[int, int]) -> None:
+def check_partition(n_layers: int, pipeline: PipelineConfig, pinned: tuple[int, int]) -> None:
     """Check the partition flags against a model of ``n_layers`` layers (no model needed).
 
     Raises:
         ValueError: ``--client-layers`` too large, ``--stages`` more than the layers, or
             a ``--balance`` that does not add up, with the values that fit.
     """
-    if args.mode != "pipeline":
+    if pipeline.mode != "pipeline":
         return
     dummy = [nn.Identity() for _ in range(n_layers)]
-    if args.partition == "client-server":
+    if pipeline.partition == "client-server":
         try:
-            client_server_split(dummy, args.client_layers, pinned)
+            client_server_split(dummy, pipeline.client_layers, pinned)
         except ValueError as e:
-            raise ValueError(f"--client-layers {args.client_layers}: {e}") from None
+            raise ValueError(f"--client-layers {pipeline.client_layers}: {e}") from None
         return
-    if args.stages > n_layers:
-        raise ValueError(f"--stages {args.stages} is more than the model's {n_layers} layers; "
+    if pipeline.stages > n_layers:
+        raise ValueError(f"--stages {pipeline.stages} is more than the model's {n_layers} layers; "
                          f"use --stages <= {n_layers}")
-    if args.balance is not None:
+    if pipeline.balance is not None:
         try:
-            split_layers(dummy, list(args.balance))
+            split_layers(dummy, list(pipeline.balance))
         except ValueError as e:
-            raise ValueError(f"--balance {','.join(map(str, args.balance))}: {e}") from None
+            raise ValueError(f"--balance {','.join(map(str, pipeline.balance))}: {e}") from None
 
 
 class Job:
@@ -71,23 +73,31 @@ class Job:
     attributes and implement the methods.
 
     Attributes:
+        options: the frozen dataclass of the job's own flags (``RunConfig.job``).
         pinned: ``(front, back)`` layers the client always holds in a client/server
             partition besides ``--client-layers`` (an encoder's embeddings and head).
+        deferred_batchnorm: BatchNorm statistics per mini-batch (torchgpipe's
+            ``DeferredBatchNorm``) in a pipeline.
         metric: log field of the summary metric (e.g. ``"val_acc"``), set by ``__init__``.
         metric_names: every validation metric's log field, summary metric first.
     """
 
+    options: type
     pinned: tuple[int, int] = (0, 0)
+    deferred_batchnorm: bool = False
     metric: str
     metric_names: tuple[str, ...]
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
 
     @classmethod
-    def check(cls, args: argparse.Namespace) -> None:
+    def check(cls, config: RunConfig) -> Any:
         """Validate the job's flags, data and model in the launching process.
 
+        Returns:
+            ``config.job`` with the defaults that depend on the rest resolved (an
+            instance of :attr:`options`).
         Raises:
             ValueError: with the fix.
         """

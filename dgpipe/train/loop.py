@@ -1,6 +1,7 @@
 """The training loop shared by the main jobs: launch, epochs, evaluation, logs, checkpoints.
 
-:func:`main` is a main-job CLI's body (parse, validate, :func:`run`). :func:`run` starts
+:func:`main` is a main-job CLI's body (:func:`parse_config`: parse, validate, freeze into a
+:class:`~dgpipe.train.config.RunConfig`; then :func:`run`). :func:`run` starts
 the ranks -- in this process under ``torchrun`` (its environment variables are set), else
 ``--world-size`` local processes through :func:`dgpipe.pipeline.spawn` -- and each rank
 runs :func:`worker`:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -41,53 +43,55 @@ from dgpipe.comm import wire_device
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from . import checkpoint, runlog
-from .args import dist_env, placement_backend, rank_device, validate_common
+from .args import dist_env, placement_backend, rank_device, run_config
+from .config import RunConfig
 from .engine import make_engine, reads_data
 from .job import Job
 
-__all__ = ["main", "parse_args", "run", "launch", "run_settings", "worker", "json_args", "top_class"]
+__all__ = ["main", "parse_config", "run", "launch", "run_settings", "worker", "top_class"]
 
 #: Meter directions that are evaluation traffic (not counted in the summary's bytes).
 EVAL_DIRECTIONS = ("eval",)
 
 
-def parse_args(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
-               environ: dict | None = None) -> argparse.Namespace:
-    """Parse ``argv`` with the job's ``parser`` and validate it (:func:`~.args.validate_common`,
-    ``job_cls.check``; ``environ``: the torchrun variables, default ``os.environ``).
+def parse_config(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+                 environ: dict | None = None, own: Sequence[str] = ()) -> RunConfig:
+    """Parse ``argv`` with the job's ``parser``, validate it (:func:`~.args.run_config`, then
+    ``job_cls.check``, whose resolved options replace the job part) and return the frozen config
+    (``environ``: the torchrun variables, default ``os.environ``; ``own``: destinations of flags
+    a caller added to the parser for itself, left out of the config).
 
     Raises:
         SystemExit: status 2 through ``parser.error``, with the message of the first
             problem found -- before any process starts.
     """
-    args = parser.parse_args(argv)
     try:
-        validate_common(args, environ)
-        job_cls.check(args)
+        flags = {k: v for k, v in vars(parser.parse_args(argv)).items() if k not in own}
+        config = run_config(argparse.Namespace(**flags), job_cls.options, environ)
+        return dataclasses.replace(config, job=job_cls.check(config))
     except ValueError as e:
         parser.error(str(e))
-    return args
 
 
 def main(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """A main-job CLI: :func:`parse_args`, then :func:`run`.
+    """A main-job CLI: :func:`parse_config`, then :func:`run`.
 
     Returns:
         the exit status: 0, or 1 when a rank failed (the error is printed on stderr).
     Raises:
-        SystemExit: status 2 for bad flags (see :func:`parse_args`).
+        SystemExit: status 2 for bad flags (see :func:`parse_config`).
     """
-    args = parse_args(job_cls, parser, argv)
+    config = parse_config(job_cls, parser, argv)
     try:
-        run(job_cls, args)
+        run(job_cls, config)
     except SpawnError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def run(job_cls: type[Job], args: argparse.Namespace) -> None:
-    """Train ``job_cls(args)`` on ``args.world_size`` ranks; validated ``args`` only.
+def run(job_cls: type[Job], config: RunConfig) -> None:
+    """Train ``job_cls(config)`` on ``config.pipeline.world_size`` ranks.
 
     With ``--compare-to``, every setting (:func:`dgpipe.train.compare.plan`) trains in turn in
     the same ranks, and the launching process (rank 0 under torchrun) prints the
@@ -99,13 +103,13 @@ def run(job_cls: type[Job], args: argparse.Namespace) -> None:
     from . import compare
 
     with tempfile.TemporaryDirectory(prefix="dgpipe-compare-") as tmp:
-        runs = compare.plan(args, tmp)
+        runs = compare.plan(config, tmp)
         env = launch(job_cls, runs)
         if len(runs) > 1 and env.rank == 0:
             print(compare.format_table(compare.rows(runs)), flush=True)
 
 
-def launch(job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]], capture: bool = False):
+def launch(job_cls: type[Job], runs: list[tuple[str, RunConfig]], capture: bool = False):
     """Run :func:`run_settings` on the ranks: in this process under ``torchrun``, else in
     ``world_size`` spawned processes (settings from ``runs[0]``: world size, backend, timeout).
 
@@ -114,7 +118,7 @@ def launch(job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]], captu
     Raises:
         dgpipe.pipeline.SpawnError: a spawned rank failed (names it, with its traceback).
     """
-    first = runs[0][1]
+    first = runs[0][1].pipeline
     env = dist_env(first.world_size)
     backend = placement_backend(first)
     if env.torchrun:
@@ -128,41 +132,25 @@ def launch(job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]], captu
     return env
 
 
-def run_settings(rank: int, world_size: int, job_cls: type[Job], runs: list[tuple[str, argparse.Namespace]],
+def run_settings(rank: int, world_size: int, job_cls: type[Job], runs: list[tuple[str, RunConfig]],
                  local_rank: int | None = None, capture: bool = False) -> None:
-    """Rank body: :func:`worker` once per ``(label, args)`` of ``runs``, in order.
+    """Rank body: :func:`worker` once per ``(label, config)`` of ``runs``, in order.
 
     With several runs rank 0 prints one line per setting before it trains; with ``capture``
     it sends each worker's printout to ``<log>.out`` beside the setting's log instead of
     stdout.
     """
     local_rank = rank if local_rank is None else local_rank
-    for i, (label, args) in enumerate(runs, 1):
-        args.launch_time = time.time()
+    for i, (label, config) in enumerate(runs, 1):
+        launch_time = time.time()
         if rank == 0 and len(runs) > 1:
-            steps = f", {args.max_steps} steps" if args.max_steps else ""
-            print(f"[{i}/{len(runs)}] {label}: {args.compression}{steps}", flush=True)
+            steps = f", {config.train.max_steps} steps" if config.train.max_steps else ""
+            print(f"[{i}/{len(runs)}] {label}: {config.codec.compression}{steps}", flush=True)
         if rank != 0 or not capture:
-            worker(rank, world_size, job_cls, args, local_rank)
+            worker(rank, world_size, job_cls, config, local_rank, launch_time)
             continue
-        with open(Path(args.log).with_suffix(".out"), "w") as out, contextlib.redirect_stdout(out):
-            worker(rank, world_size, job_cls, args, local_rank)
-
-
-def json_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments as JSON values (codec specs as ``{"name", "options"}``)."""
-    out = {}
-    for key, value in sorted(vars(args).items()):
-        if key == "launch_time":
-            continue
-        if hasattr(value, "to_json"):
-            value = value.to_json()
-        elif isinstance(value, tuple):
-            value = list(value)
-        elif value is not None and not isinstance(value, (str, int, float, bool, list, dict)):
-            value = str(value)
-        out[key] = value
-    return out
+        with open(Path(config.log.log).with_suffix(".out"), "w") as out, contextlib.redirect_stdout(out):
+            worker(rank, world_size, job_cls, config, local_rank, launch_time)
 
 
 def _set_threads(device: torch.device) -> None:
@@ -273,30 +261,33 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namespace, local_rank: int) -> None:
-    """Body of one rank (torch.distributed initialised); see the module docstring."""
-    device = rank_device(args, rank, local_rank)
+def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, local_rank: int,
+           launch_time: float) -> None:
+    """Body of one rank (torch.distributed initialised); see the module docstring. ``launch_time``:
+    ``time.time()`` when the run started (the summary's wall seconds count from it)."""
+    pipe, train, log_cfg = config.pipeline, config.train, config.log
+    device = rank_device(pipe, rank, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _set_threads(device)
-    torch.manual_seed(args.seed)
-    job = job_cls(args)
+    torch.manual_seed(train.seed)
+    job = job_cls(config)
     layers = job.build_layers()
-    dp_shards = world_size if args.mode == "dataparallel" else 1
+    dp_shards = world_size if pipe.mode == "dataparallel" else 1
     train_loader = eval_loader = None
-    if reads_data(args, rank):
+    if reads_data(pipe, rank):
         train_loader, eval_loader = job.loaders(rank if dp_shards > 1 else 0, dp_shards)
     sizes = [len(train_loader), len(eval_loader), len(train_loader.dataset)] if rank == 0 else [0, 0, 0]
     steps_per_epoch, eval_steps, train_examples = (int(x) for x in _broadcast(sizes, 0))
-    engine = make_engine(job, layers, args, rank, device, train_examples)
-    total_steps = args.epochs * steps_per_epoch
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
+    engine = make_engine(job, layers, config, rank, device, train_examples)
+    total_steps = train.epochs * steps_per_epoch
+    if train.max_steps is not None:
+        total_steps = min(total_steps, train.max_steps)
     optimizer, scheduler = job.optimizer(engine.parameters(), total_steps, steps_per_epoch, engine.momentum_in_codec)
 
     start_epoch, step = 0, 0
-    if args.resume:
-        state = checkpoint.load_rank(args.resume, rank, map_location=device)
+    if log_cfg.resume:
+        state = checkpoint.load_rank(log_cfg.resume, rank, map_location=device)
         engine.load_state_dict(state["engine"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -304,27 +295,27 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
         start_epoch, step = state["epoch"], state["step"]
 
     lead = rank == 0
-    log = runlog.JsonlLog(args.log if lead else None, append=bool(args.resume))
+    log = runlog.JsonlLog(log_cfg.log if lead else None, append=bool(log_cfg.resume))
     if lead:
-        print(f"dgpipe {args.mode}: {engine.describe()}; "
-              + (f"codec {args.compression}; " if args.compression else "")
-              + f"{steps_per_epoch} steps/epoch of {args.batch_size} examples", flush=True)
+        print(f"dgpipe {pipe.mode}: {engine.describe()}; "
+              + (f"codec {config.codec.compression}; " if config.codec.compression else "")
+              + f"{steps_per_epoch} steps/epoch of {config.data.batch_size} examples", flush=True)
     train_seconds = samples = 0.0
     raw_total = wire_total = 0
     metrics: dict[str, float] = {}
     top: tuple[int, int] | None = None
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(start_epoch, train.epochs):
         if step >= total_steps:
             break
         engine.meter.reset()
         engine.set_epoch(epoch)
         _start_epoch(train_loader, epoch)
         n = min(steps_per_epoch, total_steps - step)
-        loss_sum, seconds = _train_epoch(engine, optimizer, scheduler, train_loader, n, args.batch_size,
-                                         f"epoch {epoch + 1}/{args.epochs}", lead and args.progress)
+        loss_sum, seconds = _train_epoch(engine, optimizer, scheduler, train_loader, n, config.data.batch_size,
+                                         f"epoch {epoch + 1}/{train.epochs}", lead and log_cfg.progress)
         step += n
         train_seconds += seconds
-        samples += n * args.batch_size
+        samples += n * config.data.batch_size
         train_loss = engine.mean_loss(loss_sum, n)
         delta_stats = engine.delta_stats()
         merged = engine.meter.gather(dst=0)
@@ -335,7 +326,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
             raw_total += sum(b["raw_bytes"] for b in boundaries)
             wire_total += sum(b["wire_bytes"] for b in boundaries)
             boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]
-            record = runlog.epoch_record(epoch + 1, train_loss, metrics, n * args.batch_size / seconds, boundaries,
+            record = runlog.epoch_record(epoch + 1, train_loss, metrics, n * config.data.batch_size / seconds, boundaries,
                                          steps=n, lr=scheduler.get_last_lr()[0])
             log.write(record)
             print(runlog.format_epoch(record, job.metric), flush=True)
@@ -343,21 +334,21 @@ def worker(rank: int, world_size: int, job_cls: type[Job], args: argparse.Namesp
                 if st["delta_change_rel"] is not None:
                     print(f"  delta {name}: coded change {st['delta_change_rel']:.4g} of the activation energy, "
                           f"reconstruction error {st['delta_error_rel']:.4g}", flush=True)
-            if args.bandwidth:
+            if log_cfg.bandwidth:
                 print(runlog.format_boundaries(boundaries), flush=True)
-        if args.save:
-            checkpoint.save_rank(args.save, rank, {
+        if log_cfg.save:
+            checkpoint.save_rank(log_cfg.save, rank, {
                 "engine": engine.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "rng": _rng_state(device), "epoch": epoch + 1, "step": step,
             })
             dist.barrier()
             if lead:
-                checkpoint.write_meta(args.save, world_size=world_size, mode=args.mode, epoch=epoch + 1, step=step,
-                                      args=json_args(args))
+                checkpoint.write_meta(log_cfg.save, world_size=world_size, mode=pipe.mode, epoch=epoch + 1, step=step,
+                                      args=config.to_json())
     if lead:
         summary = runlog.summary_record(
             job.metric, metrics.get(job.metric, float("nan")), samples / train_seconds if train_seconds else 0.0,
-            raw_total, wire_total, time.time() - args.launch_time, json_args(args), metrics=metrics, steps=step,
+            raw_total, wire_total, time.time() - launch_time, config.to_json(), metrics=metrics, steps=step,
             train_seconds=train_seconds, top_class=list(top) if top else None,
         )
         log.write(summary)

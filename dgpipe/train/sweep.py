@@ -20,7 +20,6 @@ the link) and the run's training samples/s. Evaluation traffic is left out.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import tempfile
@@ -30,8 +29,9 @@ from typing import Any, Mapping, Sequence
 from dgpipe.pipeline import SpawnError
 
 from .codecs import SETTINGS
+from .config import RunConfig
 from .job import Job
-from .loop import EVAL_DIRECTIONS, launch, parse_args
+from .loop import EVAL_DIRECTIONS, launch, parse_config
 from .runlog import read_records
 
 __all__ = ["SWEEP_SETTINGS", "add_sweep_flags", "prepare_runs", "table_rows", "format_table", "main"]
@@ -67,8 +67,8 @@ def add_sweep_flags(parser: argparse.ArgumentParser, steps: int = 10) -> argpars
 
 
 def prepare_runs(parser: argparse.ArgumentParser, job_cls: type[Job], argv: Sequence[str] | None,
-                 default_log_dir: str | os.PathLike) -> tuple[argparse.Namespace, list[tuple[str, argparse.Namespace]]]:
-    """Parse and check the arguments, then derive one copy per setting, before any process starts.
+                 default_log_dir: str | os.PathLike) -> tuple[RunConfig, list[tuple[str, RunConfig]]]:
+    """Parse and check the arguments, then derive one config per setting, before any process starts.
 
     Defaults for a short measuring run: ``--train-subset`` = ``--batch-size`` x
     ``--max-steps`` (the examples the steps use), ``--eval-subset`` = ``--batch-size``.
@@ -81,8 +81,8 @@ def prepare_runs(parser: argparse.ArgumentParser, job_cls: type[Job], argv: Sequ
             (then ``DIR``, created).
 
     Returns:
-        ``(base arguments, [(label, arguments of that setting), ...])``; each setting's
-        ``log`` is ``<log_dir>/<label>.jsonl``.
+        ``(base config, [(label, config of that setting), ...])``; each setting's
+        ``log.log`` is ``<log_dir>/<label>.jsonl``.
 
     Raises:
         SystemExit: through ``parser.error``, for any bad flag (compression or log flags,
@@ -106,16 +106,12 @@ def prepare_runs(parser: argparse.ArgumentParser, job_cls: type[Job], argv: Sequ
     except OSError as e:
         parser.error(f"--keep-logs {base.keep_logs}: {e}")
     parser.set_defaults(train_subset=base.batch_size * base.max_steps, eval_subset=base.batch_size)
-    base = parse_args(job_cls, parser, argv)  # the main job's validation
-    runs = []
-    for label in labels:
-        args = copy.copy(base)
-        args.compression = SETTINGS[label]
-        args.log = str(log_dir / f"{label}.jsonl")
-        args.bandwidth = False  # the sweep prints its own table
-        args.progress = False
-        runs.append((label, args))
-    return base, runs
+    config = parse_config(job_cls, parser, argv, own=("settings", "keep_logs"))  # the main job's validation
+    # the sweep prints its own table: no per-run bandwidth table or progress bars
+    runs = [(label, config.replace(codec={"compression": SETTINGS[label]},
+                                   log={"log": str(log_dir / f"{label}.jsonl"), "bandwidth": False, "progress": False}))
+            for label in labels]
+    return config, runs
 
 
 def table_rows(records: Mapping[str, list[dict[str, Any]]], per_boundary: bool = True) -> list[dict[str, Any]]:
@@ -199,10 +195,10 @@ def main(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str
             return 1
         if env.rank != 0:
             return 0
-        records = {label: read_records(args.log) for label, args in runs}
-    print(f"{job_cls.__name__}: {runs[0][1].max_steps} steps per setting, batch {runs[0][1].batch_size}, "
-          f"{runs[0][1].chunk} micro-batches, {runs[0][1].partition} partition; training traffic "
-          f"{'per boundary and direction' if base.bandwidth else 'over all boundaries (--bandwidth: per boundary)'}")
-    print(format_table(table_rows(records, per_boundary=base.bandwidth)), flush=True)
+        records = {label: read_records(config.log.log) for label, config in runs}
+    print(f"{job_cls.__name__}: {base.train.max_steps} steps per setting, batch {base.data.batch_size}, "
+          f"{base.pipeline.chunk} micro-batches, {base.pipeline.partition} partition; training traffic "
+          f"{'per boundary and direction' if base.log.bandwidth else 'over all boundaries (--bandwidth: per boundary)'}")
+    print(format_table(table_rows(records, per_boundary=base.log.bandwidth)), flush=True)
     return 0
 
