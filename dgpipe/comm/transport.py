@@ -67,6 +67,7 @@ __all__ = [
     "Sender",
     "Receiver",
     "wire_device",
+    "pack_message",
     "read_message",
     "send_payload",
     "recv_payload",
@@ -159,6 +160,42 @@ def _layout(fields_numel: int, specs) -> tuple[list[int], int]:
     return offsets, end
 
 
+def pack_message(payloads: Sequence[Payload], meta: Sequence[int] = (), device: torch.device | str = "cpu",
+                 min_size: int = 0) -> tuple[torch.Tensor, int]:
+    """The bytes of one message (module docstring): ``(buffer, total_bytes)``.
+
+    Args:
+        payloads: at most 64; their tensors are copied into the buffer.
+        meta: at most 64 int64 values.
+        device: where the buffer is made (the wire device).
+        min_size: pad the buffer with zeros to at least this many bytes (NCCL's fixed first part).
+
+    Returns:
+        ``buffer``: 1-D uint8 of ``max(total_bytes, min_size)`` bytes; ``total_bytes``: the
+        message's own size, which :func:`read_message` checks.
+    Raises:
+        ValueError: more than 64 meta values or payloads.
+    """
+    if len(meta) > MAX_META or len(payloads) > MAX_PAYLOADS:
+        raise ValueError(f"a message holds at most {MAX_META} meta values and {MAX_PAYLOADS} payloads, "
+                         f"got {len(meta)} and {len(payloads)}")  # fmt: skip
+    headers = [p.header.reshape(-1) for p in payloads]
+    lengths = [h.numel() for h in headers]
+    fields_numel = _FIXED + len(meta) + len(lengths) + sum(lengths)
+    tensors = [t.reshape(-1) for p in payloads for t in p.tensors]
+    offsets, total = _layout(fields_numel, [(t.dtype, t.numel()) for t in tensors])
+    buf = torch.zeros(max(total, min_size), dtype=torch.uint8, device=device)
+    fields = [MAGIC, total, len(meta), len(payloads), sum(lengths), *meta, *lengths]
+    words = torch.tensor(fields, dtype=torch.int64)
+    if headers:
+        words = torch.cat([words, *headers])
+    buf[: 8 * fields_numel].copy_(words.view(torch.uint8))
+    for t, off in zip(tensors, offsets):
+        if t.numel():
+            buf[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(torch.uint8))
+    return buf, total
+
+
 class SendWork:
     """Handle of an asynchronous send; keeps the sent buffers alive until :meth:`wait`.
 
@@ -217,24 +254,8 @@ class Sender(_Stream):
             ValueError: more than 64 meta values or payloads.
             TransportError: the link to the receiver is closed.
         """
-        if len(meta) > MAX_META or len(payloads) > MAX_PAYLOADS:
-            raise ValueError(f"a message holds at most {MAX_META} meta values and {MAX_PAYLOADS} payloads, "
-                             f"got {len(meta)} and {len(payloads)}")  # fmt: skip
-        headers = [p.header.reshape(-1) for p in payloads]
-        lengths = [h.numel() for h in headers]
-        fields_numel = _FIXED + len(meta) + len(lengths) + sum(lengths)
-        tensors = [t.reshape(-1) for p in payloads for t in p.tensors]
-        offsets, total = _layout(fields_numel, [(t.dtype, t.numel()) for t in tensors])
-        size = max(total, self.capacity) if self.exact else total
-        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        fields = [MAGIC, total, len(meta), len(payloads), sum(lengths), *meta, *lengths]
-        words = torch.tensor(fields, dtype=torch.int64)
-        if headers:
-            words = torch.cat([words, *headers])
-        buf[: 8 * fields_numel].copy_(words.view(torch.uint8))
-        for t, off in zip(tensors, offsets):
-            if t.numel():
-                buf[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(torch.uint8))
+        buf, total = pack_message(payloads, meta, self.device, self.capacity if self.exact else 0)
+        size = buf.numel()
         cut = self.capacity if size > self.capacity else size
         parts = [buf[:cut], buf[cut:]] if cut < size else [buf]
         works = [_post(dist.isend, p, self.peer, self.group, self.tag, _action(label, "sending to")) for p in parts]

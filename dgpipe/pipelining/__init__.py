@@ -1,0 +1,15 @@
+"""dgpipe codecs inside ``torch.distributed.pipelining``: :class:`CompressedPipelineStage`, a drop-in
+for torch's ``PipelineStage`` that every torch schedule (GPipe, 1F1B, interleaved 1F1B,
+zero-bubble) drives, with the boundary tensors crossing as codec payloads.
+
+Usage (2 ranks, one stage each; see ``README.md`` for the whole example)::
+
+    stage = CompressedPipelineStage(part, rank, 2, device, act_codec=("quant", {"bits": 8}),
+                                    grad_codec=("quant", {"bits": 8}))
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+"""
+
+from .stage import TESTED_TORCH, CompressedPipelineStage, check_torch_version
+
+__all__ = ["CompressedPipelineStage", "TESTED_TORCH", "check_torch_version"]

@@ -1,0 +1,232 @@
+"""``CompressedPipelineStage``: torch's ``PipelineStage`` with dgpipe codecs on its boundaries.
+
+torch's pipeline schedules (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleZBVZeroBubble``, ...) move a stage's tensors by asking it for point-to-point ops --
+``get_fwd_send_ops``, ``get_fwd_recv_ops``, ``get_bwd_send_ops``, ``get_bwd_recv_ops`` -- which
+they batch and wait on, and then read what arrived through the stage's
+``_retrieve_recv_activations`` / ``_retrieve_recv_grads``. This stage keeps torch's ops and
+rewrites each one that carries a floating-point tensor:
+
+- a send op sends the codec's payload of the tensor instead, packed into one uint8 message
+  (:func:`dgpipe.comm.transport.pack_message`: int64 fields and headers, never pickled),
+  activations with the forward codec and their gradients with the backward codec;
+- a receive op receives into a uint8 buffer of exactly that message's size, which the
+  receiver derives from the tensor's shape and dtype alone (torch pre-allocates its buffers
+  from the same metadata): every codec here must be *fixed-rate* -- its payload's size a
+  function of the shape and dtype, not of the values. The stage checks this when it is built
+  (two unlike inputs must give payloads of one size) and at every send;
+- before torch reads a received buffer, the message is validated and decoded into it.
+
+Integer and boolean tensors (token ids, attention masks) travel as torch sends them.
+Stages of one rank that pass tensors by function call (the V-shaped schedules) send nothing
+and code nothing. Every coded message is recorded in :attr:`CompressedPipelineStage.meter`
+(a :class:`~dgpipe.comm.BandwidthMeter`, boundary ``stage{i}->stage{j}``, directions
+``forward`` and ``backward``; ``recv_seconds`` stays 0: the schedule, not the stage, waits).
+
+Codec state (error feedback) is kept per direction, micro-batch and tensor position, as in
+dgpipe's own runtime. Refused at construction: codecs whose payload size depends on the
+values (``atomo``, whose rank follows the spectrum; a codec that passes this check and
+varies later, e.g. ``dgc`` on ties at its threshold, is stopped at its first odd send),
+codecs of integers (``intpack``: a stage codes its floating-point
+tensors only), and delta coding (it needs the examples'
+ids, which torch's schedules do not pass).
+
+This module holds every use of torch's private pipelining API: two private methods are
+wrapped (``_retrieve_recv_activations``, ``_retrieve_recv_grads``) and four public ones
+rewritten; :data:`TESTED_TORCH` names the versions the tests ran against, and another
+version is refused at construction.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from dgpipe.comm import BandwidthMeter
+from dgpipe.comm.transport import pack_message, read_message
+from dgpipe.compression import Codec
+from dgpipe.pipeline.boundary import CodecArg, codec_factory
+
+__all__ = ["TESTED_TORCH", "CompressedPipelineStage", "check_torch_version"]
+
+#: ``major.minor`` versions of torch whose pipelining internals the tests cover.
+TESTED_TORCH = ("2.13",)
+
+#: Probe inputs of the fixed-rate check: unlike values, one shape.
+_PROBE_SHAPE = (3, 5, 40)
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Refuse a torch whose pipelining internals were not tested here.
+
+    Raises:
+        RuntimeError: ``version`` (default ``torch.__version__``) is not a :data:`TESTED_TORCH` release.
+    """
+    version = torch.__version__ if version is None else version
+    if ".".join(version.split("+")[0].split(".")[:2]) not in TESTED_TORCH:
+        raise RuntimeError(f"CompressedPipelineStage relies on torch.distributed.pipelining internals tested with "
+                           f"torch {', '.join(TESTED_TORCH)}; this is torch {version}. Use a tested version, or "
+                           f"dgpipe's own runtime (dgpipe.pipeline.Pipeline)")
+
+
+def _fixed_rate(make: Any, direction: str) -> None:
+    """Raise ValueError unless the codec's payload size depends on shape and dtype alone."""
+    codec = make()
+    if not isinstance(codec, Codec):
+        raise ValueError(f"{direction} codec: {codec!r} is not a Codec (delta coding needs the examples' ids, "
+                         "which torch's schedules do not pass)")
+    g = torch.Generator().manual_seed(0)
+    probes = (torch.zeros(_PROBE_SHAPE), torch.randn(_PROBE_SHAPE, generator=g) * 1e3,
+              torch.randint(-3, 4, _PROBE_SHAPE, generator=g).float())
+    try:
+        sizes = {codec.encode(x).nbytes for x in probes}  # one instance: a stateful codec's size may drift
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{direction} codec {codec!r} cannot code the floating-point tensors a stage sends: {e}") from None
+    if len(sizes) > 1:
+        raise ValueError(f"{direction} codec {codec!r}: its payload size depends on the values ({sorted(sizes)} bytes "
+                         f"for one shape); torch's schedules post receives of a size fixed by the shape. Use a "
+                         "fixed-rate codec (none, fp16, bf16, quant, sortquant, codebook, topk)")
+
+
+class CompressedPipelineStage(PipelineStage):
+    """A ``torch.distributed.pipelining.PipelineStage`` whose floating-point boundary tensors cross
+    as dgpipe codec payloads (module docstring). Use it wherever torch takes a ``PipelineStage``.
+
+    Args:
+        submodule, stage_index, num_stages, device, group, ...: as ``PipelineStage`` (keywords
+            after ``device`` pass through).
+        act_codec: forward codec of the activations this stage sends: a
+            :class:`~dgpipe.compression.CodecSpec`, a codec name, ``(name, options)``, or a
+            factory (see :func:`dgpipe.pipeline.boundary.codec_factory`); ``None``: ``"none"``
+            (raw float32 payloads).
+        grad_codec: backward codec of the gradients this stage sends; ``None``: ``act_codec``.
+            Each direction puts its own bits on the wire.
+        meter: a :class:`~dgpipe.comm.BandwidthMeter` to record into (default: a new one).
+
+    Raises:
+        RuntimeError: an untested torch (:func:`check_torch_version`).
+        ValueError: a codec that is not fixed-rate, an unknown codec or bad options.
+    """
+
+    def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device,
+                 *args: Any, act_codec: CodecArg | None = None, grad_codec: CodecArg | None = None,
+                 meter: BandwidthMeter | None = None, **kwargs: Any) -> None:
+        check_torch_version()
+        act = codec_factory("none" if act_codec is None else act_codec)
+        grad = act if grad_codec is None else codec_factory(grad_codec)
+        _fixed_rate(act, "forward")
+        _fixed_rate(grad, "backward")
+        super().__init__(submodule, stage_index, num_stages, device, *args, **kwargs)
+        self._factories = {"forward": act, "backward": grad}
+        self._codecs: dict[tuple[str, int, int], Codec] = {}
+        self._sizes: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
+        self._pending: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor, str, int]]] = {}
+        self.meter = BandwidthMeter() if meter is None else meter
+
+    # -- sizes and coding ------------------------------------------------------------------
+
+    def _codec(self, direction: str, chunk: int, position: int) -> Codec:
+        key = (direction, chunk, position)
+        if key not in self._codecs:
+            self._codecs[key] = self._factories[direction]()
+        return self._codecs[key]
+
+    def message_nbytes(self, direction: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
+        """Bytes of the message that carries a ``shape``/``dtype`` tensor in ``direction``
+        (``"forward"`` or ``"backward"``): derived by coding zeros once per shape, with a
+        fresh codec (no state is touched)."""
+        key = (direction, tuple(shape), dtype)
+        if key not in self._sizes:
+            payload = self._factories[direction]().encode(torch.zeros(shape, dtype=dtype))
+            self._sizes[key] = pack_message([payload])[1]
+        return self._sizes[key]
+
+    def _boundary(self, upstream: int) -> str:
+        """Name of the boundary between stage ``upstream`` and the next, as dgpipe's runtime names it."""
+        return f"stage{upstream}->stage{upstream + 1}"
+
+    def _coded_sends(self, ops: list[dist.P2POp], direction: str, chunk: int, name: str) -> list[dist.P2POp]:
+        out = []
+        for position, op in enumerate(ops):
+            t = op.tensor
+            if not t.is_floating_point():
+                out.append(op)
+                continue
+            start = time.perf_counter()
+            with torch.no_grad():
+                payload = self._codec(direction, chunk, position).encode(t.detach())
+                buf, total = pack_message([payload], device=t.device)
+            if total != self.message_nbytes(direction, t.shape, t.dtype):
+                raise ValueError(f"stage {self.stage_index}: the {direction} codec gave a {total}-byte message for a "
+                                 f"{tuple(t.shape)} tensor, not the {self.message_nbytes(direction, t.shape, t.dtype)} "
+                                 "bytes its shape implies: it is not fixed-rate")
+            self.meter.record_send(name, direction, raw_bytes=t.numel() * t.element_size(),
+                                   wire_bytes=payload.nbytes, frame_bytes=total - payload.nbytes,
+                                   encode_seconds=time.perf_counter() - start)
+            out.append(dist.P2POp(dist.isend, buf, op.peer, op.group, op.tag))
+        return out
+
+    def _coded_recvs(self, ops: list[dist.P2POp], direction: str, chunk: int, name: str) -> list[dist.P2POp]:
+        out, pending = [], []
+        for position, op in enumerate(ops):
+            t = op.tensor
+            if not t.is_floating_point():
+                out.append(op)
+                continue
+            buf = torch.empty(self.message_nbytes(direction, t.shape, t.dtype), dtype=torch.uint8, device=t.device)
+            pending.append((buf, t, name, op.peer, position))
+            out.append(dist.P2POp(dist.irecv, buf, op.peer, op.group, op.tag))
+        self._pending[(direction, chunk)] = pending
+        return out
+
+    def _decode_pending(self, direction: str, chunk: int) -> None:
+        """Decode the received messages of ``(direction, chunk)`` into torch's receive buffers."""
+        for buf, target, name, peer, position in self._pending.pop((direction, chunk), []):
+            start = time.perf_counter()
+
+            def truncated(n: int, _peer: int = peer) -> torch.Tensor:
+                raise ValueError(f"corrupt message from rank {_peer}: {n} bytes more than its fixed size")
+
+            (payload,), _, _ = read_message(buf, truncated, peer, buf.numel(), target.device)
+            value = self._codec(direction, chunk, position).decode(payload)
+            if value.shape != target.shape:
+                raise ValueError(f"stage {self.stage_index}: rank {peer} sent a {direction} tensor of shape "
+                                 f"{tuple(value.shape)}, expected {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(value)
+            self.meter.record_recv(name, direction, recv_bytes=payload.nbytes, recv_seconds=0.0,
+                                   decode_seconds=time.perf_counter() - start)
+
+    # -- torch's hooks ----------------------------------------------------------------------
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        """torch's forward sends, each floating tensor replaced by its coded message."""
+        return self._coded_sends(super().get_fwd_send_ops(fwd_chunk_id), "forward", fwd_chunk_id,
+                                 self._boundary(self.stage_index))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        """torch's gradient sends, each floating tensor replaced by its coded message."""
+        return self._coded_sends(super().get_bwd_send_ops(bwd_chunk_id), "backward", bwd_chunk_id,
+                                 self._boundary(self.stage_index - 1))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        """torch's activation receives, into message buffers of the size the shape implies."""
+        return self._coded_recvs(super().get_fwd_recv_ops(fwd_chunk_id), "forward", fwd_chunk_id,
+                                 self._boundary(self.stage_index - 1))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        """torch's gradient receives, into message buffers of the size the shape implies."""
+        return self._coded_recvs(super().get_bwd_recv_ops(bwd_chunk_id), "backward", bwd_chunk_id,
+                                 self._boundary(self.stage_index))
+
+    def _retrieve_recv_activations(self, fwd_chunk_id: int):
+        self._decode_pending("forward", fwd_chunk_id)
+        return super()._retrieve_recv_activations(fwd_chunk_id)
+
+    def _retrieve_recv_grads(self, bwd_chunk_id: int):
+        self._decode_pending("backward", bwd_chunk_id)
+        return super()._retrieve_recv_grads(bwd_chunk_id)

@@ -1,0 +1,155 @@
+"""CompressedPipelineStage under torch's own schedules, against torch's PipelineStage.
+
+The model has a tuple boundary (hidden state, integer mask): the hidden state is coded, the
+mask travels as torch sends it. Every check runs the same two steps (SGD between them) twice
+in one gloo world, once with torch's ``PipelineStage`` and once with the compressed stage,
+and compares what each rank saw: the last stage's micro-batch losses and every local
+parameter's gradient, per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
+
+from dgpipe.compression import get_codec
+from dgpipe.pipelining import CompressedPipelineStage, check_torch_version
+from helpers import assert_ranks_ok, message_bytes, spawn_checks
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble}
+MICRO = 4
+BATCH = 8
+WIDTH = 32
+
+
+class First(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)), (x[:, :1] > 0).long()
+
+
+class Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h, mask):
+        return torch.tanh(self.linear(h)) * (1 + mask), mask
+
+
+class Last(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 4)
+
+    def forward(self, h, mask):
+        return self.linear(h * (1 + mask))
+
+
+def _stage_indices(schedule: str, rank: int, world: int) -> tuple[int, list[int]]:
+    """(number of stages, this rank's stage indices): one per rank, or two (looped or V-shaped)."""
+    if schedule == "interleaved":
+        return 2 * world, [rank, rank + world]
+    if schedule == "zbv":
+        return 2 * world, [rank, 2 * world - 1 - rank]
+    return world, [rank]
+
+
+def _train(rank: int, world: int, schedule: str, **codecs) -> tuple[list, list[CompressedPipelineStage]]:
+    """Two steps of ``schedule``; per step (losses, gradients). ``codecs`` given: the compressed stage."""
+    n, mine = _stage_indices(schedule, rank, world)
+    torch.manual_seed(0)
+    modules = [First()] + [Middle() for _ in range(n - 2)] + [Last()]
+    make = (lambda i: CompressedPipelineStage(modules[i], i, n, torch.device("cpu"), **codecs)) if codecs else (
+        lambda i: PipelineStage(modules[i], i, n, torch.device("cpu")))
+    stages = [make(i) for i in mine]
+    pipe = SCHEDULES[schedule](stages if len(stages) > 1 else stages[0], MICRO, loss_fn=F.cross_entropy)
+    params = [p for i in mine for p in modules[i].parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(2):
+        x, y = torch.randn(BATCH, 16, generator=gen), torch.randint(0, 4, (BATCH,), generator=gen)
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": y, "losses": losses} if n - 1 in mine else {}
+        pipe.step(x, **kwargs) if 0 in mine else pipe.step(**kwargs)
+        seen.append(([float(v) for v in losses], [p.grad.clone() for p in params]))
+        opt.step()
+    return seen, [s for s in stages if isinstance(s, CompressedPipelineStage)]
+
+
+def _lossless(schedule: str, world: int):
+    def check(rank: int) -> None:
+        reference, _ = _train(rank, world, schedule)
+        coded, stages = _train(rank, world, schedule, act_codec="none", grad_codec="none")
+        for (ref_losses, ref_grads), (losses, grads) in zip(reference, coded):
+            assert losses == ref_losses
+            assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
+        assert sum(r["wire_bytes"] for s in stages for r in s.meter.records()) > 0  # it did code
+    check.__name__ = f"lossless_{schedule}_{world}"
+    return check
+
+
+def check_two_bits_forward_four_back(rank: int) -> None:
+    """Each direction its own codec and size; losses near the uncompressed run's at 8 bits."""
+    reference, _ = _train(rank, 2, "1f1b")
+    coded, (stage,) = _train(rank, 2, "1f1b", act_codec=("quant", {"bits": 8}), grad_codec=("quant", {"bits": 8}))
+    if rank == 1:
+        for (ref_losses, _), (losses, _) in zip(reference, coded):
+            assert max(abs(a - b) for a, b in zip(ref_losses, losses)) < 0.01 * max(ref_losses)
+    _, (stage,) = _train(rank, 2, "1f1b", act_codec=("quant", {"bits": 2}), grad_codec=("quant", {"bits": 4}))
+    records = {r["direction"]: r for r in stage.meter.records()}
+    messages = 2 * MICRO  # two steps of four micro-batches, one hidden state each
+    shape = (BATCH // MICRO, WIDTH)
+    for direction, bits in (("forward", 2), ("backward", 4)):
+        payload = get_codec("quant", bits=bits).encode(torch.zeros(shape))
+        sent_here = (direction == "forward") == (rank == 0)
+        r = records[direction]
+        if sent_here:
+            assert r["count"] == messages and r["raw_bytes"] == messages * 4 * shape[0] * shape[1]
+            assert r["wire_bytes"] == messages * payload.nbytes
+            assert r["frame_bytes"] == messages * (message_bytes([payload], 0) - payload.nbytes)
+        else:
+            assert r["recv_count"] == messages and r["recv_bytes"] == messages * payload.nbytes
+        assert stage.message_nbytes(direction, shape, torch.float32) == message_bytes([payload], 0)
+
+
+CHECKS = [_lossless(s, 2) for s in SCHEDULES] + [_lossless("1f1b", 4), _lossless("gpipe", 4),
+                                                  check_two_bits_forward_four_back]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    two = spawn_checks({c.__name__: c for c in CHECKS if not c.__name__.endswith("_4")}, 2,
+                       tmp_path_factory.mktemp("pipelining2"))
+    four = spawn_checks({c.__name__: c for c in CHECKS if c.__name__.endswith("_4")}, 4,
+                        tmp_path_factory.mktemp("pipelining4"))
+    return two, four
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+def test_compressed_stage_under_torch_schedules(outcomes, check):
+    world = 4 if check.endswith("_4") else 2
+    assert_ranks_ok(outcomes[world == 4], check, world)
+
+
+def test_refuses_variable_size_codecs_and_untested_torch():
+    part = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"payload size depends on the values \(\[\d+, \d+\] bytes"):
+        CompressedPipelineStage(part, 0, 2, torch.device("cpu"), act_codec="atomo")
+    with pytest.raises(ValueError, match="cannot code the floating-point tensors a stage sends"):
+        CompressedPipelineStage(part, 0, 2, torch.device("cpu"), act_codec="intpack")
+    with pytest.raises(ValueError, match="unknown codec"):
+        CompressedPipelineStage(part, 0, 2, torch.device("cpu"), grad_codec="no-such-codec")
+    with pytest.raises(RuntimeError, match=r"tested with torch 2\.13; this is torch 2\.12\.1"):
+        check_torch_version("2.12.1+cu126")
+    check_torch_version("2.13.0+cpu")
