@@ -39,3 +39,19 @@ def test_readme_pipeline_example_runs(capfd):
     for *_, raw, wire, ratio in ratios:
         assert int(raw) == 30 * 4 * 64 * 64 * 4  # steps x micro-batches x float32[64, 64]
         assert 0.25 < float(ratio) < 0.27  # 8 of 32 bits, plus headers and bucket parameters
+
+
+def test_readme_torch_schedule_example_runs(capfd):
+    """The README's torch-schedule example: losses fall, each direction at its own bits."""
+    text = README.read_text()
+    section = text[text.index("## torch's schedules with dgpipe codecs") :]
+    namespace = {"__name__": "readme_torch_example"}
+    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), str(README), "exec"), namespace)
+    spawn(namespace["main"], 2, timeout=120, start_method="fork")
+    out = capfd.readouterr().out
+    losses = [float(v) for v in re.findall(r"step \d+: loss ([\d.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    sent = {d: (int(raw), int(wire)) for d, raw, wire in re.findall(r"sent (\w+) +raw (\d+) B, wire (\d+) B", out)}
+    raw = 30 * 4 * 64 * 64 * 4  # steps x micro-batches x float32[64, 64]
+    assert sent["forward"][0] == sent["backward"][0] == raw
+    assert 4 / 32 < sent["forward"][1] / raw < 4.5 / 32 and 8 / 32 < sent["backward"][1] / raw < 8.5 / 32
