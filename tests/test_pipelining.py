@@ -9,6 +9,8 @@ parameter's gradient, per step.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,8 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
 
-from dgpipe.compression import get_codec
+from dgpipe.compression import Codec, get_codec
+from dgpipe.pipeline import SpawnError, spawn
 from dgpipe.pipelining import CompressedPipelineStage, check_torch_version
 from helpers import assert_ranks_ok, message_bytes, spawn_checks
 
@@ -153,3 +156,28 @@ def test_refuses_variable_size_codecs_and_untested_torch():
     with pytest.raises(RuntimeError, match=r"tested with torch 2\.13; this is torch 2\.12\.1"):
         check_torch_version("2.12.1+cu126")
     check_torch_version("2.13.0+cpu")
+
+
+class _FailingDecode(Codec):
+    """The ``none`` codec's payloads, but decoding raises: a peer that fails mid-schedule."""
+
+    name, codec_id = "none", get_codec("none").codec_id
+
+    def encode(self, x):
+        return get_codec("none").encode(x)
+
+    def decode(self, payload):
+        raise ValueError("decoder broke on purpose")
+
+
+def _one_failing_rank(rank: int, world_size: int) -> None:
+    _train(rank, world_size, "1f1b", act_codec=_FailingDecode, grad_codec="none")
+
+
+def test_a_rank_that_fails_mid_schedule_ends_every_rank_with_its_error():
+    """Rank 1 fails decoding its first activation while rank 0 waits for its gradient: the
+    launcher ends both and names rank 1 and its error, well before the process-group timeout."""
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: decoder broke on purpose"):
+        spawn(_one_failing_rank, 2, timeout=300, start_method="fork")
+    assert time.monotonic() - start < 300  # the peer's failure, not the process group's timeout, ended it
