@@ -181,3 +181,18 @@ def test_a_rank_that_fails_mid_schedule_ends_every_rank_with_its_error():
     with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: decoder broke on purpose"):
         spawn(_one_failing_rank, 2, timeout=300, start_method="fork")
     assert time.monotonic() - start < 300  # the peer's failure, not the process group's timeout, ended it
+
+
+def _one_stalled_rank(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(120)  # alive but silent: never posts its receives
+    _train(rank, world_size, "1f1b", act_codec="none", grad_codec="none")
+
+
+def test_a_stalled_peer_ends_the_waiting_rank_at_the_process_group_timeout():
+    """Rank 1 stalls before its first step: rank 0's sends time out after the process group's
+    timeout (3 s here) and the launcher ends both, naming rank 0 -- long before rank 1 wakes."""
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 0 failed: .*[Tt]imed? ?out"):
+        spawn(_one_stalled_rank, 2, timeout=3, start_method="fork")
+    assert time.monotonic() - start < 120
