@@ -50,7 +50,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     n.add_argument("--max-length", type=int, default=128, help="most tokens per example (longer ones are truncated)")
     n.add_argument("--padding", choices=["longest", "max_length"],
                    help="pad each batch to its longest example, or every example to --max-length "
-                        "(default: longest; max_length with --delta)")
+                        "(default: longest; max_length with --delta or --engine torch)")
     n.add_argument("--heldout", type=int, default=0, metavar="N",
                    help="hold out N training examples (a fixed, class-stratified choice, the same for every seed) "
                         "that training never sees, and evaluate on them too: metrics heldout_*")

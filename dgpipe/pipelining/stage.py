@@ -17,11 +17,14 @@ rewrites each one that carries a floating-point tensor:
   (two unlike inputs must give payloads of one size) and at every send;
 - before torch reads a received buffer, the message is validated and decoded into it.
 
-Integer and boolean tensors (token ids, attention masks) travel as torch sends them.
+Integer and boolean tensors (token ids, attention masks) travel as torch sends them (metered
+at their own size).
 Stages of one rank that pass tensors by function call (the V-shaped schedules) send nothing
 and code nothing. Every coded message is recorded in :attr:`CompressedPipelineStage.meter`
 (a :class:`~dgpipe.comm.BandwidthMeter`, boundary ``stage{i}->stage{j}``, directions
-``forward`` and ``backward``; ``recv_seconds`` stays 0: the schedule, not the stage, waits).
+``forward`` and ``backward``, and ``eval`` for forward traffic while
+:attr:`CompressedPipelineStage.evaluating` is set, as dgpipe's runtime names evaluation;
+``recv_seconds`` stays 0: the schedule, not the stage, waits).
 
 Codec state (error feedback) is kept per direction, micro-batch and tensor position, as in
 dgpipe's own runtime. Refused at construction: codecs whose payload size depends on the
@@ -107,6 +110,10 @@ class CompressedPipelineStage(PipelineStage):
             Each direction puts its own bits on the wire.
         meter: a :class:`~dgpipe.comm.BandwidthMeter` to record into (default: a new one).
 
+    Attributes:
+        meter: the traffic (module docstring).
+        evaluating: record forward traffic as ``eval`` (set it around ``schedule.eval``).
+
     Raises:
         RuntimeError: an untested torch (:func:`check_torch_version`).
         ValueError: a codec that is not fixed-rate, an unknown codec or bad options.
@@ -126,6 +133,7 @@ class CompressedPipelineStage(PipelineStage):
         self._sizes: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
         self._pending: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor, str, int]]] = {}
         self.meter = BandwidthMeter() if meter is None else meter
+        self.evaluating = False
 
     # -- sizes and coding ------------------------------------------------------------------
 
@@ -145,6 +153,9 @@ class CompressedPipelineStage(PipelineStage):
             self._sizes[key] = pack_message([payload])[1]
         return self._sizes[key]
 
+    def _label(self, direction: str) -> str:
+        return "eval" if self.evaluating and direction == "forward" else direction
+
     def _boundary(self, upstream: int) -> str:
         """Name of the boundary between stage ``upstream`` and the next, as dgpipe's runtime names it."""
         return f"stage{upstream}->stage{upstream + 1}"
@@ -153,7 +164,9 @@ class CompressedPipelineStage(PipelineStage):
         out = []
         for position, op in enumerate(ops):
             t = op.tensor
-            if not t.is_floating_point():
+            if not t.is_floating_point():  # sent as torch sends it, and metered as such
+                n = t.numel() * t.element_size()
+                self.meter.record_send(name, self._label(direction), raw_bytes=n, wire_bytes=n)
                 out.append(op)
                 continue
             start = time.perf_counter()
@@ -164,7 +177,7 @@ class CompressedPipelineStage(PipelineStage):
                 raise ValueError(f"stage {self.stage_index}: the {direction} codec gave a {total}-byte message for a "
                                  f"{tuple(t.shape)} tensor, not the {self.message_nbytes(direction, t.shape, t.dtype)} "
                                  "bytes its shape implies: it is not fixed-rate")
-            self.meter.record_send(name, direction, raw_bytes=t.numel() * t.element_size(),
+            self.meter.record_send(name, self._label(direction), raw_bytes=t.numel() * t.element_size(),
                                    wire_bytes=payload.nbytes, frame_bytes=total - payload.nbytes,
                                    encode_seconds=time.perf_counter() - start)
             out.append(dist.P2POp(dist.isend, buf, op.peer, op.group, op.tag))
@@ -175,6 +188,8 @@ class CompressedPipelineStage(PipelineStage):
         for position, op in enumerate(ops):
             t = op.tensor
             if not t.is_floating_point():
+                self.meter.record_recv(name, self._label(direction), recv_bytes=t.numel() * t.element_size(),
+                                       recv_seconds=0.0)
                 out.append(op)
                 continue
             buf = torch.empty(self.message_nbytes(direction, t.shape, t.dtype), dtype=torch.uint8, device=t.device)
@@ -198,7 +213,7 @@ class CompressedPipelineStage(PipelineStage):
                                  f"{tuple(value.shape)}, expected {tuple(target.shape)}")
             with torch.no_grad():
                 target.copy_(value)
-            self.meter.record_recv(name, direction, recv_bytes=payload.nbytes, recv_seconds=0.0,
+            self.meter.record_recv(name, self._label(direction), recv_bytes=payload.nbytes, recv_seconds=0.0,
                                    decode_seconds=time.perf_counter() - start)
 
     # -- torch's hooks ----------------------------------------------------------------------

@@ -159,6 +159,12 @@ def common_parser(
     s.add_argument("--stages", type=int, metavar="N", help="stages of a linear partition (default: the world size)")
     s.add_argument("--balance", metavar="N1,N2,...",
                    help="layers per stage of a linear partition (default: about equal parameter counts)")
+    s.add_argument("--engine", choices=["dgpipe", "torch"], default="dgpipe",
+                   help="pipeline runtime: dgpipe's GPipe, or torch.distributed.pipelining's schedules (--schedule) "
+                        "with the dgpipe codecs on their boundaries (a linear partition, fixed shapes)")
+    s.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbv"],
+                   help="torch schedule of --engine torch: GPipe, 1F1B, interleaved 1F1B (2 stages per rank); "
+                        "zbv is refused (torch's V schedule cannot evaluate) (default: 1f1b)")
     s.add_argument("--world-size", type=int, metavar="W",
                    help="processes (default: 2; under torchrun: its WORLD_SIZE)")
     s.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
@@ -325,6 +331,42 @@ def _check_delta(args: argparse.Namespace) -> None:
                              "choose a writable directory")
 
 
+def _torch_schedule(args: argparse.Namespace, world_size: int, balance: tuple[int, ...] | None) -> str | None:
+    """``--schedule`` resolved for ``--engine torch`` (None for dgpipe's runtime), after checking the
+    partition it needs: linear; one stage per rank (GPipe, 1F1B) or two (interleaved, V)."""
+    if args.engine != "torch":
+        if args.schedule:
+            raise ValueError(f"--schedule {args.schedule} chooses a torch schedule: add --engine torch")
+        return None
+    schedule = args.schedule or "1f1b"
+    if schedule == "zbv":
+        raise ValueError("--schedule zbv: the jobs evaluate every epoch, and torch's ScheduleZBVZeroBubble.eval "
+                         "fails (its V stages on one rank hand over backward inputs even without a backward); "
+                         "train with it through dgpipe.pipelining.CompressedPipelineStage, or use --schedule "
+                         "interleaved")
+    if args.partition != "linear":
+        raise ValueError("--engine torch runs a linear partition (torch's schedules place stage i on rank "
+                         "i % world size, or in a V): add --partition linear")
+    if args.delta:
+        raise ValueError("--delta needs the examples' ids at every boundary, which torch's schedules do not pass: "
+                         "use --engine dgpipe")
+    if not args.compress_eval:
+        raise ValueError("--no-compress-eval: with --engine torch evaluation crosses the boundaries through the "
+                         "training codecs; drop the flag or use --engine dgpipe")
+    per_rank = 2 if schedule in ("interleaved", "zbv") else 1
+    stages = args.stages or (len(balance) if balance else per_rank * world_size)
+    if stages != per_rank * world_size and not (schedule == "interleaved" and stages % world_size == 0 and
+                                                  stages >= 2 * world_size):
+        need = "a multiple of the world size, at least twice it" if schedule == "interleaved" else \
+            f"{per_rank} per rank, {per_rank * world_size} in all"
+        raise ValueError(f"--schedule {schedule} with {world_size} processes needs {need} stages, not {stages}; "
+                         "set --stages or --balance accordingly")
+    if schedule == "interleaved" and args.chunk % world_size:
+        raise ValueError(f"--schedule interleaved needs --chunk a multiple of the world size {world_size}, "
+                         f"not {args.chunk}")
+    return schedule
+
+
 def _compare_to(args: argparse.Namespace, compression: BoundaryCompression) -> tuple[str, ...]:
     """``--compare-to`` as a tuple of labels of :data:`~dgpipe.train.codecs.SETTINGS` (empty without it)."""
     if args.compare_to is None:
@@ -374,6 +416,7 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
             raise ValueError("--grad-compression compresses the DDP gradient exchange: add --mode dataparallel, "
                              "or use --sortquant/--quant/--codec for pipeline boundaries")
         balance = derived["balance"] = _balance(args)
+        derived["schedule"] = _torch_schedule(args, world_size, balance)
         if args.partition == "client-server":
             if world_size != 2:
                 raise ValueError(f"--partition client-server runs on exactly 2 processes, not {world_size}; "
@@ -382,7 +425,8 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
                 raise ValueError("--stages/--balance apply to --partition linear; "
                                  "client-server is set by --client-layers")
         else:
-            stages = derived["stages"] = args.stages or (len(balance) if balance else world_size)
+            per_rank = 2 if derived["schedule"] in ("interleaved", "zbv") else 1
+            stages = derived["stages"] = args.stages or (len(balance) if balance else per_rank * world_size)
             if stages < world_size:
                 raise ValueError(f"--stages {stages} leaves processes idle with --world-size "
                                  f"{world_size}; use --stages >= {world_size}")
@@ -409,6 +453,8 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
             raise ValueError("--delta codes pipeline boundaries; it has no meaning in --mode dataparallel")
         if args.compare_to:
             raise ValueError("--compare-to compares pipeline boundary settings; drop it in --mode dataparallel")
+        if args.engine != "dgpipe" or args.schedule:
+            raise ValueError("--engine/--schedule choose a pipeline runtime; drop them in --mode dataparallel")
         derived.update(compare_to=(), compression=None, dp_compression=grad_compression(args))
 
     if args.train_subset is not None and args.train_subset < args.batch_size:

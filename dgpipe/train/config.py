@@ -40,6 +40,9 @@ class PipelineConfig:
         chunk: micro-batches per mini-batch.
         timeout: seconds a peer may stay silent before every rank ends with an error.
         compress_eval: evaluation crosses the boundaries through the training codecs.
+        engine: ``"dgpipe"`` (this package's GPipe runtime) or ``"torch"`` (torch's schedules).
+        schedule: torch schedule of the torch engine (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved"``, ``"zbv"``), ``None`` with dgpipe's.
     """
 
     mode: str
@@ -53,6 +56,8 @@ class PipelineConfig:
     chunk: int
     timeout: float
     compress_eval: bool
+    engine: str
+    schedule: str | None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Both give the training loop (:mod:`dgpipe.train.loop`) the same small interface,
 ``--mode pipeline`` and ``--mode dataparallel`` share every line of the loop:
 
 - ``train_step(inputs, targets, sample_ids=None) -> float`` (gradients accumulated, the
-  caller steps the optimizer), ``eval_step(inputs) -> outputs or None``;
+  caller steps the optimizer), ``eval_step(inputs, targets=None) -> outputs or None`` (the
+  targets only where a schedule computes its loss in evaluation too);
 - ``reads_data`` (whether this rank iterates the data loaders), ``output_rank`` (the
   rank whose evaluation outputs are scored);
 - ``parameters()``, ``meter`` (a :class:`~dgpipe.comm.BandwidthMeter` of the traffic:
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgpipe.comm import wire_device
+from dgpipe.comm import BandwidthMeter, wire_device
 from dgpipe.compression import CodecSpec
 from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.models import Stage, client_server_split
@@ -34,12 +35,13 @@ from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement
 from .config import PipelineConfig, RunConfig
 from .job import Job
 
-__all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEngine", "DataParallelEngine",
-           "make_engine"]
+__all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEngine", "TorchScheduleEngine",
+           "DataParallelEngine", "make_engine"]
 
 
 def placement(pipeline: PipelineConfig) -> list[int]:
-    """Rank of every stage: ``[0, 1, 0]`` client/server; stage i on rank ``i % world_size`` linear."""
+    """Rank of every stage: ``[0, 1, 0]`` client/server; stage i on rank ``i % world_size`` linear
+    (also what torch's GPipe, 1F1B and interleaved 1F1B schedules expect)."""
     if pipeline.partition == "client-server":
         return client_server_placement()
     return [i % pipeline.world_size for i in range(pipeline.stages)]
@@ -138,8 +140,8 @@ class PipelineEngine:
         """GPipe step; returns the mini-batch's mean loss (the same on every rank)."""
         return self.pipe.train_step(inputs, targets, sample_ids=sample_ids)
 
-    def eval_step(self, inputs):
-        """Outputs on the last stage's rank, None elsewhere."""
+    def eval_step(self, inputs, targets=None):
+        """Outputs on the last stage's rank, None elsewhere (``targets`` unused)."""
         return self.pipe.eval_step(inputs)
 
     def mean_loss(self, loss_sum: float, steps: int) -> float:
@@ -169,6 +171,124 @@ class PipelineEngine:
 
     def load_state_dict(self, state: dict) -> None:
         self.pipe.load_state_dict(state)
+
+
+def _padded(value, size: int):
+    """A batch (tensor or tuple of tensors) grown to ``size`` rows by repeating its last row."""
+    if value is None or not isinstance(value, torch.Tensor):
+        return value if value is None else tuple(_padded(t, size) for t in value)
+    return torch.cat([value, value[-1:].expand(size - len(value), *value.shape[1:])])
+
+
+class _Positional(nn.Module):
+    """A dgpipe stage as torch's schedules call it: tensors as positional arguments in (one
+    value, or the tuple a tuple boundary carries), the stage's output (tensor or tuple) out."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args):
+        return self.stage(args[0] if len(args) == 1 else args)
+
+
+class TorchScheduleEngine:
+    """This rank's stages under a torch schedule (``--engine torch --schedule ...``), each a
+    :class:`~dgpipe.pipelining.CompressedPipelineStage` with the run's codecs.
+
+    torch's stages keep the shapes of their first step: training batches are whole (the
+    loaders drop a last partial batch) and a partial evaluation batch is padded to
+    ``batch_size`` by repeating its last example, the extra outputs dropped. The step's
+    loss is the mean of the last stage's micro-batch losses, broadcast to every rank.
+    """
+
+    def __init__(self, job: Job, layers: list[nn.Module], config: RunConfig, rank: int,
+                 device: torch.device) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        from dgpipe.pipelining import CompressedPipelineStage
+
+        p = config.pipeline
+        stages, self.placement = partition(layers, p, job.pinned)
+        self.layers_per_stage = [len(list(s.children())) for s in stages]
+        self.schedule_name = p.schedule
+        mine = [i for i, r in enumerate(self.placement) if r == rank]
+        comp = config.codec.compression
+        warm_up_codecs((comp.forward, comp.backward), device)
+        self.meter = BandwidthMeter()
+        self.modules = {i: stages[i].to(device) for i in mine}
+        self.stages = [CompressedPipelineStage(_Positional(self.modules[i]), i, len(stages), device,
+                                               act_codec=comp.forward, grad_codec=comp.backward, meter=self.meter)
+                       for i in mine]
+        kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+        self.schedule = kinds[p.schedule](self.stages if len(self.stages) > 1 else self.stages[0], p.chunk,
+                                          loss_fn=job.loss)
+        self.first, self.last = 0 in mine, len(stages) - 1 in mine
+        self.device, self.batch_size = device, config.data.batch_size
+        self.reads_data = self.first or self.last
+        self.output_rank = self.placement[-1]
+        self.delta_boundaries: list[str] = []
+        self.momentum_in_codec = False
+
+    def describe(self) -> str:
+        return (f"torch {self.schedule.__class__.__name__}, {len(self.placement)} stages with "
+                f"{self.layers_per_stage} layers on ranks {self.placement}")
+
+    def parameters(self):
+        return [q for m in self.modules.values() for q in m.parameters()]
+
+    def _run(self, run, inputs, targets, **extra):
+        args = ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)) if self.first else ()
+        args = tuple(_to(a, self.device) for a in args)
+        kwargs = {"target": _to(targets, self.device), **extra} if self.last and targets is not None else {}
+        return run(*args, **kwargs)
+
+    def train_step(self, inputs, targets, sample_ids=None) -> float:
+        """One step of the schedule; returns the mini-batch's mean loss (the same on every rank)."""
+        for m in self.modules.values():
+            m.train()
+        losses: list[torch.Tensor] = []
+        self._run(self.schedule.step, inputs, targets, **({"losses": losses} if self.last else {}))
+        loss = torch.tensor([float(torch.stack(losses).detach().mean()) if self.last else 0.0], dtype=torch.float64,
+                            device=wire_device())
+        dist.broadcast(loss, self.output_rank)
+        return float(loss)
+
+    def eval_step(self, inputs, targets=None):
+        """Outputs on the last stage's rank, None elsewhere (a partial batch padded, then trimmed).
+        torch's schedules compute the loss in evaluation too: the last stage's rank needs ``targets``."""
+        for m in self.modules.values():
+            m.eval()
+        n = None if inputs is None else len(inputs if isinstance(inputs, torch.Tensor) else inputs[0])
+        if n is not None and n < self.batch_size:
+            inputs, targets = _padded(inputs, self.batch_size), _padded(targets, self.batch_size)
+        for s in self.stages:
+            s.evaluating = True
+        try:
+            with torch.no_grad():
+                out = self._run(self.schedule.eval, inputs, targets)
+        finally:
+            for s in self.stages:
+                s.evaluating = False
+        return out[:n] if self.last else None
+
+    def mean_loss(self, loss_sum: float, steps: int) -> float:
+        """The epoch's mean training loss (the step losses are already global)."""
+        return loss_sum / max(steps, 1)
+
+    def delta_stats(self) -> dict:
+        """No delta coding under torch's schedules."""
+        return {}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing changes between epochs."""
+
+    def state_dict(self) -> dict:
+        return {i: m.state_dict() for i, m in self.modules.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, m in self.modules.items():
+            m.load_state_dict(state[i])
 
 
 class DataParallelEngine:
@@ -208,8 +328,8 @@ class DataParallelEngine:
         loss.backward()
         return float(loss.detach())
 
-    def eval_step(self, inputs):
-        """Outputs of the replica (no gradient exchange)."""
+    def eval_step(self, inputs, targets=None):
+        """Outputs of the replica (no gradient exchange; ``targets`` unused)."""
         self.model.eval()
         with torch.no_grad():
             return self.model(_to(inputs, self.device))
@@ -235,9 +355,12 @@ class DataParallelEngine:
         self.dp.load_hook_state_dict(state["hook"])
 
 
-def make_engine(job: Job, layers: list[nn.Module], config: RunConfig, rank: int,
-                device: torch.device, train_examples: int | None = None) -> PipelineEngine | DataParallelEngine:
-    """The engine of ``config.pipeline.mode`` (``train_examples``: the training set's size, for delta caches)."""
+def make_engine(job: Job, layers: list[nn.Module], config: RunConfig, rank: int, device: torch.device,
+                train_examples: int | None = None) -> PipelineEngine | TorchScheduleEngine | DataParallelEngine:
+    """The engine of ``config.pipeline.mode`` and ``engine`` (``train_examples``: the training set's size,
+    for delta caches)."""
+    if config.pipeline.mode == "pipeline" and config.pipeline.engine == "torch":
+        return TorchScheduleEngine(job, layers, config, rank, device)
     if config.pipeline.mode == "pipeline":
         return PipelineEngine(job, layers, config, rank, device, train_examples)
     return DataParallelEngine(job, layers, config, rank, device)

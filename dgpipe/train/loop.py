@@ -215,7 +215,7 @@ def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> tuple[
     batches = iter(loader) if engine.reads_data else None
     for _ in range(steps):
         inputs, target = next(batches) if batches is not None else (None, None)
-        out = engine.eval_step(inputs)
+        out = engine.eval_step(inputs, target)
         if out is not None and dist.get_rank() == engine.output_rank:
             outputs.append(out.float().cpu())
             targets.append(target)

@@ -147,10 +147,12 @@ class GlueJob(Job):
             raise ValueError(str(e)) from None
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
-        if delta and opts.padding not in (None, "max_length"):
-            raise ValueError("--delta caches every example's activation at one shape: use --padding max_length")
+        fixed = delta or config.pipeline.engine == "torch"
+        if fixed and opts.padding not in (None, "max_length"):
+            raise ValueError(f"{'--delta caches every example' if delta else '--engine torch keeps every'} "
+                             "activation at one shape: use --padding max_length")
         model = resolve_model(opts.model)
-        opts = replace(opts, model=model, padding=opts.padding or ("max_length" if delta else "longest"),
+        opts = replace(opts, model=model, padding=opts.padding or ("max_length" if fixed else "longest"),
                        tokenizer=opts.tokenizer or ("offline" if opts.model_config is not None else model))
         if opts.model_config is None and opts.tokenizer == "offline":
             raise ValueError("--tokenizer offline has a vocabulary of its own: it needs a randomly initialised "

@@ -94,6 +94,9 @@ class VisionJob(Job):
             raise ValueError("--width-mult and --dropout change a randomly initialised model; drop them with --pretrained")
         if opts.dropout is not None and not 0 <= opts.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {opts.dropout}")
+        if opts.deferred_batchnorm and config.pipeline.engine == "torch":
+            raise ValueError("--deferred-batchnorm is dgpipe's runtime (torchgpipe's DeferredBatchNorm); "
+                             "drop it with --engine torch")
         if opts.momentum < 0 or opts.wd < 0 or opts.warmup_epochs < 0:
             raise ValueError("--momentum, --wd and --warmup-epochs must be >= 0")
         try:
