@@ -128,8 +128,7 @@ def check_two_bits_forward_four_back(rank: int) -> None:
         assert stage.message_nbytes(direction, shape, torch.float32) == message_bytes([payload], 0)
 
 
-CHECKS = [_lossless(s, 2) for s in SCHEDULES] + [_lossless("1f1b", 4), _lossless("gpipe", 4),
-                                                  check_two_bits_forward_four_back]
+CHECKS = [_lossless(s, w) for w in (2, 4) for s in SCHEDULES] + [check_two_bits_forward_four_back]
 
 
 @pytest.fixture(scope="module")
