@@ -46,13 +46,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from dgpipe.comm.probe import pingpong_seconds
 from dgpipe.comm.slow_link import parse_rate
 from dgpipe.pipeline import Pipeline, init_distributed, spawn, split_layers
 from dgpipe.pipelining import CompressedPipelineStage
+from pipeline_throughput import make_layers  # the same MLP as the throughput benchmark (this folder)
 
 SLOW_LINK = Path(__file__).resolve().parents[1] / "bandwidth" / "slow_link.py"
 CODECS = {"uncompressed": None, "quant 8": ("quant", {"bits": 8}), "quant 4": ("quant", {"bits": 4})}
@@ -85,14 +85,6 @@ class SavedBytes:
     def hooks(self):
         self.live = self.peak = 0
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-
-def make_layers(args) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks = []
-    for _ in range(args.layers):
-        blocks += [nn.Linear(args.width, args.width), nn.ReLU()]
-    return nn.Sequential(*blocks, nn.Linear(args.width, 10))
 
 
 def worker(rank: int, world_size: int, args, out_path: str) -> None:
