@@ -131,7 +131,7 @@ class CompressedPipelineStage(PipelineStage):
         self._factories = {"forward": act, "backward": grad}
         self._codecs: dict[tuple[str, int, int], Codec] = {}
         self._sizes: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
-        self._pending: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor, str, int]]] = {}
+        self._pending: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor, str, int, int]]] = {}
         self.meter = BandwidthMeter() if meter is None else meter
         self.evaluating = False
 
