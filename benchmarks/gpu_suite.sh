@@ -5,6 +5,9 @@
 # Usage:  bash benchmarks/gpu_suite.sh OUT_DIR [STEP ...]
 #   STEPs (default: all, in this order): env cuda_tests suite codec_speed codec_profile pipeline
 #   GPU=cpu STEPS_MAX=2 bash benchmarks/gpu_suite.sh /tmp/dry pipeline   -- a dry run on CPU
+# On an H100 (2026-11-25): env + cuda_tests + codec_speed took 6.5 min, codec_profile 26 s; pipeline's
+# 14 runs need more than its 540 s at STEPS_MAX=15 (each run starts its processes and CUDA anew; the
+# last one, MiniLM DDP, was cut): give pipeline a call of its own, with STEPS_MAX=10.
 #
 # For a machine without network: put in CARRY (default .gpu, git-ignored) what it lacks --
 #   CARRY/whl/*.whl      wheels of the missing packages (installed with --no-deps into /tmp/site)
