@@ -1,4 +1,4 @@
-"""CompressedPipelineStage under torch's own schedules, against torch's PipelineStage.
+"""CompressedPipelineStage under every schedule torch ships, against torch's PipelineStage.
 
 The model has a tuple boundary (hidden state, integer mask): the hidden state is coded, the
 mask travels as torch sends it. Every check runs the same two steps (SGD between them) twice
@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
                                           ScheduleZBVZeroBubble)
 
 from dgpipe.compression import Codec, get_codec
@@ -24,9 +25,11 @@ from dgpipe.pipelining import CompressedPipelineStage, check_torch_version
 from helpers import assert_ranks_ok, message_bytes, spawn_checks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "zbv": ScheduleZBVZeroBubble}
-MICRO = 4
-BATCH = 8
+             "loopedbfs": ScheduleLoopedBFS, "interleavedzb": ScheduleInterleavedZeroBubble,
+             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+LOOPED, V_SHAPED = ("interleaved", "loopedbfs", "interleavedzb"), ("zbv", "dualpipev")
+MICRO = 8  # DualPipeV on 4 ranks needs as many micro-batches as its 8 stages
+BATCH = 16
 WIDTH = 32
 
 
@@ -59,9 +62,9 @@ class Last(nn.Module):
 
 def _stage_indices(schedule: str, rank: int, world: int) -> tuple[int, list[int]]:
     """(number of stages, this rank's stage indices): one per rank, or two (looped or V-shaped)."""
-    if schedule == "interleaved":
+    if schedule in LOOPED:
         return 2 * world, [rank, rank + world]
-    if schedule == "zbv":
+    if schedule in V_SHAPED:
         return 2 * world, [rank, 2 * world - 1 - rank]
     return world, [rank]
 
@@ -111,7 +114,7 @@ def check_two_bits_forward_four_back(rank: int) -> None:
             assert max(abs(a - b) for a, b in zip(ref_losses, losses)) < 0.01 * max(ref_losses)
     _, (stage,) = _train(rank, 2, "1f1b", act_codec=("quant", {"bits": 2}), grad_codec=("quant", {"bits": 4}))
     records = {r["direction"]: r for r in stage.meter.records()}
-    messages = 2 * MICRO  # two steps of four micro-batches, one hidden state each
+    messages = 2 * MICRO  # two steps of MICRO micro-batches, one hidden state each
     shape = (BATCH // MICRO, WIDTH)
     for direction, bits in (("forward", 2), ("backward", 4)):
         payload = get_codec("quant", bits=bits).encode(torch.zeros(shape))
