@@ -42,7 +42,8 @@ def test_torch_1f1b_trains_exactly_as_dgpipe_gpipe(tmp_path):
     assert forward["raw_bytes"] == hidden + 3 * 16 * 64 * 8  # and the int64 attention mask, sent raw
 
 
-@pytest.mark.parametrize("schedule, stages", [("gpipe", "2"), ("interleaved", "4")])
+@pytest.mark.parametrize("schedule, stages", [("gpipe", "2"), ("interleaved", "4"), ("looped-bfs", "4"),
+                                             ("interleaved-zb", "6")])
 def test_every_schedule_runs_with_8_bit_boundaries(tmp_path, schedule, stages):
     epoch, summary = _run(tmp_path, schedule, "--quant", "8", "--engine", "torch", "--schedule", schedule,
                           "--stages", stages)
@@ -59,7 +60,8 @@ def test_every_schedule_runs_with_8_bit_boundaries(tmp_path, schedule, stages):
     (["--engine", "torch", "--delta"], "--delta needs the examples' ids"),
     (["--engine", "torch", "--schedule", "interleaved", "--stages", "3"], "needs a multiple of the world size, at "
                                                                            "least twice it stages, not 3"),
-    (["--engine", "torch", "--schedule", "zbv"], "torch's ScheduleZBVZeroBubble.eval fails"),
+    (["--engine", "torch", "--schedule", "gpipe", "--stages", "4"], "needs one per rank, 2 stages, not 4"),
+    (["--engine", "torch", "--schedule", "zbv"], "the eval of torch's V schedules"),
     (["--engine", "torch", "--schedule", "interleaved", "--stages", "4", "--chunk", "3", "--batch-size", "15"],
      "needs --chunk a multiple of the world size 2"),
     (["--engine", "torch", "--padding", "longest"], "--engine torch keeps every activation at one shape"),

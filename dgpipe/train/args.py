@@ -42,6 +42,10 @@ __all__ = [
     "placement_backend",
 ]
 
+#: torch schedules of ``--engine torch`` whose stages loop over the ranks (stage i on rank i % W),
+#: two or more per rank.
+LOOPED_SCHEDULES = ("interleaved", "looped-bfs", "interleaved-zb")
+
 #: Environment variables that ``torchrun`` sets for every rank.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -162,9 +166,10 @@ def common_parser(
     s.add_argument("--engine", choices=["dgpipe", "torch"], default="dgpipe",
                    help="pipeline runtime: dgpipe's GPipe, or torch.distributed.pipelining's schedules (--schedule) "
                         "with the dgpipe codecs on their boundaries (a linear partition, fixed shapes)")
-    s.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbv"],
-                   help="torch schedule of --engine torch: GPipe, 1F1B, interleaved 1F1B (2 stages per rank); "
-                        "zbv is refused (torch's V schedule cannot evaluate) (default: 1f1b)")
+    s.add_argument("--schedule", choices=["gpipe", "1f1b", *LOOPED_SCHEDULES, "zbv"],
+                   help="torch schedule of --engine torch: GPipe, 1F1B, or a looped one with 2 or more stages per "
+                        "rank (interleaved 1F1B, looped BFS, interleaved zero-bubble); zbv is refused (torch's V "
+                        "schedules cannot evaluate) (default: 1f1b)")
     s.add_argument("--world-size", type=int, metavar="W",
                    help="processes (default: 2; under torchrun: its WORLD_SIZE)")
     s.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
@@ -340,10 +345,10 @@ def _torch_schedule(args: argparse.Namespace, world_size: int, balance: tuple[in
         return None
     schedule = args.schedule or "1f1b"
     if schedule == "zbv":
-        raise ValueError("--schedule zbv: the jobs evaluate every epoch, and torch's ScheduleZBVZeroBubble.eval "
-                         "fails (its V stages on one rank hand over backward inputs even without a backward); "
-                         "train with it through dgpipe.pipelining.CompressedPipelineStage, or use --schedule "
-                         "interleaved")
+        raise ValueError("--schedule zbv: the jobs evaluate every epoch, and the eval of torch's V schedules "
+                         "(ScheduleZBVZeroBubble, ScheduleDualPipeV) fails: their V stages on one rank hand over "
+                         "backward inputs even without a backward. Train with them through "
+                         "dgpipe.pipelining.CompressedPipelineStage, or use --schedule interleaved-zb")
     if args.partition != "linear":
         raise ValueError("--engine torch runs a linear partition (torch's schedules place stage i on rank "
                          "i % world size, or in a V): add --partition linear")
@@ -353,16 +358,14 @@ def _torch_schedule(args: argparse.Namespace, world_size: int, balance: tuple[in
     if not args.compress_eval:
         raise ValueError("--no-compress-eval: with --engine torch evaluation crosses the boundaries through the "
                          "training codecs; drop the flag or use --engine dgpipe")
-    per_rank = 2 if schedule in ("interleaved", "zbv") else 1
-    stages = args.stages or (len(balance) if balance else per_rank * world_size)
-    if stages != per_rank * world_size and not (schedule == "interleaved" and stages % world_size == 0 and
-                                                  stages >= 2 * world_size):
-        need = "a multiple of the world size, at least twice it" if schedule == "interleaved" else \
-            f"{per_rank} per rank, {per_rank * world_size} in all"
+    looped = schedule in LOOPED_SCHEDULES
+    stages = args.stages or (len(balance) if balance else (2 if looped else 1) * world_size)
+    if (stages % world_size or stages < 2 * world_size) if looped else stages != world_size:
+        need = "a multiple of the world size, at least twice it" if looped else f"one per rank, {world_size}"
         raise ValueError(f"--schedule {schedule} with {world_size} processes needs {need} stages, not {stages}; "
                          "set --stages or --balance accordingly")
-    if schedule == "interleaved" and args.chunk % world_size:
-        raise ValueError(f"--schedule interleaved needs --chunk a multiple of the world size {world_size}, "
+    if looped and args.chunk % world_size:
+        raise ValueError(f"--schedule {schedule} needs --chunk a multiple of the world size {world_size}, "
                          f"not {args.chunk}")
     return schedule
 
@@ -425,7 +428,7 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
                 raise ValueError("--stages/--balance apply to --partition linear; "
                                  "client-server is set by --client-layers")
         else:
-            per_rank = 2 if derived["schedule"] in ("interleaved", "zbv") else 1
+            per_rank = 2 if derived["schedule"] in LOOPED_SCHEDULES else 1
             stages = derived["stages"] = args.stages or (len(balance) if balance else per_rank * world_size)
             if stages < world_size:
                 raise ValueError(f"--stages {stages} leaves processes idle with --world-size "

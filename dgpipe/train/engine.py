@@ -41,7 +41,7 @@ __all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEn
 
 def placement(pipeline: PipelineConfig) -> list[int]:
     """Rank of every stage: ``[0, 1, 0]`` client/server; stage i on rank ``i % world_size`` linear
-    (also what torch's GPipe, 1F1B and interleaved 1F1B schedules expect)."""
+    (also what torch's GPipe, 1F1B and looped schedules expect)."""
     if pipeline.partition == "client-server":
         return client_server_placement()
     return [i % pipeline.world_size for i in range(pipeline.stages)]
@@ -204,7 +204,8 @@ class TorchScheduleEngine:
 
     def __init__(self, job: Job, layers: list[nn.Module], config: RunConfig, rank: int,
                  device: torch.device) -> None:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                  ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
 
         from dgpipe.pipelining import CompressedPipelineStage
 
@@ -220,7 +221,8 @@ class TorchScheduleEngine:
         self.stages = [CompressedPipelineStage(_Positional(self.modules[i]), i, len(stages), device,
                                                act_codec=comp.forward, grad_codec=comp.backward, meter=self.meter)
                        for i in mine]
-        kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+        kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                 "looped-bfs": ScheduleLoopedBFS, "interleaved-zb": ScheduleInterleavedZeroBubble}
         self.schedule = kinds[p.schedule](self.stages if len(self.stages) > 1 else self.stages[0], p.chunk,
                                           loss_fn=job.loss)
         self.first, self.last = 0 in mine, len(stages) - 1 in mine
