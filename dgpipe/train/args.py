@@ -336,9 +336,9 @@ def _check_delta(args: argparse.Namespace) -> None:
                              "choose a writable directory")
 
 
-def _torch_schedule(args: argparse.Namespace, world_size: int, balance: tuple[int, ...] | None) -> str | None:
+def _torch_schedule(args: argparse.Namespace) -> str | None:
     """``--schedule`` resolved for ``--engine torch`` (None for dgpipe's runtime), after checking the
-    partition it needs: linear; one stage per rank (GPipe, 1F1B) or two (interleaved, V)."""
+    flags torch's schedules cannot serve; :func:`_check_torch_stages` checks the stage count."""
     if args.engine != "torch":
         if args.schedule:
             raise ValueError(f"--schedule {args.schedule} chooses a torch schedule: add --engine torch")
@@ -351,23 +351,27 @@ def _torch_schedule(args: argparse.Namespace, world_size: int, balance: tuple[in
                          "dgpipe.pipelining.CompressedPipelineStage, or use --schedule interleaved-zb")
     if args.partition != "linear":
         raise ValueError("--engine torch runs a linear partition (torch's schedules place stage i on rank "
-                         "i % world size, or in a V): add --partition linear")
+                         "i % world size): add --partition linear")
     if args.delta:
         raise ValueError("--delta needs the examples' ids at every boundary, which torch's schedules do not pass: "
                          "use --engine dgpipe")
     if not args.compress_eval:
         raise ValueError("--no-compress-eval: with --engine torch evaluation crosses the boundaries through the "
                          "training codecs; drop the flag or use --engine dgpipe")
+    return schedule
+
+
+def _check_torch_stages(schedule: str, stages: int, world_size: int, chunk: int) -> None:
+    """One stage per rank for GPipe and 1F1B; a multiple of the world size, at least two per rank,
+    for the looped schedules, whose micro-batches must also split evenly over the ranks."""
     looped = schedule in LOOPED_SCHEDULES
-    stages = args.stages or (len(balance) if balance else (2 if looped else 1) * world_size)
     if (stages % world_size or stages < 2 * world_size) if looped else stages != world_size:
         need = "a multiple of the world size, at least twice it" if looped else f"one per rank, {world_size}"
         raise ValueError(f"--schedule {schedule} with {world_size} processes needs {need} stages, not {stages}; "
                          "set --stages or --balance accordingly")
-    if looped and args.chunk % world_size:
+    if looped and chunk % world_size:
         raise ValueError(f"--schedule {schedule} needs --chunk a multiple of the world size {world_size}, "
-                         f"not {args.chunk}")
-    return schedule
+                         f"not {chunk}")
 
 
 def _compare_to(args: argparse.Namespace, compression: BoundaryCompression) -> tuple[str, ...]:
@@ -419,7 +423,7 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
             raise ValueError("--grad-compression compresses the DDP gradient exchange: add --mode dataparallel, "
                              "or use --sortquant/--quant/--codec for pipeline boundaries")
         balance = derived["balance"] = _balance(args)
-        derived["schedule"] = _torch_schedule(args, world_size, balance)
+        schedule = derived["schedule"] = _torch_schedule(args)
         if args.partition == "client-server":
             if world_size != 2:
                 raise ValueError(f"--partition client-server runs on exactly 2 processes, not {world_size}; "
@@ -428,13 +432,15 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
                 raise ValueError("--stages/--balance apply to --partition linear; "
                                  "client-server is set by --client-layers")
         else:
-            per_rank = 2 if derived["schedule"] in LOOPED_SCHEDULES else 1
+            per_rank = 2 if schedule in LOOPED_SCHEDULES else 1
             stages = derived["stages"] = args.stages or (len(balance) if balance else per_rank * world_size)
             if stages < world_size:
                 raise ValueError(f"--stages {stages} leaves processes idle with --world-size "
                                  f"{world_size}; use --stages >= {world_size}")
             if balance is not None and len(balance) != stages:
                 raise ValueError(f"--balance lists {len(balance)} stages but --stages is {stages}")
+            if schedule:
+                _check_torch_stages(schedule, stages, world_size, args.chunk)
         compression = derived["compression"] = boundary_compression(args)
         derived["dp_compression"] = None
         _check_delta(args)

@@ -212,7 +212,6 @@ class TorchScheduleEngine:
         p = config.pipeline
         stages, self.placement = partition(layers, p, job.pinned)
         self.layers_per_stage = [len(list(s.children())) for s in stages]
-        self.schedule_name = p.schedule
         mine = [i for i, r in enumerate(self.placement) if r == rank]
         comp = config.codec.compression
         warm_up_codecs((comp.forward, comp.backward), device)
