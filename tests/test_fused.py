@@ -122,7 +122,83 @@ def test_codebook_fused_equals_eager(eager_and_fused, opts):
     codec = get_codec("codebook", **opts)
     for t in codebook_inputs(tensors(seed=2), opts):
         eager_and_fused(codec, t)
-    assert ("encode_levels", opts["bits"]) in backend._kernels and ("decode_levels", opts["bits"]) in backend._kernels
+    if opts.get("group") == "token" and opts["levels"] == "normal":  # one pass per row (below)
+        want = [("encode_rows", opts["bits"], True, 1), ("decode_rows", opts["bits"], True)]
+    else:
+        want = [("encode_levels", opts["bits"]), ("decode_levels", opts["bits"])]
+    assert all(key in backend._kernels for key in want)
+
+
+ROWS = [dict(bits=b, rotate=r, scale_dtype=sd) for b in (1, 2, 3, 4) for r in ("hadamard", "none")
+        for sd in ("float32", "bfloat16", "float16")]
+
+
+def row_inputs(seed: int) -> dict[str, torch.Tensor]:
+    """Token-grouped inputs: widths with one Hadamard block, several (384 = 3 x 128) and a padded one
+    (50 -> 64, 56 -> 64); tiles of rows across chunk and thread borders, a tail, zero rows."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(6, 33, 384, generator=g)
+    hidden[..., ::97] *= 30  # outlier features
+    hidden[2, 5] = 0.0  # an all-zero row: scale 0
+    return {
+        "hidden": hidden,
+        "padded": torch.randn(5, 7, 50, generator=g) * 1e-3,
+        "conv": torch.relu(torch.randn(2, 3, 40, 56, generator=g)),
+        "tiny": torch.randn(3, 5, generator=g),  # the tail alone
+        "chunks": torch.randn(4 * CHUNK // 64, 64, generator=g),  # whole chunks, no tail
+        "subnormal": torch.randn(40, 128, generator=g) * 1e-41,
+        "wide": torch.randn(40, 128, generator=g) * 1e30,
+        "bf16": torch.randn(9, 31, 256, generator=g).bfloat16(),
+    }
+
+
+@pytest.mark.parametrize("opts", ROWS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_codebook_rows_in_one_pass_equal_the_steps(eager_and_fused, monkeypatch, opts):
+    """Token groups with fixed levels: rotation, RMS scale, its rounding, levels and packing in one compiled
+    pass per row (kernels.numba_rows) give the step-by-step path's payloads and values, on one thread and
+    split over three."""
+    codec = get_codec("codebook", group="token", **opts)
+    for threads in (1, 3):
+        monkeypatch.setattr(backend, "MIN_CHUNKS_PER_THREAD", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        for name, x in row_inputs(seed=threads).items():
+            if name == "wide" and opts["scale_dtype"] == "float16":
+                continue  # refused by both paths (below)
+            eager_and_fused(codec, x)
+    rotated, meta = opts["rotate"] == "hadamard", ("float32", "bfloat16", "float16").index(opts["scale_dtype"])
+    assert ("encode_rows", opts["bits"], rotated, meta) in backend._kernels, "one-pass encode not taken"
+    assert ("decode_rows", opts["bits"], rotated) in backend._kernels, "one-pass decode not taken"
+
+
+@pytest.mark.parametrize("bad, error", [(float("nan"), "inf/NaN"), (float("inf"), "inf/NaN"),
+                                        (1e7, "overflows scale_dtype float16")])
+def test_codebook_rows_refuse_what_the_steps_refuse(bad, error):
+    """A row with inf/NaN, or a scale past float16's range, is refused with the steps' error either way."""
+    x = torch.randn(50, 384)
+    x[31, 7] = bad
+    codec = get_codec("codebook", bits=2, group="token", rotate="hadamard", scale_dtype="float16")
+    for on in (False, True):
+        previous = backend.set_enabled(on)
+        try:
+            with pytest.raises(ValueError, match=error):
+                codec.encode(x)
+        finally:
+            backend.set_enabled(previous)
+
+
+def test_row_rms_against_float64():
+    """The RMS scale is the float32 rounding of sqrt(mean(x^2)) computed in float64 (numpy's, an
+    independent summation order; the float64 sums differ in the last bits at most, which the rounding
+    to float32 absorbs): for wide, subnormal and odd-length rows."""
+    from dgpipe.compression.kernels import row_rms
+
+    g = np.random.default_rng(3)
+    for shape, scale in (((64, 384), 1.0), ((7, 1001), 1e30), ((5, 3), 1e-40), ((1, 1), 2.0)):
+        rows = (g.standard_normal(shape) * scale).astype(np.float32)
+        want = np.sqrt(np.mean(rows.astype(np.float64) ** 2, axis=1, keepdims=True))
+        got = row_rms(torch.from_numpy(rows)).numpy()
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.array_equal(got, want.astype(np.float32)), shape
 
 
 def test_fwht_fused_equals_eager():

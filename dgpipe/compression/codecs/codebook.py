@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from ..kernels import finite_range, level_codes, level_values, packed_nbytes
+from ..kernels import finite_range, level_codes, level_rows, level_rows_values, level_values, packed_nbytes, row_rms
 from ..steps.grid import GROUP_PARAM, flat_float32, grouping_options
 from ..steps.grouping import Grouping, round_meta
 from ..steps.levels import fit_levels, normal_levels
@@ -77,16 +77,16 @@ class CodebookQuantizer(Codec):
         gp, shape = self.grouping, tuple(x.shape)
         params = (self.bits, LEVELS.index(self.levels), gp.param(len(shape)))
         table = normal_levels(self.bits).to(flat.device)
-        if gp.counts(shape)[2] == 0:
+        fused = self._one_pass(flat, shape, table)
+        if fused is not None:
+            scale, packed = fused
+        elif gp.counts(shape)[2] == 0:
             scale, packed = flat.to(gp.meta_dtype), flat.to(torch.uint8)
         else:
             rows = gp.rows(flat.view(shape))
             lo, hi = torch.aminmax(rows)
             finite_range(lo, hi, self.name)
-            peak = rows.abs().amax(dim=1, keepdim=True)
-            peak = torch.where(peak > 0, peak, 1.0)
-            rms = peak * (rows / peak).square().mean(dim=1, keepdim=True).sqrt()  # no overflow of x^2
-            scale = round_meta(rms, gp.meta_dtype, True, "scale", self.name)
+            scale = round_meta(row_rms(rows), gp.meta_dtype, True, "scale", self.name)
             s32 = scale.float()
             v = rows / torch.where(s32 > 0, s32, 1.0)
             if self.levels == "fit":
@@ -94,6 +94,17 @@ class CodebookQuantizer(Codec):
             packed = level_codes(gp.sent(v, shape), table, self.bits, self.stochastic)
         tensors = (packed, scale.reshape(-1)) + ((table,) if self.levels == "fit" else ())
         return make_payload(self.codec_id, x.dtype, x.shape, params, tensors)
+
+    def _one_pass(self, flat: torch.Tensor, shape: tuple[int, ...],
+                  table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(scales, packed)`` of token groups with fixed levels in one compiled pass per row
+        (:func:`..kernels.level_rows`: the same bytes as the steps of :meth:`encode`), or None
+        where it does not apply."""
+        gp = self.grouping
+        if gp.group != "token" or self.levels != "normal" or self.stochastic or not shape or flat.numel() == 0:
+            return None
+        done = level_rows(flat.view(-1, shape[-1]), gp.rotation(shape), table, self.bits, gp.meta_dtype)
+        return None if done is None else done[::-1]
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)
@@ -110,5 +121,10 @@ class CodebookQuantizer(Codec):
         table = payload.tensors[2] if LEVELS[kind] == "fit" else normal_levels(bits).to(packed.device)
         if LEVELS[kind] == "fit" and not bool(torch.isfinite(table).all()):
             raise ValueError("corrupt payload: field 'tensors[2]' (levels) holds inf/NaN")
+        if gp.group == "token" and h.shape:  # one compiled pass per row, where it applies
+            d = h.shape[-1]
+            y = level_rows_values(packed, bits, table, scale, n_sent // gp.counts(h.shape)[1], d, gp.rotation(h.shape))
+            if y is not None:
+                return y.view(h.shape).to(h.dtype)
         values = level_values(packed, bits, n_sent, table, scale.float(), gp.counts(h.shape)[1])
         return gp.restore(values, h.shape).to(h.dtype)

@@ -16,10 +16,13 @@ uniform grid                :func:`uniform_codes`, :func:`uniform_values`, :mod:
 bucket boundaries/extrema   :func:`bucket_grid`                          :mod:`.buckets`
 bucket codes                :func:`bucket_codes`, :func:`bucket_values`  :mod:`.buckets`
 codebook assignment         :func:`level_codes`, :func:`level_values`    :mod:`.levels`
+RMS scale per group         :func:`row_rms`                              :mod:`.levels`
+token-grouped codebook      :func:`level_rows`,                          :mod:`.levels`
+message in one pass         :func:`level_rows_values`
 Hadamard butterflies        :func:`fwht`                                 :mod:`.fwht`
 ==========================  ==========================================  ===================
 
-Backends: :mod:`.numba_codes`, :mod:`.numba_message` (CPU), :mod:`.triton_codes` (CUDA);
+Backends: :mod:`.numba_codes`, :mod:`.numba_message`, :mod:`.numba_rows` (CPU), :mod:`.triton_codes` (CUDA);
 :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the thread
 parts and the per-kernel failure record.
 """
@@ -28,12 +31,12 @@ from .backend import MIN_VALUES, enabled, failed_kernels, set_enabled
 from .bitpack import CHUNK, pack_bits, packed_nbytes, unpack_bits
 from .buckets import BucketGrid, BucketIndex, bucket_codes, bucket_grid, bucket_values
 from .fwht import fwht
-from .levels import level_codes, level_values, nearest_level
+from .levels import level_codes, level_rows, level_rows_values, level_values, nearest_level, row_rms
 from .uniform import finite_range, grid_levels, uniform_codes, uniform_message, uniform_values
 
 __all__ = [
     "MIN_VALUES", "CHUNK", "enabled", "set_enabled", "failed_kernels", "pack_bits", "unpack_bits", "packed_nbytes",
     "BucketGrid", "BucketIndex", "bucket_grid", "bucket_codes", "bucket_values", "fwht", "nearest_level",
-    "level_codes", "level_values", "finite_range", "grid_levels", "uniform_codes", "uniform_values",
+    "level_codes", "level_values", "row_rms", "level_rows", "level_rows_values", "finite_range", "grid_levels", "uniform_codes", "uniform_values",
     "uniform_message",
 ]

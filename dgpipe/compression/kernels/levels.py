@@ -3,7 +3,13 @@
 - :func:`nearest_level`: the reference assignment (``torch.bucketize`` on the midpoints
   between neighbouring levels; or stochastic rounding between the two neighbours);
 - :func:`level_codes`: the packed indices of values in wire order;
-- :func:`level_values`: ``levels[code] * scale[group]``.
+- :func:`level_values`: ``levels[code] * scale[group]``;
+- :func:`row_rms`: the per-group scale, each row's root mean square, summed in a fixed
+  order (a pairwise fold) that every backend repeats exactly;
+- :func:`level_rows` / :func:`level_rows_values`: a whole token-grouped message -- rotation,
+  :func:`row_rms`, the scale's rounding, :func:`level_codes` -- in one compiled pass per
+  row on CPU (:mod:`.numba_rows`), and its decode; None where that does not apply (the
+  codec then runs the steps one by one: the reference).
 
 Compiled on CPU (:mod:`.numba_codes`) and GPU (:mod:`.triton_codes`) for codes of up to
 :data:`.numba_codes.MAX_LEVEL_BITS` bits: the whole chunks there, the ``n % CHUNK`` tail
@@ -17,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from . import numba_codes
+from . import numba_codes, numba_rows
 from .backend import choose, empty, kernels_of
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import CHUNK, pack_bits, packed_nbytes, unpack_bits
 from .uniform import in_groups, pack_tail, values_tail
 
-__all__ = ["nearest_level", "level_codes", "level_values"]
+__all__ = ["nearest_level", "level_codes", "level_values", "row_rms", "level_rows", "level_rows_values"]
 
 
 def nearest_level(v: torch.Tensor, levels: torch.Tensor, stochastic: bool) -> torch.Tensor:
@@ -80,3 +86,94 @@ def level_values(packed: torch.Tensor, bits: int, n: int, levels: torch.Tensor, 
                                * scale[torch.arange(start, n, device=packed.device) // group_len])
     values = in_groups(levels[unpack_bits(packed, bits, n, dtype=torch.int64)], group_len)
     return (values * scale[:, None]).reshape(-1)[:n]
+
+
+def row_rms(rows: torch.Tensor) -> torch.Tensor:
+    """Root mean square of each row, ``sqrt(sum(row^2) / len)``, in float64 and rounded to float32.
+
+    The squares of float32 values are exact in float64 and cannot overflow; their sum is a
+    pairwise fold in a fixed order -- while ``m > 1`` values remain, add the upper
+    ``m - ceil(m/2)`` to the lower ones -- so that it does not depend on the SIMD width or
+    thread count of a library's reduction, and a compiled kernel repeats it bit for bit
+    (:mod:`.numba_rows`). The square root is taken in float64 and rounded to float32: torch's
+    float32 square root on CPU is not correctly rounded (measured: 17% of results 1 ulp off on
+    an AVX-512 machine); its float64 one is off by an ulp of float64 at most, which moves the
+    float32 result only with a chance of about ``2**-29`` per row.
+
+    Args:
+        rows: float32 ``(n_groups, group_len)``.
+
+    Returns:
+        float32 ``(n_groups, 1)``; inf or NaN where a row holds inf or NaN.
+    """
+    sq = rows.double().square()
+    m = sq.shape[1]
+    while m > 1:
+        h = (m + 1) // 2
+        sq[:, : m - h] += sq[:, h:m]
+        m = h
+    return (sq[:, :1] / rows.shape[1]).sqrt().float()
+
+
+def _rotation_args(rotation, d: int) -> tuple:
+    """``(signs, width, block)`` of a :class:`..steps.hadamard.HadamardRotation` (None: no rotation)."""
+    return (None, d, d) if rotation is None else (rotation.signs, rotation.width, rotation.block)
+
+
+def level_rows(x: torch.Tensor, rotation, levels: torch.Tensor, bits: int,
+               meta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A token-grouped codebook message in one compiled pass per row: each row of ``x`` rotated,
+    scaled by its :func:`row_rms` rounded up to ``meta_dtype``, coded to the nearest level and packed.
+
+    The same bytes as the steps one by one (rotation, :func:`row_rms`,
+    :func:`..steps.grouping.round_meta`, :func:`level_codes`; golden payloads).
+
+    Args:
+        x: float32 ``(rows, d)``, contiguous.
+        rotation: a :class:`..steps.hadamard.HadamardRotation` of width ``d`` (its ``signs``,
+            ``width``, ``block``), or None.
+        levels: float32 ``(2**bits,)`` ascending.
+        bits: code width.
+        meta_dtype: dtype of the scales on the wire.
+
+    Returns:
+        ``(packed, scales)``: uint8 ``(ceil(rows * width * bits / 8),)`` and ``meta_dtype``
+        ``(rows,)``; None where it does not apply (not CPU, kernels off, more than
+        :data:`.numba_codes.MAX_LEVEL_BITS` bits, Numba unavailable) or the input holds
+        inf/NaN or a scale overflows ``meta_dtype`` (the steps then raise the error).
+    """
+    if not x.is_contiguous():
+        return None
+    signs, width, block = _rotation_args(rotation, x.shape[1])
+    done = numba_rows.encode_rows(x, signs, width, block, (levels[1:] + levels[:-1]) / 2, bits, meta_dtype)
+    if done is None:
+        return None
+    packed, scales, tail = done
+    n = x.shape[0] * width
+    pack_tail(packed, n, bits, lambda start: torch.from_numpy(tail).to(torch.int32))
+    return packed, scales.to(meta_dtype)
+
+
+def level_rows_values(packed: torch.Tensor, bits: int, levels: torch.Tensor, scales: torch.Tensor, rows: int, d: int,
+                      rotation) -> torch.Tensor | None:
+    """Inverse of :func:`level_rows`: ``levels[code] * scale[row]``, then the inverse rotation, per row.
+
+    Args:
+        packed: uint8 stream of ``rows * width`` codes of ``bits`` bits.
+        levels: float32 ``(2**bits,)``.
+        scales: ``(rows,)`` per-row scales as sent (any float dtype).
+        rows, d, rotation: as for :func:`level_rows`.
+
+    Returns:
+        float32 ``(rows, d)``, the same bits as :func:`level_values` and the inverse rotation; None
+        where it does not apply.
+    """
+    if not numba_rows.applies(bits, packed):
+        return None
+    signs, width, block = _rotation_args(rotation, d)
+    n = rows * width
+    full = n - n % CHUNK
+    tail = unpack_bits(packed, bits, n, start=full, dtype=torch.int32).to(torch.float32) if full < n else \
+        torch.empty(0)
+    return numba_rows.decode_rows(packed, bits, levels.float().contiguous(), scales.float().reshape(-1).contiguous(),
+                                  tail, rows, d, signs, width, block)

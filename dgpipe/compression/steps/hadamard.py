@@ -24,6 +24,8 @@ come from a fixed seed and ``d``: both sides derive them, nothing is sent.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..kernels.fwht import fwht
@@ -37,9 +39,15 @@ ROTATION_SEED = 0x4AD4
 
 
 def random_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``d`` random signs (+1/-1, float32) from a seed derived from :data:`ROTATION_SEED` and ``d``."""
+    """``d`` random signs (+1/-1, float32) from a seed derived from :data:`ROTATION_SEED` and ``d``.
+    Computed once per width (on CPU the same tensor is returned each time: do not modify it)."""
+    return _cpu_signs(d).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_signs(d: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(ROTATION_SEED * 1_000_003 + d)
-    return (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).to(torch.float32).to(device)
+    return (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).to(torch.float32)
 
 
 class HadamardRotation:
@@ -63,6 +71,11 @@ class HadamardRotation:
             self.width, self.block = d, low
         else:
             self.width = self.block = 1 << (d - 1).bit_length()
+
+    @property
+    def signs(self) -> torch.Tensor:
+        """The random signs, float32 ``(d,)`` on CPU (:func:`random_signs`; do not modify)."""
+        return random_signs(self.d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate: ``x`` float32 ``(rows, d)`` -> ``(rows, width)`` float32 (a new tensor)."""
