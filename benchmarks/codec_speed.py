@@ -58,6 +58,17 @@ MobileNetV2 server stage on the micro-batch: what a pipeline's messages meet, an
 harsher eviction than the convolution, of code as well as data). At these sizes the cost
 is per call, not per value, and the cold figures are what a pipeline pays.
 
+``--one-pass`` prints only the table of the codebook codec's one-pass kernels
+(:mod:`dgpipe.compression.kernels.numba_rows`: token groups, Hadamard rotation, RMS scale, levels and
+packing in one compiled pass per row): on a MiniLM-sized micro-batch (16x64x384, 1% outlier
+features), a MobileNetV2 stem activation and the 25.7 MB tensor, milliseconds of encode +
+decode with the compiled kernels and step by step, side by side with ``quant 8`` and a clone of
+the same tensor in the same rounds, whether both paths give the same bytes, bits per value
+all-in, and the link rate below which the codec pays. Targets: the Hadamard/token codebook at 2
+and 4 bits within 2x the time of ``quant 8`` on the micro-batch and the 25.7 MB tensor, the
+same bytes as the steps, channel groups on the 4-d tensors at most 2.3 / 4.3 bits per value,
+and the 2-bit codec on the micro-batch paying up to at least 10 Gbit/s.
+
 ``--device cuda`` runs everything on the GPU (timed with ``torch.cuda.synchronize``); the
 ``fused`` rows are then the Triton kernels (:mod:`dgpipe.compression.kernels.triton_codes`), a
 ``device copy`` row gives the memory speed (a clone: bytes read + written per second), and
@@ -66,6 +77,7 @@ the 8-bit target becomes a quarter of it (>= 25% of the GPU's memory bandwidth).
 Usage::
 
     python benchmarks/codec_speed.py [--reps 5] [--threads 1] [--cpu-time] [--real] [--messages] [--device cuda]
+    python benchmarks/codec_speed.py --one-pass [--reps 15] [--threads 2]
 """
 
 from __future__ import annotations
@@ -240,6 +252,78 @@ def real_table(model: str, reps: int, device: str, clock, sync) -> list[str]:
     return rows
 
 
+#: Tensors of the one-pass table: ``label -> (shape, kind)``; ``outliers``: randn with 1% of the
+#: features x30 (a transformer hidden state), ``relu6``: as :func:`make_data`.
+ONE_PASS_TENSORS = {
+    "MiniLM micro-batch 16x64x384": ((16, 64, 384), "outliers"),
+    "MobileNetV2 stem 16x32x16x16": ((16, 32, 16, 16), "relu6"),
+    "64x32x56x56 (25.7 MB)": (SHAPE, "relu6"),
+}
+
+#: Codecs of the one-pass table: ``label -> (registry name, options)``. Token groups with a
+#: Hadamard rotation go through the one-pass kernels; channel groups (a CNN activation's
+#: default here) step by step.
+ONE_PASS_CODECS = {
+    "quant 8": ("quant", {"bits": 8}),
+    **{f"codebook {b}, token, Hadamard{', bf16 scales' if sd == 'bfloat16' else ''}":
+       ("codebook", {"bits": b, "group": "token", "rotate": "hadamard", "scale_dtype": sd})
+       for b in (2, 4) for sd in ("float32", "bfloat16")},
+    **{f"codebook {b}, channel, bf16 scales": ("codebook", {"bits": b, "group": "channel", "axis": 1,
+                                                            "scale_dtype": "bfloat16"}) for b in (2, 4)},
+}
+
+
+def one_pass_data(shape: tuple[int, ...], kind: str) -> torch.Tensor:
+    """A fixed float32 tensor of ``shape``: ``outliers`` or ``relu6`` (:data:`ONE_PASS_TENSORS`)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g)
+    if kind == "outliers":
+        x[..., :: 100] *= 30
+        return x
+    return torch.nn.functional.relu6(2 * x - 0.5)
+
+
+def same_payload(a, b) -> bool:
+    """Whether two payloads are byte-identical (header and every tensor)."""
+    return torch.equal(a.header, b.header) and all(
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors, b.tensors))
+
+
+def one_pass_table(reps: int, clock) -> tuple[list[str], list[str]]:
+    """Markdown rows of the one-pass table and its missed targets (module doc): per tensor of
+    :data:`ONE_PASS_TENSORS`, a clone and each :data:`ONE_PASS_CODECS` codec, encode + decode
+    timed with the compiled kernels on and off side by side, interleaved."""
+    rows = ["| tensor | codec | bits/value | ms, compiled | ms, steps | x quant 8 | x a clone | same bytes "
+            "| pays below (Gbit/s) |", "|---|---|---|---|---|---|---|---|---|"]
+    fails = []
+    for label, (shape, kind) in ONE_PASS_TENSORS.items():
+        x = one_pass_data(shape, kind)
+        codecs = {name: get_codec(codec, **opts) for name, (codec, opts) in ONE_PASS_CODECS.items()}
+        fns = {"clone": x.clone}
+        for name, codec in codecs.items():
+            for on in (True, False):
+                fns[(name, on)] = lambda c=codec, on=on: roundtrip(c, x, on)
+        measured = timed(fns, reps, inner=1, clock=clock)
+        clone, quant8 = measured["clone"][0], measured[("quant 8", True)][0]
+        rows.append(f"| {label} | clone | 32.00 | {clone * 1e3:.3f} | | | 1.0 | | |")
+        for name in codecs:
+            (t, (p, y)), (t_steps, (p_steps, y_steps)) = measured[(name, True)], measured[(name, False)]
+            same = same_payload(p, p_steps) and torch.equal(y, y_steps)
+            bits = 8 * p.nbytes / x.numel()
+            pays = 8 * (x.numel() * 4 - p.nbytes) / t / 1e9
+            rows.append(f"| {label} | {name} | {bits:.2f} | {t * 1e3:.3f} | {t_steps * 1e3:.3f} | {t / quant8:.1f} "
+                        f"| {t / clone:.1f} | {'yes' if same else 'NO'} | {pays:.1f} |")
+            if not same:
+                fails.append(f"{label}, {name}: the compiled path's bytes differ from the steps'")
+            if "Hadamard" in name and "MobileNet" not in label and t / quant8 > 2:
+                fails.append(f"{label}, {name}: {t / quant8:.1f}x the time of quant 8 > 2x")
+            if "channel" in name and len(shape) == 4 and bits > (2.3 if name.startswith("codebook 2") else 4.3):
+                fails.append(f"{label}, {name}: {bits:.2f} bits/value")
+            if label.startswith("MiniLM") and name == "codebook 2, token, Hadamard, bf16 scales" and pays < 10:
+                fails.append(f"{label}, {name}: pays below {pays:.1f} Gbit/s < 10")
+    return rows, fails
+
+
 def fused_fails(kind: str, measured: dict, raw: int, t_orig: float, fails: list, target_mbs: float = 1500) -> None:
     """Append the missed fused-kernel targets at 8 bits (module doc) of one data kind to ``fails``;
     ``target_mbs``: the MB/s asked of sortquant 6+2 and quant 8."""
@@ -323,6 +407,8 @@ def main() -> None:
     ap.add_argument("--messages", action="store_true", help="also the per-message cost of small messages, "
                     "warm and with cold caches")
     ap.add_argument("--messages-only", action="store_true", help="only that table")
+    ap.add_argument("--one-pass", action="store_true", help="only the table of the codebook codec's one-pass "
+                    "kernels against quant 8, a clone and the step-by-step path")
     ap.add_argument("--device", default="cpu", help="device of the tensors and codecs, e.g. cuda (default: cpu)")
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
@@ -331,6 +417,13 @@ def main() -> None:
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
+    if args.one_pass:
+        rows, fails = one_pass_table(args.reps, clock)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); encode + decode, {'CPU' if args.cpu_time else 'wall'} "
+              f"time, median of {args.reps} interleaved rounds\n")
+        print("\n".join(rows) + "\n")
+        print("targets met" if not fails else "targets MISSED:\n  " + "\n  ".join(fails))
+        return
     if args.messages or args.messages_only:
         print(f"Per-message cost on the CPU, {torch.get_num_threads()} thread(s), fused kernels "
               f"{'on' if kernel_backend.enabled() else 'off'}; median of {60 * args.reps} calls:\n")
