@@ -79,7 +79,7 @@ class CodebookQuantizer(Codec):
         table = normal_levels(self.bits).to(flat.device)
         fused = self._one_pass(flat, shape, table)
         if fused is not None:
-            scale, packed = fused
+            packed, scale = fused
         elif gp.counts(shape)[2] == 0:
             scale, packed = flat.to(gp.meta_dtype), flat.to(torch.uint8)
         else:
@@ -97,14 +97,13 @@ class CodebookQuantizer(Codec):
 
     def _one_pass(self, flat: torch.Tensor, shape: tuple[int, ...],
                   table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(scales, packed)`` of token groups with fixed levels in one compiled pass per row
+        """``(packed, scales)`` of token groups with fixed levels in one compiled pass per row
         (:func:`..kernels.level_rows`: the same bytes as the steps of :meth:`encode`), or None
         where it does not apply."""
         gp = self.grouping
         if gp.group != "token" or self.levels != "normal" or self.stochastic or not shape or flat.numel() == 0:
             return None
-        done = level_rows(flat.view(-1, shape[-1]), gp.rotation(shape), table, self.bits, gp.meta_dtype)
-        return None if done is None else done[::-1]
+        return level_rows(flat.view(-1, shape[-1]), gp.rotation(shape), table, self.bits, gp.meta_dtype)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         h = self.parse(payload)

@@ -1,23 +1,24 @@
-"""Compiled CPU loops (Numba) of the codebook codec per row: rotation, RMS scale, nearest level and packing in one pass.
+"""Compiled CPU loops (Numba) of the codebook codec's token groups: rotation, RMS scale, levels and packing in one pass.
 
 The step-by-step codebook encode with token groups (:mod:`..codecs.codebook`) is a
-chain of whole-tensor passes: random signs, padding, the Walsh-Hadamard butterflies,
-``|x|``, the row maxima, the row mean squares, the scale's rounding, the division, the
-level assignment and the bit-packing -- each a pass over memory and a call. Here one
-compiled loop takes each row (one token's vector) through all of them while it is in
-cache, and the decode likewise (unpack, ``level * scale``, the inverse butterflies, the
-signs):
+chain of whole-tensor passes: random signs, padding, the Walsh-Hadamard butterflies, the
+rows' sums of squares, the scale's rounding, the division, the level assignment and the
+bit-packing -- each a pass over memory and a call. Here one compiled loop takes a tile of
+:data:`TILE` rows (tokens' vectors) through all of them while it is in cache, and the
+decode likewise (unpack, ``level * scale``, the inverse butterflies, the signs). In the
+tile the rows lie side by side (transposed in and out), so that each step is a vector
+operation across rows, whatever the width of the butterflies:
 
 - :func:`encode_rows`: ``x`` ``(rows, d)`` -> packed codes and per-row scales;
 - :func:`decode_rows`: packed codes and scales -> ``(rows, d)``.
 
-Each performs the same float32 operations, in the same order, as the reference steps
+Each performs the same floating-point operations, in the same order, as the reference steps
 (:meth:`..steps.hadamard.HadamardRotation.forward`, :func:`.levels.row_rms`,
 :func:`..steps.grouping.round_meta`, :func:`.levels.level_codes`, and their inverses), so
 payloads and decoded tensors are **bit-identical** to them (golden payloads; tested on
 random and adversarial tensors). The per-row RMS is the one reduction, and
-:func:`.levels.row_rms` defines its order (a pairwise fold), so that it can be repeated
-here exactly.
+:func:`.levels.row_rms` defines its order (a float64 pairwise fold), so that it can be
+repeated here exactly.
 
 Threads: the encode splits the code stream into runs of whole chunks (:func:`.backend.parts`;
 the last run also takes the ``n % CHUNK`` tail, which the caller packs), a row that straddles
