@@ -122,7 +122,7 @@ class CodebookQuantizer(Codec):
             raise ValueError("corrupt payload: field 'tensors[2]' (levels) holds inf/NaN")
         if gp.group == "token" and h.shape:  # one compiled pass per row, where it applies
             d = h.shape[-1]
-            y = level_rows_values(packed, bits, table, scale, n_sent // gp.counts(h.shape)[1], d, gp.rotation(h.shape))
+            y = level_rows_values(packed, bits, table, scale, ng, d, gp.rotation(h.shape))
             if y is not None:
                 return y.view(h.shape).to(h.dtype)
         values = level_values(packed, bits, n_sent, table, scale.float(), gp.counts(h.shape)[1])

@@ -49,8 +49,13 @@ __all__ = ["TILE", "META_DTYPES", "applies", "encode_rows", "decode_rows"]
 META_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Scale dtypes the kernels round to (in this order: the kernels' ``meta`` constant)."""
 
-_META_FORMAT = {1: (7, -126, 3.3895313892515355e38), 2: (10, -14, 65504.0)}
-"""``meta -> (explicit mantissa bits, least normal exponent, largest finite value)`` of bfloat16 and float16."""
+
+
+def _meta_format(meta: int) -> tuple[int, int, float]:
+    """``(explicit mantissa bits, least normal exponent, largest finite value)`` of :data:`META_DTYPES`
+    ``[meta]`` (unused for float32, which needs no rounding)."""
+    info = torch.finfo(META_DTYPES[meta])
+    return round(-math.log2(info.eps)), round(math.log2(info.tiny)), info.max
 
 
 TILE = 16
@@ -90,7 +95,7 @@ def _tile_steps(meta: int):
     """Inlined Numba functions of a tile of ``L`` rows, ``tile[j * L + l]`` = value ``j`` of row ``l``:
     ``butterflies(tile, L, width, block, inv_sqrt)`` and ``scales_of(tile, L, width, s64, scales)``."""
     njit = jit(inline=True)
-    mant, emin, top = _META_FORMAT.get(meta, (0, 0, 0.0))
+    mant, emin, top = _meta_format(meta)
 
     @njit
     def butterflies(tile, L, width, block, inv_sqrt):
@@ -327,7 +332,8 @@ def decode_rows(packed: torch.Tensor, bits: int, table: torch.Tensor, scales: to
         rows, d, signs, width, block: as for :func:`encode_rows`.
 
     Returns:
-        float32 ``(rows, d)``; None where it does not apply or its kernel failed.
+        float32 ``(rows, d)``; None if its kernel failed. The caller checks :func:`applies` first (before
+        unpacking the tail).
     """
     n = rows * width
     y = np.empty((rows, d), np.float32)
