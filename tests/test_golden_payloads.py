@@ -79,6 +79,9 @@ CODEBOOK = [{"bits": b} for b in (1, 2, 4, 8)] + [
     {"bits": 3, "levels": "fit"},
     {"bits": 4, "group": "token", "scale_dtype": "float16"},
     {"bits": 2, "stochastic": True},
+    {"count": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"},
+    {"count": 3, "levels": "fit"},
+    {"count": 7, "group": "channel", "axis": 1},
 ]
 GRADIENT = [
     ("topk", {"ratio": 0.05}), ("randomk", {"ratio": 0.05}), ("lowrank", {"rank": 2}), ("onebit", {}),

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.steps.levels import fit_levels, normal_levels
+from dgpipe.compression.kernels.radix import pack_radix, radix_layout, radix_nbytes, unpack_radix
+from dgpipe.compression.steps.levels import fit_levels, normal_codebook, normal_levels
 from dgpipe.compression.steps.grouping import Grouping
 from dgpipe.compression.kernels import fwht
 from dgpipe.compression.steps.hadamard import HadamardRotation, random_signs
@@ -236,7 +237,7 @@ def test_normal_levels_minimise_gaussian_mse():
 
 def test_fitted_levels_adapt_to_a_skewed_distribution():
     v = torch.distributions.Exponential(1.0).sample((50_000,))
-    fitted = fit_levels(v, 2)
+    fitted = fit_levels(v, 4)
     idx = lambda lv: torch.bucketize(v, (lv[1:] + lv[:-1]) / 2)  # noqa: E731
     err = lambda lv: float(((v - lv[idx(lv)]) ** 2).mean())  # noqa: E731
     assert err(fitted) < 0.5 * err(normal_levels(2))
@@ -253,6 +254,93 @@ def test_codebook_decodes_to_level_times_group_scale():
     v = rows / rms
     expected = levels[(v[..., None] - levels).abs().argmin(-1)] * rms
     torch.testing.assert_close(codec.decode(p).reshape(-1, 96).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- level counts that are not a power of two: radix packing -------------------------------
+
+def test_radix_layout_packs_near_log2_of_the_count():
+    assert [radix_layout(c) for c in (3, 5, 6, 7)] == [(17, 27), (3, 7), (5, 13), (11, 31)]
+    assert [radix_layout(1 << m) for m in (1, 2, 3, 16)] == [(1, 1), (1, 2), (1, 3), (1, 16)]
+    for count in range(2, 300):
+        k, b = radix_layout(count)
+        assert count**k <= 2**b <= 2**31  # every word fits its bits
+        assert b / k <= (count - 1).bit_length()  # never more than whole-bit codes
+        assert count > 16 or b / k <= math.log2(count) + 0.25
+
+
+def test_radix_words_are_base_count_numbers_of_k_codes():
+    # 5 levels: 3 codes per 7-bit word, word = c0 + 5 c1 + 25 c2; words bit-packed at 7 bits
+    codes = torch.tensor([1, 2, 3, 4, 0, 4, 2])  # words 86, 104, 2 (the last completed with zeros)
+    packed = pack_radix(codes, 5)
+    bits = "".join(format(w, "07b")[::-1] for w in (86, 104, 2))  # little-endian bit stream of 3 words
+    expected = [int(bits[i : i + 8].ljust(8, "0")[::-1], 2) for i in range(0, 21, 8)]
+    assert packed.tolist() == expected and radix_nbytes(7, 5) == 3
+
+
+@pytest.mark.parametrize("count", [3, 5, 6, 7, 11, 100, 1000])
+@pytest.mark.parametrize("n", [0, 1, 16, 4097, 3 * 4096 * 11 + 5])
+def test_radix_packing_round_trips(count, n):
+    codes = torch.randint(count, (n,), generator=torch.Generator().manual_seed(n + count))
+    packed = pack_radix(codes, count)
+    assert packed.dtype == torch.uint8 and packed.numel() == radix_nbytes(n, count)
+    assert torch.equal(unpack_radix(packed, count, n), codes)
+
+
+@pytest.mark.parametrize("count", [3, 5, 6, 7])
+def test_normal_codebook_of_any_count_is_lloyd_max(count):
+    levels = normal_codebook(count).double()
+    assert torch.equal(levels, -levels.flip(0))  # symmetric; an odd count has an exact 0
+    # each level is the conditional mean of its cell under N(0, 1): the centroid condition, to 1e-6
+    v = torch.randn(4_000_000, generator=torch.Generator().manual_seed(count), dtype=torch.float64)
+    idx = torch.bucketize(v, (levels[1:] + levels[:-1]) / 2)
+    means = torch.zeros(count, dtype=torch.float64).index_add_(0, idx, v) / torch.bincount(idx, minlength=count)
+    torch.testing.assert_close(means, levels, atol=5e-3, rtol=0)
+    assert normal_codebook(4).tolist() == normal_levels(2).tolist()
+
+
+@pytest.mark.parametrize("count, mse", [(3, 0.1902), (5, 0.07994), (6, 0.05798), (7, 0.04400)])
+def test_codebook_with_a_level_count_decodes_to_level_times_scale(count, mse):
+    """Codes of ``count`` levels: the nearest level times the token's RMS scale (an independent
+    float64 computation), the Lloyd-Max error of Max's 1960 table on Gaussian data, exact wire bytes."""
+    x = torch.randn(64, 8, 96, generator=torch.Generator().manual_seed(count))
+    codec = get_codec("codebook", count=count, group="token")
+    p = codec.encode(x)
+    rows = x.reshape(-1, 96).double()
+    rms = rows.pow(2).mean(1, keepdim=True).sqrt()
+    levels = normal_codebook(count).double()
+    expected = levels[(rows / rms - levels[:, None, None]).abs().argmin(0)] * rms
+    y = codec.decode(p)
+    torch.testing.assert_close(y.reshape(-1, 96).double(), expected, rtol=1e-5, atol=1e-5)
+    assert float(((y - x) ** 2).mean() / (x**2).mean()) == pytest.approx(mse, rel=0.05)
+    n = x.numel()
+    assert p.nbytes == radix_nbytes(n, count) + 4 * (n // 96) + header_bytes(3, 4, 2)
+
+
+def test_codebook_count_of_a_power_of_two_is_the_bits_codec():
+    x = outlier_hidden()
+    a = get_codec("codebook", count=8, group="token", rotate="hadamard").encode(x)
+    b = get_codec("codebook", bits=3, group="token", rotate="hadamard").encode(x)
+    assert torch.equal(a.header, b.header) and all(torch.equal(u, v) for u, v in zip(a.tensors, b.tensors))
+
+
+def test_codebook_count_with_fitted_levels_sends_them():
+    x = torch.distributions.Exponential(1.0).sample((4096,))
+    codec = get_codec("codebook", count=5, levels="fit")
+    p = codec.encode(x)
+    assert p.tensors[2].numel() == 5 and p.nbytes == radix_nbytes(4096, 5) + 4 + 4 * 5 + header_bytes(1, 4, 3)
+    assert float(((codec.decode(p) - x) ** 2).mean()) < float(((get_codec("codebook", count=5).decode(
+        get_codec("codebook", count=5).encode(x)) - x) ** 2).mean())
+
+
+def test_codebook_count_in_a_corrupt_header_is_refused():
+    codec = get_codec("codebook", count=5, group="token")
+    p = codec.encode(torch.randn(4, 96))
+    for i, bad in ((10, 8), (10, 4), (10, 9)):  # header: magic, codec, dtype, ndim, 2 sizes, n_params, 4 params
+        h = p.header.clone()
+        assert int(h[i]) == 5
+        h[i] = bad
+        with pytest.raises(ValueError, match="count"):
+            codec.decode(type(p)(h, p.tensors))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
@@ -323,6 +411,9 @@ def test_every_bit_width_from_1_to_16(name):
     ("codebook", dict(bits=0), "bits"),
     ("codebook", dict(bits=17), "bits"),
     ("codebook", dict(levels="nf4"), "levels"),
+    ("codebook", dict(count=1), "count"),
+    ("codebook", dict(count=65537), "count"),
+    ("codebook", dict(bits=2, count=5), "not both"),
 ])  # fmt: skip
 def test_bad_options_are_refused(name, opts, match):
     with pytest.raises(ValueError, match=match):

@@ -86,9 +86,11 @@ DDP_SETTINGS: dict[str, list[str]] = {
 }
 
 
-def _codebook(bits: int, flag: str = "--codec") -> list[str]:
-    """Flags of the codebook codec at ``bits`` bits: per-token RMS scale (bfloat16) after a Hadamard rotation."""
-    opts = [f"bits={bits}", "levels=normal", "group=token", "rotate=hadamard", "scale_dtype=bfloat16"]
+def _codebook(bits: int | None, flag: str = "--codec", count: int | None = None) -> list[str]:
+    """Flags of the codebook codec at ``bits`` bits (or ``count`` levels, radix-packed): per-token RMS scale
+    (bfloat16) after a Hadamard rotation."""
+    size = f"bits={bits}" if count is None else f"count={count}"
+    opts = [size, "levels=normal", "group=token", "rotate=hadamard", "scale_dtype=bfloat16"]
     return [flag, "codebook"] + [x for o in opts for x in (f"{flag}-opt", o)]
 
 
@@ -102,6 +104,9 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
     "codebook4": _codebook(4),
     "codebook3_g4": _codebook(3) + _codebook(4, "--grad-codec"),
     "codebook2_g4": _codebook(2) + _codebook(4, "--grad-codec"),
+    "codebook2_g2": _codebook(2) + _codebook(2, "--grad-codec"),
+    # 5 levels both ways (2.33 bits a value radix-packed, between the 2- and 3-bit codebooks)
+    "codebook5lv_g5lv": _codebook(None, count=5) + _codebook(None, "--grad-codec", count=5),
 }
 
 #: Delta coding against per-example caches (AQ-SGD, docs/delta.md) with the codebook codec at 4, 3 and 2
@@ -116,7 +121,8 @@ DELTA_SETTINGS: dict[str, list[str]] = {
     # The same pairs evaluated uncompressed: delta trains on reconstructions far closer to the
     # activations than direct low-bit coding, which is what compressed evaluation (no cache) still sees.
     **{f"{prefix}{label}_eval32": LOWBIT_SETTINGS[label] + flags + ["--no-compress-eval"]
-       for label in ("codebook4", "codebook3_g4", "codebook2_g4") for prefix, flags in (("", []), ("delta_", ["--delta"]))},
+       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv")
+       for prefix, flags in (("", []), ("delta_", ["--delta"]))},
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS}

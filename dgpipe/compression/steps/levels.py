@@ -1,4 +1,4 @@
-"""Codebooks: the ``2**bits`` levels a codebook quantizer rounds scaled values to.
+"""Codebooks: the levels (``2**bits`` of them, or any count) a codebook quantizer rounds scaled values to.
 
 - :func:`normal_levels`: the Lloyd-Max quantizer of the standard normal distribution (Max,
   "Quantizing for minimum distortion", IRE Trans. IT 1960; Lloyd, IEEE Trans. IT 1982),
@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-__all__ = ["FIT_SAMPLE", "FIT_ITERATIONS", "FIT_SEED", "normal_levels", "fit_levels"]
+__all__ = ["FIT_SAMPLE", "FIT_ITERATIONS", "FIT_SEED", "normal_levels", "normal_codebook", "fit_levels"]
 
 FIT_SAMPLE = 1 << 16
 """Most values a fitted codebook is computed from."""
@@ -22,17 +22,22 @@ FIT_ITERATIONS = 12
 FIT_SEED = 0xC0DE
 
 
+def normal_levels(bits: int) -> torch.Tensor:
+    """Lloyd-Max levels of ``N(0, 1)`` for ``2**bits`` levels: :func:`normal_codebook` of ``2**bits``."""
+    return normal_codebook(1 << bits)
+
+
 @functools.lru_cache(maxsize=None)
-def normal_levels(bits: int, iterations: int = 200) -> torch.Tensor:
-    """Lloyd-Max levels of ``N(0, 1)`` for ``2**bits`` levels: 1-D float32, ascending.
+def normal_codebook(count: int, iterations: int = 200) -> torch.Tensor:
+    """Lloyd-Max levels of ``N(0, 1)`` for ``count >= 2`` levels: 1-D float32 ``(count,)``, ascending.
 
     Alternates the two optimality conditions in float64 -- cell edges halfway between
     levels, each level the conditional mean of its cell,
     ``(phi(a) - phi(b)) / (Phi(b) - Phi(a))`` -- from the asymptotically optimal start
-    (quantiles of ``N(0, 3)``). 1 bit gives ``+-0.7979`` (``sqrt(2/pi)``); 2 bits
-    ``+-0.4528, +-1.5104`` (Max's table).
+    (quantiles of ``N(0, 3)``). 2 levels give ``+-0.7979`` (``sqrt(2/pi)``); 4 levels
+    ``+-0.4528, +-1.5104``; 3 levels ``0, +-1.2240`` (Max's table). An odd count has a level at 0.
     """
-    n = 1 << bits
+    n = count
     p = (torch.arange(n, dtype=torch.float64) + 0.5) / n
     levels = torch.special.ndtri(p) * 3**0.5
     for _ in range(iterations):
@@ -41,14 +46,16 @@ def normal_levels(bits: int, iterations: int = 200) -> torch.Tensor:
         pdf = torch.exp(-0.5 * edges.clamp(-40, 40) ** 2) / (2 * torch.pi) ** 0.5
         mass = torch.special.ndtr(edges[1:]) - torch.special.ndtr(edges[:-1])
         levels = torch.where(mass > 0, (pdf[:-1] - pdf[1:]) / mass.clamp(min=1e-300), levels)
+    if n % 2:  # the middle level of a symmetric density, exactly
+        levels[n // 2] = 0.0
     return levels.to(torch.float32)
 
 
-def fit_levels(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """A Lloyd-Max codebook of ``2**bits`` levels fitted to the values ``v`` (1-D float32, non-empty).
+def fit_levels(v: torch.Tensor, count: int) -> torch.Tensor:
+    """A Lloyd-Max codebook of ``count`` levels fitted to the values ``v`` (1-D float32, non-empty).
 
     Up to :data:`FIT_SAMPLE` values (a fixed-seed sample), :data:`FIT_ITERATIONS`
-    Lloyd iterations from :func:`normal_levels`; a level whose cell is empty keeps its
+    Lloyd iterations from :func:`normal_codebook`; a level whose cell is empty keeps its
     value. The sample is sorted once, so each cell is a run of it: the cell means come from
     float64 prefix sums, in the same order on every device (a scatter-add on CUDA adds in
     whatever order its atomics land, and two encodes of one tensor would differ).
@@ -61,7 +68,7 @@ def fit_levels(v: torch.Tensor, bits: int) -> torch.Tensor:
     prefix = torch.cat((v.new_zeros(1, dtype=torch.float64), v.double().cumsum(0)))
     last = torch.full((1,), v.numel(), device=v.device, dtype=torch.long)
     first = torch.zeros_like(last)
-    levels = normal_levels(bits).to(v.device)
+    levels = normal_codebook(count).to(v.device)
     for _ in range(FIT_ITERATIONS):
         # a value goes to the nearest level, ties down (bucketize against the midpoints):
         # cell k ends after the last value <= midpoint k
