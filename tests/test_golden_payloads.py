@@ -112,6 +112,8 @@ def cases() -> dict[str, tuple[str, dict, str, str, str]]:
     for codec, options in (("quant", {"bits": 8}), ("sortquant", {"quant_bits": 6, "split_bits": 2}),
                            ("codebook", {"bits": 4, "group": "token", "rotate": "hadamard"})):
         add(codec, options, ("odd", "minilm", "large"), kinds=("outliers",), dtypes=tuple(DTYPES))
+    for options in ({"rank": 2}, {"rank": 3, "count": 5, "factor_dtype": "float16", "rotate": "none"}):
+        add("subspace", options, ("empty", "tiny", "odd", "minilm", "conv"), kinds=("outliers",))
     for codec, options in GRADIENT:
         add(codec, options, ("odd", "conv"))
     return out

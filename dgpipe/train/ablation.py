@@ -114,7 +114,8 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
 #: every training example is revisited.
 DELTA_SETTINGS: dict[str, list[str]] = {
     "none": [],
-    **{label: LOWBIT_SETTINGS[label] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
+    **{label: LOWBIT_SETTINGS[label]
+       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv")},
     **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
     "sortquant4": PIPELINE_SETTINGS["sortquant4"],
     "delta_sortquant4": PIPELINE_SETTINGS["sortquant4"] + ["--delta"],
