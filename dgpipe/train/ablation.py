@@ -94,6 +94,12 @@ def _codebook(bits: int | None, flag: str = "--codec", count: int | None = None)
     return [flag, "codebook"] + [x for o in opts for x in (f"{flag}-opt", o)]
 
 
+def _subspace(rank: int, bits: int, flag: str = "--codec") -> list[str]:
+    """Flags of the subspace codec: ``rank`` directions per message in bfloat16 factors, the residual
+    through the ``bits``-bit codebook (token groups, Hadamard, bfloat16 scales: the codec's defaults)."""
+    return [flag, "subspace", f"{flag}-opt", f"rank={rank}", f"{flag}-opt", f"bits={bits}"]
+
+
 #: Low-bit boundary codecs against the 8-bit ones (the quality benchmark, docs/quality.md); gradients at 4 bits
 #: with the same codebook where the forward direction goes below 4.
 LOWBIT_SETTINGS: dict[str, list[str]] = {
@@ -107,6 +113,8 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
     "codebook2_g2": _codebook(2) + _codebook(2, "--grad-codec"),
     # 5 levels both ways (2.33 bits a value radix-packed, between the 2- and 3-bit codebooks)
     "codebook5lv_g5lv": _codebook(None, count=5) + _codebook(None, "--grad-codec", count=5),
+    # 2 dominant directions per message exactly, the rest by the 2-bit codebook (2.26 bits a value)
+    "subspace2": _subspace(2, 2) + _subspace(2, 2, "--grad-codec"),
 }
 
 #: Delta coding against per-example caches (AQ-SGD, docs/delta.md) with the codebook codec at 4, 3 and 2
@@ -115,14 +123,14 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
 DELTA_SETTINGS: dict[str, list[str]] = {
     "none": [],
     **{label: LOWBIT_SETTINGS[label]
-       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv")},
+       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv", "subspace2")},
     **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
     "sortquant4": PIPELINE_SETTINGS["sortquant4"],
     "delta_sortquant4": PIPELINE_SETTINGS["sortquant4"] + ["--delta"],
     # The same pairs evaluated uncompressed: delta trains on reconstructions far closer to the
     # activations than direct low-bit coding, which is what compressed evaluation (no cache) still sees.
     **{f"{prefix}{label}_eval32": LOWBIT_SETTINGS[label] + flags + ["--no-compress-eval"]
-       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv")
+       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv", "subspace2")
        for prefix, flags in (("", []), ("delta_", ["--delta"]))},
 }
 
