@@ -310,7 +310,7 @@ def delta_table(logs: dict[str, list[Path]]) -> str | None:
 
 def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None = None) -> Path | None:
     """``OUT/quality.png``: per metric, the paired difference to ``none`` (points, 95% CI bars)
-    against measured forward bits per value. Returns the path, or None when nothing is paired yet."""
+    against measured bits per value averaged over both directions (the frontier). Returns the path, or None when nothing is paired yet."""
     import matplotlib.pyplot as plt
 
     metrics, results = seeds_results(out, labels, seeds)
@@ -324,11 +324,12 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
             if d is None:
                 continue
             err = [[0.0], [0.0]] if math.isnan(d[1]) else [[100 * (d[0] - d[1])], [100 * (d[2] - d[0])]]
-            ax.errorbar([r["forward"]], [100 * d[0]], yerr=err, fmt="o", capsize=3)
-            ax.annotate(r["label"], (r["forward"], 100 * d[0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            bits = (r["forward"] + r["backward"]) / 2
+            ax.errorbar([bits], [100 * d[0]], yerr=err, fmt="o", capsize=3)
+            ax.annotate(r["label"], (bits, 100 * d[0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("forward bits per value (measured, all-in)")
+        ax.set_xlabel("bits per value, mean of both directions (measured, all-in)")
         ax.set_ylabel(f"Δ {m} vs none (pt, paired 95% CI)")
     fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
     fig.tight_layout()
