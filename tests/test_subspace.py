@@ -85,6 +85,24 @@ def test_exact_wire_bytes(opts, fbytes):
     assert payload.nbytes == fbytes * r * (n + d) + sum(t.numel() * t.element_size() for t in inner.tensors) + header
 
 
+def test_bits_0_sends_the_factors_only():
+    """``bits=0``: two tensors (P^, R^) and two params on the wire, decode = P^ R^ exactly; any subspace
+    codec decodes it (decode reads the header only); residual options beside it are refused."""
+    x = hidden()
+    codec = get_codec("subspace", rank=3, bits=0)
+    payload = codec.encode(x)
+    p, q = (t.float() for t in payload.tensors)
+    assert len(payload.tensors) == 2 and parse_header(payload.header).params == (3, 0)
+    assert payload.nbytes == 2 * 3 * (256 + 384) + 8 * (4 + 3 + 1 + 2 + 1 + 2 * 2)
+    expected = (p.view(-1, 3) @ q.view(3, 384)).view(x.shape)
+    torch.testing.assert_close(codec.decode(payload), expected, rtol=0, atol=0)
+    torch.testing.assert_close(get_codec("subspace", rank=1, bits=3).decode(payload), expected, rtol=0, atol=0)
+    s = torch.linalg.svdvals(x.reshape(-1, 384).double())
+    assert rel(x, expected) <= 1.01 * float(s[3:].square().sum() / s.square().sum())
+    with pytest.raises(ValueError, match="no residual options"):
+        get_codec("subspace", bits=0, group="tensor")
+
+
 @pytest.mark.parametrize("shape", [(0, 8), (5, 0), (7,), (3, 1), (1, 1), (2, 3, 5)])
 def test_small_and_empty_shapes_round_trip(shape):
     x = torch.randn(shape, dtype=torch.float64)

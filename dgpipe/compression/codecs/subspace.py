@@ -9,7 +9,7 @@ values. Its projection on ``rank`` dominant directions of its own is sent as two
     P = P U[:, :r],  U S V^T = svd(P^T M)  # the r dominant directions of that range (Rayleigh-Ritz)
     P^ = round(P),  R^ = round(P^T M)      # factor_dtype (bfloat16 by default)
     E = M - P^ R^                          # computed from the rounded factors: both sides agree
-    decode = P^ R^ + codebook.decode(codebook.encode(E))
+    decode = P^ R^ + codebook.decode(codebook.encode(E))     # bits=0: decode = P^ R^ (no residual)
 
 The basis is the randomized range finder with subspace iteration (Halko, Martinsson & Tropp,
 SIAM Review 2011), as in PowerSGD's compressor (Vogels et al., NeurIPS 2019), but fitted per
@@ -22,7 +22,13 @@ leaves 0.046-0.069 of the energy at 2.26 bits a value, against 0.106-0.118 for t
 alone (2.05) and 0.080 for 5 levels (2.38).
 
 Factor bytes grow with the rows of a message: ``16 * r * (n + d)`` bits, 0.21 bits a value for
-``r = 2`` on a 256 x 384 micro-batch.
+``r = 2`` on a 256 x 384 micro-batch. With ``bits=0`` only the factors are sent: a sub-1-bit code
+for tensors whose energy sits in a few directions (the gradient at MiniLM's layer-4 boundary keeps
+0.05-0.1 of its energy outside rank 2-4; its activations keep far more).
+
+The factors come out of float32 matrix products, whose rounding depends on the BLAS and on how many
+threads split each sum: two machines may send different bytes for the same tensor (both valid; the
+receiver decodes whatever factors it is sent, so sender and receiver always agree).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class SubspaceCodec(Codec):
         **residual: options of the residual's :class:`.codebook.CodebookQuantizer`
             (``bits``/``count``, ``group``, ``rotate``, ``scale_dtype``, ...); the default
             codebook has 2 bits, token groups, a Hadamard rotation and bfloat16 scales.
+            ``bits=0`` (and no other residual option) sends no residual: the factors only.
 
     Input: a floating tensor of at least one dimension, any device; computed in float32. Decode
     returns its shape, dtype and device.
@@ -70,6 +77,7 @@ class SubspaceCodec(Codec):
 
         nbytes = sizeof(factor_dtype) * r * (n + d) + (the residual codebook payload's tensor bytes)
                  + header bytes      # header params: rank, factor dtype, then the codebook's
+                                     # (none, and 2 tensors only, with bits=0)
 
     Raises:
         ValueError: bad options (construction); non-floating or 0-d input, inf/NaN (encode); a
@@ -82,10 +90,16 @@ class SubspaceCodec(Codec):
                 raise ValueError(f"subspace: {name} must be an int in [{lo}, {hi}], got {v!r}")
         if factor_dtype not in FACTOR_DTYPES:
             raise ValueError(f"subspace: factor_dtype must be one of {tuple(FACTOR_DTYPES)}, got {factor_dtype!r}")
+        self.rank, self.power_iters, self.factor_dtype = rank, power_iters, factor_dtype
+        if residual.get("bits") == 0:
+            if len(residual) > 1:
+                raise ValueError(f"subspace: bits=0 sends no residual, so it takes no residual options, "
+                                 f"got {sorted(set(residual) - {'bits'})}")
+            self.residual = None
+            return
         options = {"bits": 2, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}
         if "count" in residual:
             options.pop("bits")
-        self.rank, self.power_iters, self.factor_dtype = rank, power_iters, factor_dtype
         self.residual = CodebookQuantizer(**{**options, **residual})
 
     def encode(self, x: torch.Tensor) -> Payload:
@@ -104,10 +118,11 @@ class SubspaceCodec(Codec):
         else:
             p = q = mat.new_empty(0, dtype=fdt)
             rest = mat
-        inner = self.residual.encode(rest.view(x.shape))
-        h = self.residual.parse(inner)
-        params = (r, list(FACTOR_DTYPES).index(self.factor_dtype), *h.params)
-        return make_payload(self.codec_id, x.dtype, x.shape, params, (p, q, *inner.tensors))
+        params, tensors = (r, list(FACTOR_DTYPES).index(self.factor_dtype)), (p, q)
+        if self.residual is not None:
+            inner = self.residual.encode(rest.view(x.shape))
+            params, tensors = params + self.residual.parse(inner).params, tensors + inner.tensors
+        return make_payload(self.codec_id, x.dtype, x.shape, params, tensors)
 
     def _factors(self, mat: torch.Tensor, r: int, fdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(P^ (n, r), R^ (r, d))`` in ``fdt``: the rounded orthonormal basis of the ``r`` dominant
@@ -137,8 +152,11 @@ class SubspaceCodec(Codec):
         r, fcode = check_params(own, ("rank", 0, min(MAX_RANK, n, d)), ("factor_dtype", 0, len(FACTOR_DTYPES) - 1))
         fdt = list(FACTOR_DTYPES.values())[fcode]
         check_tensor_specs(own, ("P", fdt, n * r), ("R", fdt, r * d))
-        inner = make_payload(self.residual.codec_id, torch.float32, h.shape, h.params[2:], payload.tensors[2:])
-        rest = self.residual.decode(inner).reshape(n, d)
+        if len(h.params) == 2 and len(h.tensor_specs) == 2:  # factors only (bits=0)
+            rest = torch.zeros(n, d, device=payload.tensors[0].device)
+        else:
+            inner = make_payload(CodebookQuantizer.codec_id, torch.float32, h.shape, h.params[2:], payload.tensors[2:])
+            rest = (self.residual or CodebookQuantizer()).decode(inner).reshape(n, d)
         p, q = payload.tensors[:2]
         if r:
             if not (bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all())):
