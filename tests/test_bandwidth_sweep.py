@@ -253,3 +253,47 @@ def test_sweep_entry_point_hands_the_job_its_flags(vision_parser, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["vision", "--data-dir", str(data), "--batch-size", "4", "--settings", "none,bogus"])
     assert exc.value.code == 2 and "dgpipe-sweep vision" in capsys.readouterr().err
+
+
+# -- benchmarks/nlp_slow_link.py: the last epoch's bytes per link direction, the ideal epoch --------------------
+
+def _load_nlp_benchmark():
+    """benchmarks/nlp_slow_link.py, loaded from its file (it imports its neighbour ddp_slow_link)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("nlp_slow_link", ROOT / "benchmarks" / "nlp_slow_link.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+NLP_LINK = _load_nlp_benchmark()
+
+
+def test_nlp_slow_link_sums_each_link_direction_of_the_last_epoch(tmp_path):
+    def b(name, direction, wire, frame):
+        return {**boundary_record(name, direction, 10 * wire, wire, wire, 0.1), "frame_bytes": frame}
+
+    last = [b("stage0->stage1", "forward", 1000, 10), b("stage1->stage2", "backward", 200, 2),  # client sends
+            b("stage1->stage2", "forward", 3000, 30), b("stage0->stage1", "backward", 400, 4),  # server sends
+            b("stage0->stage1", "eval", 99_999, 0)]  # evaluation: not training traffic
+    recs = [epoch_record(1, 1.0, {}, 1.0, [b("stage0->stage1", "forward", 7, 0)]), epoch_record(2, 1.0, {}, 8.0, last)]
+    log = tmp_path / "a.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert NLP_LINK.last_epoch(log, 2, 256) == {"seconds": 32.0, "up": 1212, "down": 3434}
+    with pytest.raises(ValueError, match="no epoch-3 record; see .*a.out"):
+        NLP_LINK.last_epoch(log, 3, 256)
+
+
+def test_nlp_slow_link_ideal_is_the_larger_of_compute_and_the_busier_direction():
+    def entry(free, slow, up, down):
+        return {"free": {"seconds": free}, "10mbit": {"seconds": slow, "up": up, "down": down}}
+
+    results = {"none": [entry(20.0, 60.0, 50e6, 40e6)], "codebook4": [entry(22.0, 30.0, 6e6, 7e6)]}
+    rows = NLP_LINK.table(results, ["none", "codebook4"], ["10mbit"]).splitlines()
+    # link 8 * 50e6 / 1e7 = 40 s > 20 s of compute: ideal 40, serial 60, measured 60 -> 0.67 of ideal
+    assert rows[2] == "| none | 50.00 / 40.00 | 20.0 | 10mbit | 60.0 | 40.0 | 40.0 | 60.0 | 0.67 | 1.00x |"
+    # link 5.6 s < 22 s of compute: ideal 22, serial 27.6
+    assert rows[3] == "| codebook4 | 6.00 / 7.00 | 22.0 | 10mbit | 30.0 | 5.6 | 22.0 | 27.6 | 0.73 | 2.00x |"

@@ -94,10 +94,12 @@ def _codebook(bits: int | None, flag: str = "--codec", count: int | None = None)
     return [flag, "codebook"] + [x for o in opts for x in (f"{flag}-opt", o)]
 
 
-def _subspace(rank: int, bits: int, flag: str = "--codec") -> list[str]:
+def _subspace(rank: int, bits: int | None, flag: str = "--codec", count: int | None = None) -> list[str]:
     """Flags of the subspace codec: ``rank`` directions per message in bfloat16 factors, the residual
-    through the ``bits``-bit codebook (token groups, Hadamard, bfloat16 scales: the codec's defaults)."""
-    return [flag, "subspace", f"{flag}-opt", f"rank={rank}", f"{flag}-opt", f"bits={bits}"]
+    through the ``bits``-bit (or ``count``-level) codebook (token groups, Hadamard, bfloat16 scales: the
+    codec's defaults; ``bits=0``: no residual)."""
+    size = f"bits={bits}" if count is None else f"count={count}"
+    return [flag, "subspace", f"{flag}-opt", f"rank={rank}", f"{flag}-opt", size]
 
 
 #: Low-bit boundary codecs against the 8-bit ones (the quality benchmark, docs/quality.md); gradients at 4 bits
@@ -115,22 +117,30 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
     "codebook5lv_g5lv": _codebook(None, count=5) + _codebook(None, "--grad-codec", count=5),
     # 2 dominant directions per message exactly, the rest by the 2-bit codebook (2.26 bits a value)
     "subspace2": _subspace(2, 2) + _subspace(2, 2, "--grad-codec"),
+    # the most accurate code within 2.5 bits a value, both ways (2.49 on 256 x 384 messages; 0.036-0.059 of
+    # the energy left on MiniLM's boundaries, about the 3-bit codebook's error going forward)
+    "subspace1lv5": _subspace(1, None, count=5) + _subspace(1, None, "--grad-codec", count=5),
+    # under 1 bit a value averaged over both directions: the 1-bit codebook forward (1.05), the gradients'
+    # 8 dominant directions alone (0.84 on a 256 x 384 message)
+    "codebook1_gsub8": _codebook(1) + _subspace(8, 0, "--grad-codec"),
 }
+
+_LOWBIT_CODEBOOKS = ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv", "subspace2",
+                     "subspace1lv5", "codebook1_gsub8")
 
 #: Delta coding against per-example caches (AQ-SGD, docs/delta.md) with the codebook codec at 4, 3 and 2
 #: bits as the inner codec, beside the same codecs without delta; run them for >= 3 epochs so that
 #: every training example is revisited.
 DELTA_SETTINGS: dict[str, list[str]] = {
     "none": [],
-    **{label: LOWBIT_SETTINGS[label]
-       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv", "subspace2")},
-    **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in ("codebook4", "codebook3_g4", "codebook2_g4")},
+    **{label: LOWBIT_SETTINGS[label] for label in _LOWBIT_CODEBOOKS},
+    **{f"delta_{label}": LOWBIT_SETTINGS[label] + ["--delta"] for label in _LOWBIT_CODEBOOKS},
     "sortquant4": PIPELINE_SETTINGS["sortquant4"],
     "delta_sortquant4": PIPELINE_SETTINGS["sortquant4"] + ["--delta"],
     # The same pairs evaluated uncompressed: delta trains on reconstructions far closer to the
     # activations than direct low-bit coding, which is what compressed evaluation (no cache) still sees.
     **{f"{prefix}{label}_eval32": LOWBIT_SETTINGS[label] + flags + ["--no-compress-eval"]
-       for label in ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv", "subspace2")
+       for label in _LOWBIT_CODEBOOKS
        for prefix, flags in (("", []), ("delta_", ["--delta"]))},
 }
 
