@@ -318,9 +318,20 @@ def delta_table(logs: dict[str, list[Path]]) -> str | None:
     return "\n".join(lines)
 
 
+#: Published operating points of pipeline-boundary compression, in bits per value averaged over both directions
+#: (forward + backward) / 2, as ``(label, low, high)``: what each method sends, not its accuracy on our tasks.
+ANCHORS: tuple[tuple[str, float, float], ...] = (
+    ("AQ-SGD: 2-4 fwd (delta), 6-8 bwd", 4.0, 6.0),  # Wang et al., NeurIPS 2022
+    ("TAH-Quant: 3.8-4.4 fwd, 6 bwd", 4.9, 5.2),  # tile-wise INT3/INT4 + Hadamard, INT6 gradients
+    ("Protocol Models (NanoGPT): 2.5 each way", 2.5, 2.5),  # arXiv 2506.01260, 322 of 2,048 bytes a token
+)
+
+
 def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None = None) -> Path | None:
     """``OUT/quality.png``: per metric, the paired difference to ``none`` (points, 95% CI bars)
-    against measured bits per value averaged over both directions (the frontier). Returns the path, or None when nothing is paired yet."""
+    against measured bits per value averaged over both directions (the frontier, 0.5 to 8 bits on a
+    log axis), with the published operating points of :data:`ANCHORS` as shaded bands. Returns the
+    path, or None when nothing is paired yet."""
     import matplotlib.pyplot as plt
 
     metrics, results = seeds_results(out, labels, seeds)
@@ -338,7 +349,12 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
             ax.errorbar([bits], [100 * d[0]], yerr=err, fmt="o", capsize=3)
             ax.annotate(r["label"], (bits, 100 * d[0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.axhline(0, color="grey", lw=0.8)
+        for i, (name, lo, hi) in enumerate(ANCHORS):
+            ax.axvspan(lo * 0.98, hi * 1.02, color=f"C{7 + i % 3}", alpha=0.15, lw=0)
+            ax.text(lo, 0.02 + 0.07 * i, name, transform=ax.get_xaxis_transform(), fontsize=6, rotation=0)
         ax.set_xscale("log", base=2)
+        ax.set_xlim(0.5, 9)
+        ax.set_xticks([0.5, 1, 2, 3, 4, 6, 8], ["0.5", "1", "2", "3", "4", "6", "8"])
         ax.set_xlabel("bits per value, mean of both directions (measured, all-in)")
         ax.set_ylabel(f"Δ {m} vs none (pt, paired 95% CI)")
     fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
