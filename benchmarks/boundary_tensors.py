@@ -10,6 +10,8 @@
   and its gradient coming back, and the last block's output and its gradient.
 
 Both return ``{name: tensor}``; names say the model, the boundary and the direction.
+``minilm_real_tokens`` gives the ``(n, length)`` bool mask of the sentences' real tokens (not padding): the
+positions whose values matter downstream (padding positions are sent, but no real token attends to them).
 """
 
 from __future__ import annotations
@@ -56,18 +58,29 @@ def _through(layers, x, cuts: tuple[int, ...], target: torch.Tensor, loss) -> di
     return out
 
 
-def minilm_tensors(n: int = 64, max_length: int = 64, task: str = "sst2") -> dict[str, torch.Tensor]:
-    """Hidden states and gradients at the two boundaries of MiniLM's client/server split (module doc)."""
+def _minilm_batch(n: int, max_length: int, task: str) -> dict[str, torch.Tensor]:
+    """The tokenized first ``n`` dev examples of ``task``, padded to the longest."""
     from transformers import AutoTokenizer
 
     from dgpipe.data import load_glue
     from dgpipe.data.glue import tokenize_glue
+
+    examples = load_glue(task, DATA / "glue", "dev")[:n]
+    return tokenize_glue(examples, AutoTokenizer.from_pretrained(minilm_dir()), max_length)
+
+
+def minilm_real_tokens(n: int = 64, max_length: int = 64, task: str = "sst2") -> torch.Tensor:
+    """``(n, length)`` bool: True at the real tokens of :func:`minilm_tensors`' sentences (module doc)."""
+    return _minilm_batch(n, max_length, task)["attention_mask"].bool()
+
+
+def minilm_tensors(n: int = 64, max_length: int = 64, task: str = "sst2") -> dict[str, torch.Tensor]:
+    """Hidden states and gradients at the two boundaries of MiniLM's client/server split (module doc)."""
     from dgpipe.models.encoder import build_encoder, encoder_layers
 
     torch.manual_seed(0)
     path = minilm_dir()
-    examples = load_glue(task, DATA / "glue", "dev")[:n]
-    enc = tokenize_glue(examples, AutoTokenizer.from_pretrained(path), max_length)
+    enc = _minilm_batch(n, max_length, task)
     inputs = (enc["input_ids"], enc["attention_mask"])
     model = build_encoder(path, 2)
     tensors = _through(encoder_layers(model), inputs, (2, 4), enc["labels"], F.cross_entropy)
