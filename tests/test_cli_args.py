@@ -101,6 +101,10 @@ def _validated(argv, cli=VISION):
         (["--delta", "--delta-warmup-epochs", "-1"], "--delta-warmup-epochs must be >= 0, got -1"),
         (["--delta", "--delta-cache-limit", "0"], "--delta-cache-limit must be a positive number of GiB"),
         (["--delta", "--delta-cache-dir", "/dev/null/caches"], "--delta-cache-dir /dev/null/caches: cannot create files"),
+        (["--mode", "dataparallel", "--example-dropout"], "--example-dropout sends sample ids along the pipeline"),
+        (["--example-dropout", "--engine", "torch", "--partition", "linear"],
+         "--example-dropout needs the examples' ids at every boundary, which torch's schedules do not pass"),
+        (["--example-dropout"], "--example-dropout is for the nlp job's encoders"),
     ],
 )
 def test_common_flag_errors(argv, message, cifar, capsys):

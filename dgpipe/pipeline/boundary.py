@@ -141,6 +141,8 @@ class Boundary:
         delta: the pipeline's delta spec (``None``: no sample ids travel); this boundary
             delta-codes its activations if the spec covers ``index``.
         report: where cache allocations are reported (one line each).
+        id_examples: sample ids travel with forward messages, each in ``[0, id_examples)``
+            (``None``: no ids; with ``delta``, its ``examples``).
     """
 
     def __init__(
@@ -156,11 +158,13 @@ class Boundary:
         rank: int | None = None,
         delta: DeltaSpec | None = None,
         report: Callable[[str], None] | None = print,
+        id_examples: int | None = None,
     ) -> None:
         self.name = f"stage{index}->stage{index + 1}"
         self.src, self.dst = src, dst
         self.rank = src if rank is None else rank
         self.delta = delta
+        self.id_examples = delta.examples if delta is not None else id_examples
         self.delta_coded = delta is not None and delta.covers(index)
         self._deltas: dict[int, DeltaCoder] = {}
         self._report = report
@@ -361,12 +365,12 @@ class Boundary:
         return message, tensors, ids
 
     def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
-        """Check a message's sample ids against the delta spec (the rows are checked where they
-        meet a cache: :meth:`DeltaCoder.decode <dgpipe.compression.wrappers.delta.DeltaCoder.decode>`)."""
-        if direction != "forward" or self.delta is None:
+        """Check a message's sample ids against their range (with delta coding, the rows are checked
+        where they meet a cache: :meth:`DeltaCoder.decode <dgpipe.compression.wrappers.delta.DeltaCoder.decode>`)."""
+        if direction != "forward" or self.id_examples is None:
             raise ValueError(f"sample ids in a {direction} message, but this rank expects none "
-                             f"(is delta coding configured alike on every rank?)")
-        check_ids(ids, self.delta.examples, where=f"sample ids from rank {peer}")
+                             f"(are delta coding and per-example dropout configured alike on every rank?)")
+        check_ids(ids, self.id_examples, where=f"sample ids from rank {peer}")
         return ids
 
     def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int) -> Message:

@@ -32,6 +32,7 @@ from torchgpipe.microbatch import Batch, gather
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
+from dgpipe.models.example_dropout import example_ids
 
 from .boundary import Boundary, CodecArg, codec_factories
 from .partition import validate_placement
@@ -114,6 +115,12 @@ class Pipeline:
             forward message. The same spec on every rank.
         delta_report: called with one line per cache allocation (size in examples x values
             x bytes); default ``print``.
+        example_ids: without ``delta``: the number of training examples whose sample ids travel
+            with every forward message, for stages that need them (per-example dropout,
+            :mod:`dgpipe.models.example_dropout`); training steps then need ``sample_ids``. With
+            ``delta`` the ids travel anyway and this must be ``None`` or ``delta.examples``.
+            Each stage's training forward runs inside
+            :func:`~dgpipe.models.example_dropout.example_ids` with its micro-batch's ids.
 
     Raises:
         ValueError: bad placement, ``chunks``, ``timeout``, rank, codec or delta spec.
@@ -134,6 +141,7 @@ class Pipeline:
         compress_eval: bool = True,
         delta: DeltaSpec | None = None,
         delta_report: Callable[[str], None] | None = print,
+        example_ids: int | None = None,
     ) -> None:
         stages = list(stages)
         if not stages or any(not isinstance(s, nn.Module) for s in stages):
@@ -157,6 +165,11 @@ class Pipeline:
             if delta.boundaries is not None and any(b >= n_boundaries for b in delta.boundaries):
                 raise ValueError(f"delta boundaries {delta.boundaries}: there are {n_boundaries} boundaries "
                                  f"(indices 0..{n_boundaries - 1})")
+        if example_ids is not None and (isinstance(example_ids, bool) or not isinstance(example_ids, int)
+                                        or example_ids < 1):
+            raise ValueError(f"example_ids must be a positive int (training examples), got {example_ids!r}")
+        if delta is not None and example_ids not in (None, delta.examples):
+            raise ValueError(f"example_ids={example_ids} but the delta spec caches {delta.examples} examples")
         acts = codec_factories(act_codec, n_boundaries, "act_codec")
         grads = acts if grad_codec is None else codec_factories(grad_codec, n_boundaries, "grad_codec")
 
@@ -164,6 +177,8 @@ class Pipeline:
         self.loss_fn, self.compress_eval, self.timeout = loss_fn, compress_eval, float(timeout)
         self.device = torch.device(device)
         self.delta = delta
+        #: Sample ids travel with forward messages, each in ``[0, id_examples)`` (None: no ids).
+        self.id_examples = delta.examples if delta is not None else example_ids
         #: With a delta spec: send delta-coded tensors losslessly and store them (AQ-SGD's
         #: full-precision warm-up), instead of coding their change. Read by the sending rank.
         self.delta_warmup = False
@@ -183,7 +198,7 @@ class Pipeline:
             if rank in (a.rank, b.rank):
                 self._bounds[a.index] = Boundary(
                     a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout,
-                    rank=rank, delta=delta, report=delta_report,
+                    rank=rank, delta=delta, report=delta_report, id_examples=self.id_examples,
                 )
         self.last_step_totals: dict = self.meter.totals()
 
@@ -281,9 +296,10 @@ class Pipeline:
             return_outputs: also return the last stage's outputs (detached,
                 concatenated over micro-batches) on the last-stage rank, ``None`` elsewhere.
             sample_ids: on the rank holding stage 0, the dataset index of every example
-                of ``inputs`` (int64 ``(B,)``, distinct, in ``[0, delta.examples)``); needed
-                with a delta spec, ignored without one and on other ranks. They are split
-                with the micro-batches and travel with the forward messages.
+                of ``inputs`` (int64 ``(B,)``, distinct, in ``[0, delta.examples)`` or
+                ``[0, example_ids)``); needed with a delta spec or ``example_ids``, ignored
+                without them and on other ranks. They are split with the micro-batches and
+                travel with the forward messages.
 
         Returns:
             The mean loss over micro-batches (float, the same on every rank), or
@@ -308,11 +324,13 @@ class Pipeline:
                 )
             micro_in = _split(inputs, self.chunks, self.device)
             micro_ids = None
-            if self.delta is not None:
+            if self.id_examples is not None:
                 if sample_ids is None:
-                    raise ValueError("this pipeline delta-codes activations against per-example caches: "
-                                     "train_step needs sample_ids (the dataset index of every example)")
-                check_ids(sample_ids, self.delta.examples, batch)
+                    why = ("delta-codes activations against per-example caches" if self.delta is not None
+                           else "sends sample ids with every micro-batch (example_ids)")
+                    raise ValueError(f"this pipeline {why}: train_step needs sample_ids (the dataset index "
+                                     "of every example)")
+                check_ids(sample_ids, self.id_examples, batch)
                 micro_ids = _split(sample_ids, self.chunks, torch.device("cpu"))
         if self.holds_last_stage:
             if self.loss_fn is None:
@@ -399,9 +417,10 @@ class Pipeline:
             x, leaves, n, ids = self._bounds[seg.index - 1].recv_forward(m, step.direction)
             if n != step.n_micro:
                 raise ValueError(f"rank {self.rank}: peer sent micro-batch count {n}, expected {step.n_micro}")
-        for i in range(seg.first, seg.last + 1):
-            x = self._stages[i](x)
         training = step.direction == "forward"
+        with example_ids(ids if training else None):
+            for i in range(seg.first, seg.last + 1):
+                x = self._stages[i](x)
         if seg.last == self.n_stages - 1:
             if training:
                 loss = self.loss_fn(x, step.targets[m])

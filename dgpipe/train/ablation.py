@@ -125,6 +125,14 @@ LOWBIT_SETTINGS: dict[str, list[str]] = {
     "codebook1_gsub8": _codebook(1) + _subspace(8, 0, "--grad-codec"),
 }
 
+#: Per-example dropout masks (``--example-dropout``, the same masks at every visit): the uncompressed
+#: pair (run with ``--baseline exdrop``) and the delta-coded settings that revisits should favour.
+EXAMPLE_DROPOUT_SETTINGS: dict[str, list[str]] = {
+    "exdrop": ["--example-dropout"],
+    **{f"delta_{label}_exdrop_eval32": LOWBIT_SETTINGS[label] + ["--delta", "--example-dropout", "--no-compress-eval"]
+       for label in ("codebook2_g2", "codebook1_gsub8")},
+}
+
 _LOWBIT_CODEBOOKS = ("codebook4", "codebook3_g4", "codebook2_g4", "codebook2_g2", "codebook5lv_g5lv", "subspace2",
                      "subspace1lv5", "codebook1_gsub8")
 
@@ -144,7 +152,8 @@ DELTA_SETTINGS: dict[str, list[str]] = {
        for prefix, flags in (("", []), ("delta_", ["--delta"]))},
 }
 
-SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS}
+SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
+            "exdrop": EXAMPLE_DROPOUT_SETTINGS}
 
 
 def has_summary(log: Path) -> bool:
@@ -327,14 +336,15 @@ ANCHORS: tuple[tuple[str, float, float], ...] = (
 )
 
 
-def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None = None) -> Path | None:
-    """``OUT/quality.png``: per metric, the paired difference to ``none`` (points, 95% CI bars)
+def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None = None,
+               baseline: str = "none") -> Path | None:
+    """``OUT/quality.png``: per metric, the paired difference to ``baseline`` (points, 95% CI bars)
     against measured bits per value averaged over both directions (the frontier, 0.5 to 8 bits on a
     log axis), with the published operating points of :data:`ANCHORS` as shaded bands. Returns the
     path, or None when nothing is paired yet."""
     import matplotlib.pyplot as plt
 
-    metrics, results = seeds_results(out, labels, seeds)
+    metrics, results = seeds_results(out, labels, seeds, baseline)
     results = [r for r in results if any(d is not None for d in r["delta"].values())]
     if not results or not metrics:
         return None
@@ -356,7 +366,7 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
         ax.set_xlim(0.5, 9)
         ax.set_xticks([0.5, 1, 2, 3, 4, 6, 8], ["0.5", "1", "2", "3", "4", "6", "8"])
         ax.set_xlabel("bits per value, mean of both directions (measured, all-in)")
-        ax.set_ylabel(f"Δ {m} vs none (pt, paired 95% CI)")
+        ax.set_ylabel(f"Δ {m} vs {baseline} (pt, paired 95% CI)")
     fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
     fig.tight_layout()
     path = out / "quality.png"
@@ -386,6 +396,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="folder for the logs, outputs and the plot")
     parser.add_argument("--title", help="plot title")
     parser.add_argument("--seeds", help="comma-separated seeds: run every setting once per seed, paired table")
+    parser.add_argument("--baseline", default="none",
+                        help="with --seeds: the label every setting is paired with (default none)")
     parser.add_argument("--no-run", action="store_true",
                         help="run nothing: tabulate and plot the logs already in --out (e.g. while runs go on elsewhere)")
     parser.add_argument("--parallel", type=int, default=1,
@@ -407,9 +419,11 @@ def _main(argv: list[str]) -> int:
             parser.error(f"--seeds {args.seeds!r}: write integers separated by commas, e.g. 0,1,2")
         if "--seed" in common:
             parser.error("--seeds gives the seeds; do not pass --seed after --")
+        if args.baseline not in labels:
+            parser.error(f"--baseline {args.baseline} is not among the settings: add it to --only")
         runs = [(f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)]) for k in seeds for lab in labels]
         ok = all(has_summary(out / f"{r[0]}.jsonl") for r in runs) if args.no_run else run_all(args.job, runs, out, args.parallel)
-        table_md = seeds_table(out, labels, seeds)
+        table_md = seeds_table(out, labels, seeds, args.baseline)
         (out / "table.md").write_text(table_md + "\n")
         print(table_md)
         deltas = delta_table({lab: [out / f"{lab}_seed{k}.jsonl" for k in seeds
@@ -417,7 +431,7 @@ def _main(argv: list[str]) -> int:
         if deltas:
             (out / "delta.md").write_text(deltas + "\n")
             print(deltas)
-        png = seeds_plot(out, labels, seeds, args.title)
+        png = seeds_plot(out, labels, seeds, args.title, args.baseline)
         if png:
             print(f"wrote {png}")
         return 0 if ok else 1

@@ -133,6 +133,10 @@ def common_parser(
                    help="keep the caches in memory-mapped files under DIR (for caches larger than memory)")
     e.add_argument("--delta-cache-limit", type=float, default=DEFAULT_MAX_BYTES / 2**30, metavar="GIB",
                    help="largest in-memory cache per boundary tensor and side, GiB")
+    e.add_argument("--example-dropout", action="store_true",
+                   help="draw each training example's dropout masks from its id: the same masks at every visit, "
+                        "so revisits change only as the weights do (nlp job, pipeline mode, --engine dgpipe; "
+                        "pair it with an uncompressed run with the same flag)")
 
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", default=data_dir, help=data_dir_help)
@@ -352,9 +356,9 @@ def _torch_schedule(args: argparse.Namespace) -> str | None:
     if args.partition != "linear":
         raise ValueError("--engine torch runs a linear partition (torch's schedules place stage i on rank "
                          "i % world size): add --partition linear")
-    if args.delta:
-        raise ValueError("--delta needs the examples' ids at every boundary, which torch's schedules do not pass: "
-                         "use --engine dgpipe")
+    if args.delta or args.example_dropout:
+        raise ValueError(f"{'--delta' if args.delta else '--example-dropout'} needs the examples' ids at every "
+                         "boundary, which torch's schedules do not pass: use --engine dgpipe")
     if not args.compress_eval:
         raise ValueError("--no-compress-eval: with --engine torch evaluation crosses the boundaries through the "
                          "training codecs; drop the flag or use --engine dgpipe")
@@ -460,6 +464,8 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
                              "--grad-compression-opt quant_bits=6 --grad-compression-opt split_bits=2)")
         if args.delta:
             raise ValueError("--delta codes pipeline boundaries; it has no meaning in --mode dataparallel")
+        if args.example_dropout:
+            raise ValueError("--example-dropout sends sample ids along the pipeline; use --mode pipeline")
         if args.compare_to:
             raise ValueError("--compare-to compares pipeline boundary settings; drop it in --mode dataparallel")
         if args.engine != "dgpipe" or args.schedule:

@@ -135,6 +135,8 @@ class DeltaConfig:
         delta_cache_dtype: name of the caches' dtype (a key of ``CACHE_DTYPES``).
         delta_cache_dir: memory-mapped caches under this folder, or ``None`` (in memory).
         delta_cache_limit: largest in-memory cache per boundary tensor and side, GiB.
+        example_dropout: per-example dropout masks, the same at every visit
+            (:mod:`dgpipe.models.example_dropout`); sample ids then travel with the micro-batches.
     """
 
     delta: bool
@@ -142,6 +144,7 @@ class DeltaConfig:
     delta_cache_dtype: str
     delta_cache_dir: str | None
     delta_cache_limit: float
+    example_dropout: bool
 
 
 @dataclass(frozen=True)

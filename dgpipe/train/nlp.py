@@ -26,6 +26,7 @@ from torch.utils.data import ConcatDataset, DataLoader
 from dgpipe.data import glue_task, load_glue, make_glue_loader, offline_tokenizer
 from dgpipe.data.loading import make_dataloader
 from dgpipe.models import build_encoder, encoder_layers, resolve_model, small_encoder_config
+from dgpipe.models.example_dropout import use_example_dropout
 
 from .config import RunConfig
 from .job import Job, check_partition, decay_groups, metric_key
@@ -178,6 +179,8 @@ class GlueJob(Job):
             hf_logging.disable_progress_bar()
         config = _config(self.config.job, self.tokenizer)
         model = build_encoder(config if config is not None else self.config.job.model, self.task.num_labels)
+        if self.config.delta.example_dropout:
+            use_example_dropout(model, self.config.train.seed)
         return encoder_layers(model)
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
@@ -185,7 +188,7 @@ class GlueJob(Job):
         common = dict(max_length=a.max_length, seed=seed, num_workers=0, pad_to_longest=a.padding == "longest")
         train = make_glue_loader(a.task, self.tokenizer, d.data_dir, "train", d.batch_size // world_size,
                                  subset=d.train_subset, rank=rank, world_size=world_size, heldout=a.heldout,
-                                 sample_ids=self.config.delta.delta, **common)
+                                 sample_ids=self.config.delta.delta or self.config.delta.example_dropout, **common)
         evaluation = make_glue_loader(a.task, self.tokenizer, d.data_dir, "dev", d.batch_size,
                                       subset=d.eval_subset, **common)
         if a.heldout:  # one evaluation pass: the dev examples, then the held-out ones (metrics split them)

@@ -82,8 +82,8 @@ class VisionJob(Job):
         missing) and the partition against the model's layers. Returns ``config.job`` unchanged.
 
         Raises:
-            ValueError: bad ``--image-size``/``--width-mult``, no data (lists the paths
-                tried), or a partition that does not fit the model.
+            ValueError: bad ``--image-size``/``--width-mult``, ``--example-dropout``, no data
+                (lists the paths tried), or a partition that does not fit the model.
         """
         opts, data = config.job, config.data
         if opts.image_size < 8:
@@ -94,6 +94,9 @@ class VisionJob(Job):
             raise ValueError("--width-mult and --dropout change a randomly initialised model; drop them with --pretrained")
         if opts.dropout is not None and not 0 <= opts.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {opts.dropout}")
+        if config.delta.example_dropout:
+            raise ValueError("--example-dropout is for the nlp job's encoders (MobileNetV2's one dropout sits "
+                             "before its classifier, past every boundary)")
         if opts.deferred_batchnorm and config.pipeline.engine == "torch":
             raise ValueError("--deferred-batchnorm is dgpipe's runtime (torchgpipe's DeferredBatchNorm); "
                              "drop it with --engine torch")
