@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("train_subset", "epochs", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0 seconds")
     for rate in rates:
         try:
             parse_rate(rate)
