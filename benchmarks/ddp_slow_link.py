@@ -38,17 +38,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from dgpipe.comm.slow_link import parse_rate
-from dgpipe.pipeline import stop_process_group
+from slow_link_runs import add_common_args, check_args, run, shaped, split_extra
+
 from dgpipe.train.ablation import DDP_SETTINGS
 from dgpipe.train.runlog import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW_LINK = ROOT / "bandwidth" / "slow_link.py"
 VISION_CLI = ROOT / "test_vision_dgpipe.py"
 DEFAULT_LABELS = ("ddp_none", "ddp_fp16", "ddp_powersgd1", "ddp_topk_ef")
 WORLD_SIZE = 2
@@ -77,21 +75,6 @@ def measured_epoch(log: Path) -> dict:
     return {"samples_per_s": rec["samples_per_s"], "wire_mb": wire / rec["steps"] / WORLD_SIZE / 1e6}
 
 
-def run(cmd: list[str], out: Path, timeout_s: float) -> int:
-    """Run ``cmd`` in its own session with stdout/stderr to ``out``; its exit status.
-
-    After ``timeout_s`` seconds the whole process group (the job and the ranks it
-    started) gets SIGTERM, then SIGKILL after 10 s, and the status is 124.
-    """
-    with open(out, "w") as stdout:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_process_group(proc, grace_s=10.0)
-            return 124
-
-
 def table(results: dict[str, list[dict]], labels: list[str], rate: str) -> str:
     """Markdown table of the medians over rounds (see the module docstring)."""
     ref = labels[0]
@@ -110,39 +93,18 @@ def table(results: dict[str, list[dict]], labels: list[str], rate: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; see the module docstring."""
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_extra(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="100mbit", help="tc rate each way (default 100mbit)")
-    parser.add_argument("--settings", default=",".join(DEFAULT_LABELS),
-                        help=f"comma-separated labels, the first is the reference; from {', '.join(DDP_SETTINGS)}")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per epoch (default 12)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "cifar10-images"))
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
-    parser.add_argument("--out", default="benchmarks/results/ddp_slow_link", help="folder for logs and table.md")
+    add_common_args(parser, DDP_SETTINGS, DEFAULT_LABELS, rounds=2, timeout_s=900,
+                    out="benchmarks/results/ddp_slow_link")
     args = parser.parse_args(argv)
-    labels = args.settings.split(",")
-    unknown = [lab for lab in labels if lab not in DDP_SETTINGS]
-    if unknown:
-        parser.error(f"unknown settings {unknown}; choose from {list(DDP_SETTINGS)}")
-    for name in ("steps", "rounds", "batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.timeout <= 0:
-        parser.error("--timeout must be > 0 seconds")
-    try:
-        parse_rate(args.rate)
-    except ValueError as err:
-        parser.error(str(err))
     if not Path(args.data_dir).is_dir():
         parser.error(f"--data-dir {args.data_dir} is not a folder (the CIFAR-10 images; see ../shared/data/README)")
-    if os.geteuid() != 0:
-        parser.error("needs root: the slow link is a network namespace with tc shaping")
+    labels = check_args(parser, args, DDP_SETTINGS, ("steps", "batch_size"), [args.rate])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -155,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 log = out / f"{label}_{where}_r{rnd}.jsonl"
                 log.unlink(missing_ok=True)
                 cmd = job_command(label, args, extra, log)
-                if where == "slow":  # the runner stops both ranks and tears the link down at its timeout
-                    cmd = [sys.executable, str(SLOW_LINK), "--rate", args.rate, "--timeout", str(args.timeout), "--",
-                           *cmd]
+                if where == "slow":
+                    cmd = shaped(cmd, args.rate, args.timeout)
                 rc = run(cmd, log.with_suffix(".out"), args.timeout + 30)
                 try:
                     entry[where] = measured_epoch(log)

@@ -49,14 +49,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from ddp_slow_link import run
+from slow_link_runs import add_common_args, check_args, run, shaped, split_extra
 
 from dgpipe.comm.slow_link import parse_rate
 from dgpipe.train.ablation import DELTA_SETTINGS
 from dgpipe.train.runlog import read_records
 
-ROOT = Path(__file__).resolve().parent.parent
-SLOW_LINK = ROOT / "bandwidth" / "slow_link.py"
 DEFAULT_LABELS = ("none", "codebook4", "delta_codebook2_g2")
 UPLINK = {("stage0->stage1", "forward"), ("stage1->stage2", "backward")}  # what the client sends
 DOWNLINK = {("stage1->stage2", "forward"), ("stage0->stage1", "backward")}  # what the server sends
@@ -110,37 +108,16 @@ def table(results: dict, labels: list[str], rates: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; see the module docstring."""
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_extra(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="100mbit,10mbit", help="comma-separated tc rates each way")
-    parser.add_argument("--settings", default=",".join(DEFAULT_LABELS),
-                        help=f"comma-separated labels, the first is the reference; from {', '.join(DELTA_SETTINGS)}")
     parser.add_argument("--train-subset", type=int, default=256, help="training sentences per epoch (default 256)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs; the last is measured (default 2)")
-    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
-    parser.add_argument("--out", default="benchmarks/results/nlp_slow_link", help="folder for logs and table.md")
+    add_common_args(parser, DELTA_SETTINGS, DEFAULT_LABELS, rounds=1, timeout_s=1800,
+                    out="benchmarks/results/nlp_slow_link")
     args = parser.parse_args(argv)
-    labels, rates = args.settings.split(","), args.rates.split(",")
-    unknown = [lab for lab in labels if lab not in DELTA_SETTINGS]
-    if unknown:
-        parser.error(f"unknown settings {unknown}; choose from {list(DELTA_SETTINGS)}")
-    for name in ("train_subset", "epochs", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.timeout <= 0:
-        parser.error("--timeout must be > 0 seconds")
-    for rate in rates:
-        try:
-            parse_rate(rate)
-        except ValueError as err:
-            parser.error(str(err))
-    if os.geteuid() != 0:
-        parser.error("needs root: the slow link is a network namespace with tc shaping")
+    rates = args.rates.split(",")
+    labels = check_args(parser, args, DELTA_SETTINGS, ("train_subset", "epochs"), rates)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -157,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 except ValueError:
                     log.unlink(missing_ok=True)
                 cmd = job_command(label, args, extra, log)
-                if where != "free":  # the runner stops both ranks and tears the link down at its timeout
-                    cmd = [sys.executable, str(SLOW_LINK), "--rate", where, "--timeout", str(args.timeout), "--", *cmd]
+                if where != "free":
+                    cmd = shaped(cmd, where, args.timeout)
                 rc = run(cmd, log.with_suffix(".out"), args.timeout + 30)
                 try:
                     entry[where] = last_epoch(log, args.epochs, args.train_subset)

@@ -158,15 +158,20 @@ def test_ideal_speedup_is_the_byte_ratio_on_a_link_bound_run():
 
 # -- benchmarks/ddp_slow_link.py: the epoch-2 measurement and its table -----------------------
 
-def _load_ddp_benchmark():
-    """benchmarks/ddp_slow_link.py, loaded from its file (a script, not a module of the package)."""
-    spec = importlib.util.spec_from_file_location("ddp_slow_link", ROOT / "benchmarks" / "ddp_slow_link.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def _load_link_benchmark(name: str):
+    """``benchmarks/<name>.py``, loaded from its file (a script, not a module of the package; it imports
+    its neighbour slow_link_runs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
     return module
 
 
-DDP = _load_ddp_benchmark()
+DDP = _load_link_benchmark("ddp_slow_link")
 
 
 def _ddp_log(path: Path, epoch2_samples_per_s: float, wire_per_step: int, steps: int = 5) -> Path:
@@ -257,19 +262,7 @@ def test_sweep_entry_point_hands_the_job_its_flags(vision_parser, capsys):
 
 # -- benchmarks/nlp_slow_link.py: the last epoch's bytes per link direction, the ideal epoch --------------------
 
-def _load_nlp_benchmark():
-    """benchmarks/nlp_slow_link.py, loaded from its file (it imports its neighbour ddp_slow_link)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("nlp_slow_link", ROOT / "benchmarks" / "nlp_slow_link.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
-
-
-NLP_LINK = _load_nlp_benchmark()
+NLP_LINK = _load_link_benchmark("nlp_slow_link")
 
 
 def test_nlp_slow_link_sums_each_link_direction_of_the_last_epoch(tmp_path):
