@@ -105,6 +105,10 @@ def _validated(argv, cli=VISION):
         (["--example-dropout", "--engine", "torch", "--partition", "linear"],
          "--example-dropout needs the examples' ids at every boundary, which torch's schedules do not pass"),
         (["--example-dropout"], "--example-dropout is for the nlp job's encoders"),
+        (["--mode", "dataparallel", "--skip-padding"], "--skip-padding thins pipeline boundaries; use --mode pipeline"),
+        (["--skip-padding", "--engine", "torch", "--partition", "linear"],
+         "--skip-padding is dgpipe's runtime (its boundaries carry the attention mask): use --engine dgpipe"),
+        (["--skip-padding"], "--skip-padding is for the nlp job's encoders"),
     ],
 )
 def test_common_flag_errors(argv, message, cifar, capsys):

@@ -41,6 +41,17 @@ receive of each message it knows will come before it is needed: the first forwar
 message of a step when the step starts (:meth:`Boundary.expect_forward`), the next
 one as soon as one arrives, and the answer to each forward message when it is sent.
 
+Padding rows (``skip_padding``): a tuple that holds an integer ``(B, L)`` tensor -- an
+encoder's attention mask -- next to floating ``(B, L, ...)`` tensors (its hidden states)
+sends only the rows the mask keeps (its nonzero entries) of those floating tensors through
+their lossless or coded lane, forward and evaluation, and only those rows of their gradients
+backward; the receiver puts them back in place and zeros in the other rows. Exact for a
+model in which padding rows influence nothing but themselves (attention masks them as
+keys, the head reads real tokens): their activations never reach the loss and their
+gradients are zero. The raw bytes the meter records stay those of the whole tensors, so
+wire/raw falls by the padding's share. Delta-coded tensors travel whole (their caches hold
+whole examples).
+
 Codec instances are made per (direction, micro-batch slot, tuple position), so a
 stateful codec (error feedback) keeps one state per boundary, direction and slot;
 evaluation uses its own instances and never touches training state.
@@ -59,8 +70,8 @@ from dgpipe.compression import Codec, CodecSpec, Payload
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 
 from .lanes import LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, decode_ids, encode_ids
-from .message import (ABSENT, CODED, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REQUIRES_GRAD,
-                      Message)
+from .message import (ABSENT, CODED, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REQUIRES_GRAD, ROW_MASK,
+                      ROWS, Message)
 
 __all__ = ["CodecArg", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
@@ -127,6 +138,32 @@ def _as_tensors(value, where: str) -> tuple[bool, list[torch.Tensor]]:
     return atomic, tensors
 
 
+def _row_mask(tensors: list[torch.Tensor]) -> int | None:
+    """The position of the tuple's row mask: its first integer or bool tensor of 2 dims that some
+    floating tensor of 3 or more dims shares its leading ``(B, L)`` with; None if there is none."""
+    for pos, m in enumerate(tensors):
+        if not m.is_floating_point() and not m.is_complex() and m.dim() == 2:
+            if any(t.is_floating_point() and t.dim() >= 3 and t.shape[:2] == m.shape for t in tensors):
+                return pos
+            return None
+    return None
+
+
+def _put_rows(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``(kept, ...)`` rows back into a ``(B, L, ...)`` tensor of zeros at ``keep``'s True entries.
+
+    Raises:
+        ValueError: the row count differs from ``keep``'s (a corrupt payload).
+    """
+    keep = keep.to(rows.device)
+    n = int(keep.sum())
+    if rows.dim() < 1 or rows.shape[0] != n:
+        raise ValueError(f"corrupt payload: {tuple(rows.shape)} rows for a mask that keeps {n}")
+    full = rows.new_zeros((*keep.shape, *rows.shape[1:]))
+    full[keep] = rows
+    return full
+
+
 class Boundary:
     """The boundary after stage ``index``, between ranks ``src`` (sender of activations) and ``dst``.
 
@@ -143,6 +180,7 @@ class Boundary:
         report: where cache allocations are reported (one line each).
         id_examples: sample ids travel with forward messages, each in ``[0, id_examples)``
             (``None``: no ids; with ``delta``, its ``examples``).
+        skip_padding: send only the rows a tuple's row mask keeps (module docstring).
     """
 
     def __init__(
@@ -159,8 +197,13 @@ class Boundary:
         delta: DeltaSpec | None = None,
         report: Callable[[str], None] | None = print,
         id_examples: int | None = None,
+        skip_padding: bool = False,
     ) -> None:
         self.name = f"stage{index}->stage{index + 1}"
+        self.skip_padding = bool(skip_padding)
+        # micro-batch slot -> (the row mask's kept rows, bool (B, L); the leaves sent as rows) of the
+        # training forward message of that slot, for its backward message (sender and receiver alike)
+        self._kept: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self.src, self.dst = src, dst
         self.rank = src if rank is None else rank
         self.delta = delta
@@ -256,13 +299,30 @@ class Boundary:
                 flags.append(kind | (REQUIRES_GRAD if rg else 0))
             else:
                 flags.append(CODED if compress and t.is_floating_point() else LOSSLESS)
+        keep = None
+        mask_pos = _row_mask(tensors) if self.skip_padding else None
+        if mask_pos is not None:
+            keep = tensors[mask_pos] != 0
+            flags[mask_pos] |= ROW_MASK
+            for pos, t in enumerate(tensors):
+                if (flags[pos] & ~REQUIRES_GRAD in (LOSSLESS, CODED) and t.is_floating_point() and t.dim() >= 3
+                        and t.shape[:2] == keep.shape):
+                    flags[pos] |= ROWS
         ids = ids if direction == "forward" else None
         message = Message(tuple(flags), n_micro, slot, atomic=atomic, has_ids=ids is not None)
-        works = self._send(direction, message, tensors, ids)
+        works = self._send(direction, message, tensors, ids, keep)
         if direction == "forward":  # a backward message will answer it: have the receive ready
             self._grads_due += 1
             self._stream("backward", sending=False).post()
+            self._remember_rows(message, keep)
         return works, [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
+
+    def _remember_rows(self, message: Message, keep: torch.Tensor | None) -> None:
+        """Keep a training forward message's row mask for the gradients of its micro-batch."""
+        if keep is None:
+            return
+        leaves = [pos for pos in range(len(message.flags)) if message.requires_grad(pos)]
+        self._kept[message.slot] = (keep, frozenset(i for i, pos in enumerate(leaves) if message.rows(pos)))
 
     def expect_forward(self) -> None:
         """Post the receive of the next forward message (this rank is ``dst``; one will come)."""
@@ -281,6 +341,8 @@ class Boundary:
             self.expect_forward()
         if any(t is None for t in tensors):
             raise ValueError(f"{self.name}: forward message from rank {self.src} has absent tensors")
+        if direction == "forward" and message.row_mask is not None:
+            self._remember_rows(message, tensors[message.row_mask] != 0)
         leaves = []
         for pos in range(len(tensors)):
             if message.requires_grad(pos):
@@ -293,8 +355,10 @@ class Boundary:
     def send_backward(self, slot: int, grads: Sequence[torch.Tensor | None], loss: float) -> list[SendWork]:
         """Send the gradients of the leaves :meth:`recv_forward` returned for ``slot`` (maybe
         none) and the step's mean ``loss`` to ``src``."""
-        message = Message(tuple(ABSENT if g is None else CODED for g in grads), 0, slot, loss)
-        return self._send("backward", message, list(grads))
+        keep, rows = self._kept.pop(slot, (None, frozenset()))
+        message = Message(tuple(ABSENT if g is None else CODED | (ROWS if i in rows else 0)
+                                for i, g in enumerate(grads)), 0, slot, loss)
+        return self._send("backward", message, list(grads), keep=keep)
 
     def recv_backward(self, slot: int, n_expected: int) -> tuple[list[torch.Tensor | None], float]:
         """Receive the gradients for the ``n_expected`` tensors :meth:`send_forward` returned.
@@ -302,7 +366,8 @@ class Boundary:
         Returns:
             ``(grads, loss)``: one gradient or ``None`` per tensor, and the step's mean loss.
         """
-        message, grads, _ = self._recv("backward", slot, self.dst)
+        keep, rows = self._kept.pop(slot, (None, frozenset()))
+        message, grads, _ = self._recv("backward", slot, self.dst, keep, rows)
         self._grads_due -= 1
         if self._grads_due > 0:
             self._stream("backward", sending=False).post()
@@ -312,9 +377,10 @@ class Boundary:
 
     # -- wire ------------------------------------------------------------------------------
 
-    def _send(self, direction: str, message: Message, tensors: list, ids: torch.Tensor | None = None
-              ) -> list[SendWork]:
-        """Lanes -> transport -> meter for one message."""
+    def _send(self, direction: str, message: Message, tensors: list, ids: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None) -> list[SendWork]:
+        """Lanes -> transport -> meter for one message (of the positions flagged :data:`ROWS`, the rows
+        ``keep`` marks)."""
         start = _now(self._device)
         ctx = LaneContext(ids)
         payloads: list[Payload] = []
@@ -326,7 +392,8 @@ class Boundary:
                 if message.kind(pos) == ABSENT:
                     continue
                 raw += t.numel() * t.element_size()
-                payloads.append(self._lane(direction, message.slot, pos, message.kind(pos)).encode(t.detach(), ctx))
+                t = t.detach()[keep.to(t.device)] if message.rows(pos) else t.detach()
+                payloads.append(self._lane(direction, message.slot, pos, message.kind(pos)).encode(t, ctx))
         encode_seconds = _now(self._device) - start
         label = f"{self.name} {direction}, micro-batch {message.slot}"
         work = self._stream(direction, sending=True).send(payloads, meta=message.to_meta(), label=label)
@@ -335,9 +402,12 @@ class Boundary:
                                 frame_bytes=work.nbytes - wire, encode_seconds=encode_seconds)  # fmt: skip
         return [work]
 
-    def _recv(self, direction: str, slot: int, peer: int
+    def _recv(self, direction: str, slot: int, peer: int, keep: torch.Tensor | None = None,
+              rows: frozenset[int] = frozenset()
               ) -> tuple[Message, list[torch.Tensor | None], torch.Tensor | None]:
-        """Transport -> lanes -> meter for one message: ``(message, tensors or None, ids)``."""
+        """Transport -> lanes -> meter for one message: ``(message, tensors or None, ids)``; tensors sent as
+        rows are put back in place, by the message's row mask or (backward) by ``keep``, where the
+        positions ``rows`` may travel as rows."""
         start = time.perf_counter()
         where = f"{self.name} {direction}, micro-batch {slot}"
         try:
@@ -357,12 +427,32 @@ class Boundary:
             for pos in range(len(message.flags)):
                 kind = message.kind(pos)
                 tensors.append(None if kind == ABSENT else self._lane(direction, slot, pos, kind).decode(next(it), ctx))
+            self._put_rows(message, tensors, keep, rows)
         except ValueError as err:
             raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
         decode_seconds = _now(self._device) - start
         self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
         return message, tensors, ids
+
+    def _put_rows(self, message: Message, tensors: list, keep: torch.Tensor | None, rows: frozenset[int]) -> None:
+        """Tensors of ``message`` that travelled as rows back to ``(B, L, ...)``, in place in ``tensors``.
+
+        Raises:
+            ValueError: rows without a row mask (forward: an integer ``(B, L)`` tensor of the message;
+                backward: one this rank's forward message of the micro-batch sent), or a row count
+                the mask does not keep.
+        """
+        positions = [pos for pos in range(len(tensors)) if message.rows(pos)]
+        if message.row_mask is not None:
+            mask = tensors[message.row_mask]
+            if mask.is_floating_point() or mask.dim() != 2:
+                raise ValueError(f"the row mask is {mask.dtype} {tuple(mask.shape)}, not an integer (B, L) tensor")
+            keep = mask != 0
+        elif positions and (keep is None or any(pos not in rows for pos in positions)):
+            raise ValueError("tensors sent as rows without a row mask for them")
+        for pos in positions:
+            tensors[pos] = _put_rows(tensors[pos], keep)
 
     def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
         """Check a message's sample ids against their range (with delta coding, the rows are checked

@@ -14,7 +14,12 @@ form::
 - ``flag``: the lane of one tuple position (:data:`ABSENT`, :data:`LOSSLESS`,
   :data:`CODED`, :data:`DELTA_WARMUP`, :data:`DELTA_CODED`; see
   :mod:`dgpipe.pipeline.lanes`) + :data:`REQUIRES_GRAD` if the tensor requires grad
-  (delta lanes always do).
+  (delta lanes always do) + :data:`ROW_MASK` on the tensor whose nonzero entries mark the
+  rows that travel (a lossless integer ``(B, L)`` tensor, e.g. an attention mask) +
+  :data:`ROWS` on a floating ``(B, L, ...)`` tensor sent as its kept rows only
+  (``(kept, ...)``; padding rows stay behind and arrive as zeros; lossless and coded lanes).
+  A backward message's :data:`ROWS` gradients use the row mask of the forward message of
+  the same micro-batch.
 
 One payload follows per present tensor, after the ids payload if ``head`` says so.
 """
@@ -25,8 +30,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ABSENT", "LOSSLESS", "CODED", "DELTA_WARMUP", "DELTA_CODED", "REQUIRES_GRAD", "MAX_BOUNDARY_TENSORS",
-           "Message"]
+__all__ = ["ABSENT", "LOSSLESS", "CODED", "DELTA_WARMUP", "DELTA_CODED", "REQUIRES_GRAD", "ROWS", "ROW_MASK",
+           "MAX_BOUNDARY_TENSORS", "Message"]
 
 #: Lane kinds (the low bits of a flag).
 ABSENT, LOSSLESS, CODED = 0, 1, 2
@@ -34,11 +39,17 @@ DELTA = 8
 DELTA_WARMUP, DELTA_CODED = DELTA | LOSSLESS, DELTA | CODED
 #: Flag bit: the tensor requires grad (it arrives as a leaf and its gradient comes back).
 REQUIRES_GRAD = 4
+#: Flag bit: the tensor travels as the rows its message's row mask keeps.
+ROWS = 16
+#: Flag bit: the tensor is the message's row mask (nonzero: the row travels).
+ROW_MASK = 32
 #: Most tensors one boundary value (a tuple) may hold.
 MAX_BOUNDARY_TENSORS = 16
 _ATOMIC, _HAS_IDS = 1, 2  # bits of the head
-_VALID_FLAGS = frozenset({ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD,
-                          DELTA_WARMUP | REQUIRES_GRAD, DELTA_CODED | REQUIRES_GRAD})
+_BASE_FLAGS = frozenset({ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD,
+                         DELTA_WARMUP | REQUIRES_GRAD, DELTA_CODED | REQUIRES_GRAD})
+_VALID_FLAGS = _BASE_FLAGS | {f | ROWS for f in _BASE_FLAGS if f & ~REQUIRES_GRAD in (LOSSLESS, CODED)} | {
+    LOSSLESS | ROW_MASK}
 
 
 def _float_bits(x: float) -> int:
@@ -64,7 +75,7 @@ class Message:
 
     Raises:
         ValueError: an unknown flag, too many or (for an atomic value) more than one flag,
-            or a negative count; the message says "corrupt message meta".
+            more than one row mask, or a negative count; the message says "corrupt message meta".
     """
 
     flags: tuple[int, ...]
@@ -77,7 +88,7 @@ class Message:
     def __post_init__(self) -> None:
         object.__setattr__(self, "flags", tuple(int(f) for f in self.flags))
         ok = len(self.flags) <= MAX_BOUNDARY_TENSORS and all(f in _VALID_FLAGS for f in self.flags)
-        ok = ok and self.n_micro >= 0 and self.slot >= 0 and (not self.atomic or len(self.flags) == 1)
+        ok = ok and sum(bool(f & ROW_MASK) for f in self.flags) <= 1 and self.n_micro >= 0 and self.slot >= 0 and (not self.atomic or len(self.flags) == 1)
         if not ok:
             raise ValueError(f"corrupt message meta: flags {list(self.flags)[:MAX_BOUNDARY_TENSORS]}, "
                              f"n_micro {self.n_micro}, slot {self.slot}, atomic {self.atomic}")
@@ -88,8 +99,18 @@ class Message:
         return sum(f != ABSENT for f in self.flags) + self.has_ids
 
     def kind(self, pos: int) -> int:
-        """The lane kind of tuple position ``pos`` (its flag without :data:`REQUIRES_GRAD`)."""
-        return self.flags[pos] & ~REQUIRES_GRAD
+        """The lane kind of tuple position ``pos`` (its flag without :data:`REQUIRES_GRAD`, :data:`ROWS`
+        and :data:`ROW_MASK`)."""
+        return self.flags[pos] & ~(REQUIRES_GRAD | ROWS | ROW_MASK)
+
+    def rows(self, pos: int) -> bool:
+        """Whether tuple position ``pos`` travels as its kept rows (:data:`ROWS`)."""
+        return bool(self.flags[pos] & ROWS)
+
+    @property
+    def row_mask(self) -> int | None:
+        """The tuple position of the row mask (:data:`ROW_MASK`), or None."""
+        return next((pos for pos, f in enumerate(self.flags) if f & ROW_MASK), None)
 
     def requires_grad(self, pos: int) -> bool:
         """Whether tuple position ``pos`` requires grad."""

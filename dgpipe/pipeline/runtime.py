@@ -121,6 +121,11 @@ class Pipeline:
             ``delta`` the ids travel anyway and this must be ``None`` or ``delta.examples``.
             Each stage's training forward runs inside
             :func:`~dgpipe.models.example_dropout.example_ids` with its micro-batch's ids.
+        skip_padding: a boundary value that holds an integer ``(B, L)`` mask beside floating
+            ``(B, L, ...)`` tensors (an encoder's attention mask and hidden states) sends only the
+            rows the mask keeps of those tensors and of their gradients (padding rows arrive as
+            zeros; exact where padding influences nothing but itself;
+            :mod:`dgpipe.pipeline.boundary`). The same on every rank.
 
     Raises:
         ValueError: bad placement, ``chunks``, ``timeout``, rank, codec or delta spec.
@@ -142,6 +147,7 @@ class Pipeline:
         delta: DeltaSpec | None = None,
         delta_report: Callable[[str], None] | None = print,
         example_ids: int | None = None,
+        skip_padding: bool = False,
     ) -> None:
         stages = list(stages)
         if not stages or any(not isinstance(s, nn.Module) for s in stages):
@@ -199,6 +205,7 @@ class Pipeline:
                 self._bounds[a.index] = Boundary(
                     a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout,
                     rank=rank, delta=delta, report=delta_report, id_examples=self.id_examples,
+                    skip_padding=skip_padding,
                 )
         self.last_step_totals: dict = self.meter.totals()
 

@@ -116,6 +116,9 @@ def common_parser(
     c.add_argument("--compress-eval", action=argparse.BooleanOptionalAction, default=True,
                    help="evaluate through the training codecs, as split inference would run; "
                         "--no-compress-eval sends evaluation activations uncompressed")
+    c.add_argument("--skip-padding", action="store_true",
+                   help="nlp: send only the real tokens' rows of the hidden states and their gradients across "
+                        "boundaries (padding rows arrive as zeros; exact, as attention masks them)")
     c.add_argument("--compare-to", metavar="SETTING[,SETTING...]",
                    help="also train each named setting with the same seed, data and flags, one after another "
                         f"in the same processes, and print a side-by-side table; settings: {', '.join(SETTINGS)}")
@@ -359,6 +362,9 @@ def _torch_schedule(args: argparse.Namespace) -> str | None:
     if args.delta or args.example_dropout:
         raise ValueError(f"{'--delta' if args.delta else '--example-dropout'} needs the examples' ids at every "
                          "boundary, which torch's schedules do not pass: use --engine dgpipe")
+    if args.skip_padding:
+        raise ValueError("--skip-padding is dgpipe's runtime (its boundaries carry the attention mask): "
+                         "use --engine dgpipe")
     if not args.compress_eval:
         raise ValueError("--no-compress-eval: with --engine torch evaluation crosses the boundaries through the "
                          "training codecs; drop the flag or use --engine dgpipe")
@@ -466,6 +472,8 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
             raise ValueError("--delta codes pipeline boundaries; it has no meaning in --mode dataparallel")
         if args.example_dropout:
             raise ValueError("--example-dropout sends sample ids along the pipeline; use --mode pipeline")
+        if args.skip_padding:
+            raise ValueError("--skip-padding thins pipeline boundaries; use --mode pipeline")
         if args.compare_to:
             raise ValueError("--compare-to compares pipeline boundary settings; drop it in --mode dataparallel")
         if args.engine != "dgpipe" or args.schedule:

@@ -40,6 +40,8 @@ class PipelineConfig:
         chunk: micro-batches per mini-batch.
         timeout: seconds a peer may stay silent before every rank ends with an error.
         compress_eval: evaluation crosses the boundaries through the training codecs.
+        skip_padding: boundaries send only the real tokens' rows of an encoder's hidden states
+            and of their gradients (:mod:`dgpipe.pipeline.boundary`).
         engine: ``"dgpipe"`` (this package's GPipe runtime) or ``"torch"`` (torch's schedules).
         schedule: torch schedule of the torch engine (``"gpipe"``, ``"1f1b"``,
             ``"interleaved"``, ``"zbv"``), ``None`` with dgpipe's.
@@ -56,6 +58,7 @@ class PipelineConfig:
     chunk: int
     timeout: float
     compress_eval: bool
+    skip_padding: bool
     engine: str
     schedule: str | None
 

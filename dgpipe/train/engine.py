@@ -122,7 +122,7 @@ class PipelineEngine:
             device=device, timeout=p.timeout,
             deferred_batchnorm=job.deferred_batchnorm, compress_eval=p.compress_eval,
             delta=delta, delta_report=lambda line: print(line, flush=True),
-            example_ids=train_examples if d.example_dropout else None,
+            example_ids=train_examples if d.example_dropout else None, skip_padding=p.skip_padding,
         )
         self.meter = self.pipe.meter
         self.reads_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage

@@ -82,7 +82,7 @@ class VisionJob(Job):
         missing) and the partition against the model's layers. Returns ``config.job`` unchanged.
 
         Raises:
-            ValueError: bad ``--image-size``/``--width-mult``, ``--example-dropout``, no data
+            ValueError: bad ``--image-size``/``--width-mult``, ``--example-dropout``, ``--skip-padding``, no data
                 (lists the paths tried), or a partition that does not fit the model.
         """
         opts, data = config.job, config.data
@@ -97,6 +97,9 @@ class VisionJob(Job):
         if config.delta.example_dropout:
             raise ValueError("--example-dropout is for the nlp job's encoders (MobileNetV2's one dropout sits "
                              "before its classifier, past every boundary)")
+        if config.pipeline.skip_padding:
+            raise ValueError("--skip-padding is for the nlp job's encoders (MobileNetV2's activations have no "
+                             "padding rows)")
         if opts.deferred_batchnorm and config.pipeline.engine == "torch":
             raise ValueError("--deferred-batchnorm is dgpipe's runtime (torchgpipe's DeferredBatchNorm); "
                              "drop it with --engine torch")

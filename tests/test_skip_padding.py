@@ -1,0 +1,122 @@
+"""Padding rows stay behind (``Pipeline(skip_padding=True)``): a client/server split of a tiny BERT whose
+boundaries send only the real tokens' rows of the hidden states and of their gradients -- loss and
+gradients equal to the unsplit model's, the wire bytes those of the kept rows exactly -- and the
+message flags and row checks that guard it."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dgpipe.compression import get_codec
+from dgpipe.models.encoder import build_encoder, encoder_layers, small_encoder_config
+from dgpipe.pipeline import Pipeline
+from dgpipe.pipeline.boundary import _put_rows
+from dgpipe.pipeline.message import CODED, DELTA_CODED, LOSSLESS, REQUIRES_GRAD, ROW_MASK, ROWS, Message
+from helpers import assert_ranks_ok, spawn_checks
+
+VOCAB, LENGTH, HIDDEN = 120, 12, 32
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = small_encoder_config("bert", VOCAB, 0, max_length=LENGTH, num_labels=3, hidden_size=HIDDEN, num_layers=4,
+                               num_heads=2)
+    model = build_encoder(cfg, 3, attn_implementation="eager")
+    for m in model.modules():  # no dropout: the pipeline and the reference draw no random masks
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model.train()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, VOCAB, (8, LENGTH), generator=g)
+    mask = torch.ones(8, LENGTH, dtype=torch.int64)
+    for row, length in ((1, 7), (2, 3), (5, 9), (6, 1)):
+        mask[row, length:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def run_client_server(rank):
+    """Stages [embeddings + 1 layer | 2 layers | 1 layer + head] on ranks [0, 1, 0], 2 micro-batches, codec
+    ``none``: loss and every gradient equal to the unsplit model's; each boundary's forward bytes are the
+    kept rows' and the packed mask's payloads, its backward bytes the kept rows' of the gradient."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    layers = encoder_layers(model)  # embeddings, 4 encoder layers, head
+    stages = [torch.nn.Sequential(*layers[:2]), torch.nn.Sequential(*layers[2:4]), torch.nn.Sequential(*layers[4:])]
+    pipe = Pipeline(stages, [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30, skip_padding=True)
+    (ids, mask), y = _inputs(), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    loss = pipe.train_step((ids, mask), y)
+
+    expected, sent = 0.0, {"stage0->stage1": [0, 0], "stage1->stage2": [0, 0]}
+    none, ints = get_codec("none"), get_codec("intpack")
+    ref_layers = encoder_layers(ref)
+    for m in range(2):
+        rows = slice(4 * m, 4 * m + 4)
+        keep = mask[rows] != 0
+        value = (ids[rows], mask[rows])
+        for i, layer in enumerate(ref_layers):
+            value = layer(value)
+            name = {1: "stage0->stage1", 3: "stage1->stage2"}.get(i)
+            if name:  # forward: the kept rows and the mask; backward: the kept rows of the gradient
+                kept = value[0].detach()[keep]
+                sent[name][0] += none.encode(kept).nbytes + ints.encode(mask[rows]).nbytes
+                sent[name][1] += none.encode(kept).nbytes
+        micro = F.cross_entropy(value, y[rows]) / 2
+        micro.backward()
+        expected += float(micro)
+    assert abs(loss - expected) < 1e-5
+
+    mine = {n: p for n, p in model.named_parameters() if p.grad is not None}
+    assert mine
+    ref_params = dict(ref.named_parameters())
+    for name, p in mine.items():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    for rec in pipe.meter.records():
+        if rec["wire_bytes"]:  # the sending side of this boundary and direction
+            assert rec["wire_bytes"] == sent[rec["name"]][rec["direction"] == "backward"], rec
+            assert rec["wire_bytes"] < rec["raw_bytes"] * 0.9  # 12 padding rows of 48 stay behind
+    pipe.eval_step((ids, mask))  # evaluation sends rows too (no backward follows)
+
+
+@pytest.fixture(scope="module")
+def client_server_outcome(tmp_path_factory):
+    return spawn_checks({"client_server": run_client_server}, 2, tmp_path_factory.mktemp("skip_padding"))
+
+
+def test_client_server_pipeline_sends_real_tokens_only_and_matches_the_unsplit_model(client_server_outcome):
+    assert_ranks_ok(client_server_outcome, "client_server", 2)
+
+
+def test_rows_go_back_in_place_with_zeros_for_padding():
+    keep = torch.tensor([[True, False, True], [False, False, True]])
+    rows = torch.arange(6.0).view(3, 2)
+    full = _put_rows(rows, keep)
+    assert full.shape == (2, 3, 2)
+    assert torch.equal(full[keep], rows) and not full[~keep].any()
+    with pytest.raises(ValueError, match=r"corrupt payload: \(2, 2\) rows for a mask that keeps 3"):
+        _put_rows(rows[:2], keep)
+
+
+@pytest.mark.parametrize("flags", [
+    (CODED | REQUIRES_GRAD | ROWS, LOSSLESS | ROW_MASK, LOSSLESS | ROW_MASK),  # two row masks
+    (DELTA_CODED | REQUIRES_GRAD | ROWS, LOSSLESS | ROW_MASK),  # a delta lane sends whole examples
+    (CODED | ROW_MASK,),  # a row mask travels losslessly
+    (LOSSLESS | REQUIRES_GRAD | ROW_MASK,),
+])
+def test_row_flags_are_checked(flags):
+    meta = Message((LOSSLESS,), 1, 0).to_meta()[:4] + list(flags)
+    with pytest.raises(ValueError, match="corrupt message meta"):
+        Message.from_meta(meta, len(flags))
+
+
+def test_row_flags_round_trip():
+    m = Message((CODED | REQUIRES_GRAD | ROWS, LOSSLESS | ROW_MASK), 2, 1)
+    back = Message.from_meta(m.to_meta(), 2)
+    assert back == m and back.row_mask == 1 and back.rows(0) and not back.rows(1)
+    assert back.kind(0) == CODED and back.kind(1) == LOSSLESS and back.requires_grad(0)
