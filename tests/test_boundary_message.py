@@ -40,7 +40,7 @@ def test_meta_round_trips(flags, n_micro, slot, loss, has_ids, atomic):
     ([4, 4, 0, 0, 1], 1),  # unknown head bit
     ([0, 4, 0, 0, 8], 1),  # delta without a coded/lossless kind
     ([0, 4, 0, 0, DELTA_CODED], 1),  # a delta lane that does not require grad
-    ([0, 4, 0, 0, DELTA_CODED | REQUIRES_GRAD | 1 << 4], 1),  # bits above the lane kinds
+    ([0, 4, 0, 0, DELTA_CODED | REQUIRES_GRAD | 1 << 6], 1),  # bits above the flags
     ([1, 4, 0, 0, 1, 1], 2),  # an atomic value with two tensors
     ([0, -1, 0, 0, 1], 1),  # negative n_micro
     ([0, 4, 0], 0),  # too short

@@ -49,8 +49,8 @@ backward; the receiver puts them back in place and zeros in the other rows. Exac
 model in which padding rows influence nothing but themselves (attention masks them as
 keys, the head reads real tokens): their activations never reach the loss and their
 gradients are zero. The raw bytes the meter records stay those of the whole tensors, so
-wire/raw falls by the padding's share. Delta-coded tensors travel whole (their caches hold
-whole examples).
+wire/raw falls by the padding's share. A delta-coded tensor sends the change of its kept rows
+(its caches hold whole examples; padding rows keep their cached values, zeros from a warm-up).
 
 Codec instances are made per (direction, micro-batch slot, tuple position), so a
 stateful codec (error feedback) keeps one state per boundary, direction and slot;
@@ -69,9 +69,10 @@ from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, CodecSpec, Payload
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 
-from .lanes import LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, decode_ids, encode_ids
-from .message import (ABSENT, CODED, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REQUIRES_GRAD, ROW_MASK,
-                      ROWS, Message)
+from .lanes import (LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, decode_ids, encode_ids,
+                    put_rows)
+from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REQUIRES_GRAD,
+                      ROW_MASK, ROWS, Message)
 
 __all__ = ["CodecArg", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
@@ -147,21 +148,6 @@ def _row_mask(tensors: list[torch.Tensor]) -> int | None:
                 return pos
             return None
     return None
-
-
-def _put_rows(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``(kept, ...)`` rows back into a ``(B, L, ...)`` tensor of zeros at ``keep``'s True entries.
-
-    Raises:
-        ValueError: the row count differs from ``keep``'s (a corrupt payload).
-    """
-    keep = keep.to(rows.device)
-    n = int(keep.sum())
-    if rows.dim() < 1 or rows.shape[0] != n:
-        raise ValueError(f"corrupt payload: {tuple(rows.shape)} rows for a mask that keeps {n}")
-    full = rows.new_zeros((*keep.shape, *rows.shape[1:]))
-    full[keep] = rows
-    return full
 
 
 class Boundary:
@@ -305,8 +291,7 @@ class Boundary:
             keep = tensors[mask_pos] != 0
             flags[mask_pos] |= ROW_MASK
             for pos, t in enumerate(tensors):
-                if (flags[pos] & ~REQUIRES_GRAD in (LOSSLESS, CODED) and t.is_floating_point() and t.dim() >= 3
-                        and t.shape[:2] == keep.shape):
+                if t.is_floating_point() and t.dim() >= 3 and t.shape[:2] == keep.shape:
                     flags[pos] |= ROWS
         ids = ids if direction == "forward" else None
         message = Message(tuple(flags), n_micro, slot, atomic=atomic, has_ids=ids is not None)
@@ -382,7 +367,7 @@ class Boundary:
         """Lanes -> transport -> meter for one message (of the positions flagged :data:`ROWS`, the rows
         ``keep`` marks)."""
         start = _now(self._device)
-        ctx = LaneContext(ids)
+        ctx, rows_ctx = LaneContext(ids), LaneContext(ids, keep=keep)
         payloads: list[Payload] = []
         raw = 0
         with torch.no_grad():
@@ -392,8 +377,11 @@ class Boundary:
                 if message.kind(pos) == ABSENT:
                     continue
                 raw += t.numel() * t.element_size()
-                t = t.detach()[keep.to(t.device)] if message.rows(pos) else t.detach()
-                payloads.append(self._lane(direction, message.slot, pos, message.kind(pos)).encode(t, ctx))
+                lane, t = self._lane(direction, message.slot, pos, message.kind(pos)), t.detach()
+                if message.rows(pos) and message.kind(pos) & DELTA:  # the delta lane takes the rows itself
+                    payloads.append(lane.encode(t, rows_ctx))
+                else:
+                    payloads.append(lane.encode(t[keep.to(t.device)] if message.rows(pos) else t, ctx))
         encode_seconds = _now(self._device) - start
         label = f"{self.name} {direction}, micro-batch {message.slot}"
         work = self._stream(direction, sending=True).send(payloads, meta=message.to_meta(), label=label)
@@ -419,15 +407,23 @@ class Boundary:
         recv_seconds = time.perf_counter() - start
         message = self._parse_meta(meta, len(payloads), slot, peer)
         start = _now(self._device)
-        tensors, it, ids = [], iter(payloads), None
+        ids = None
         try:
+            it = iter(payloads)
             if message.has_ids:
                 ids = self._parse_ids(decode_ids(next(it)), direction, peer)
-            ctx = LaneContext(ids, self._device)
-            for pos in range(len(message.flags)):
+            at = {pos: next(it) for pos in range(len(message.flags)) if message.kind(pos) != ABSENT}
+            tensors: list[torch.Tensor | None] = [None] * len(message.flags)
+            keep = self._row_keep(message, at, keep, rows)  # the row mask first: delta lanes need it
+            ctx, rows_ctx = LaneContext(ids, self._device), LaneContext(ids, self._device, keep)
+            for pos, payload in at.items():
                 kind = message.kind(pos)
-                tensors.append(None if kind == ABSENT else self._lane(direction, slot, pos, kind).decode(next(it), ctx))
-            self._put_rows(message, tensors, keep, rows)
+                lane = self._lane(direction, slot, pos, kind)
+                if message.rows(pos) and kind & DELTA:  # the delta lane restores the rows itself
+                    tensors[pos] = lane.decode(payload, rows_ctx)
+                else:
+                    t = lane.decode(payload, ctx)
+                    tensors[pos] = put_rows(t, keep) if message.rows(pos) else t
         except ValueError as err:
             raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
         decode_seconds = _now(self._device) - start
@@ -435,24 +431,24 @@ class Boundary:
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
         return message, tensors, ids
 
-    def _put_rows(self, message: Message, tensors: list, keep: torch.Tensor | None, rows: frozenset[int]) -> None:
-        """Tensors of ``message`` that travelled as rows back to ``(B, L, ...)``, in place in ``tensors``.
+    def _row_keep(self, message: Message, payloads: dict[int, Payload], keep: torch.Tensor | None,
+                  rows: frozenset[int]) -> torch.Tensor | None:
+        """The rows that travel in ``message``: from its row mask (decoded here, losslessly), else
+        (backward) ``keep``, which the positions ``rows`` may use; None when no position is rows.
 
         Raises:
-            ValueError: rows without a row mask (forward: an integer ``(B, L)`` tensor of the message;
-                backward: one this rank's forward message of the micro-batch sent), or a row count
-                the mask does not keep.
+            ValueError: a row mask that is not an integer ``(B, L)`` tensor, or rows without a row mask
+                (forward: in the message; backward: one this rank's forward message of the micro-batch sent).
         """
-        positions = [pos for pos in range(len(tensors)) if message.rows(pos)]
+        positions = [pos for pos in payloads if message.rows(pos)]
         if message.row_mask is not None:
-            mask = tensors[message.row_mask]
+            mask = LOSSLESS_LANE.decode(payloads[message.row_mask], LaneContext())
             if mask.is_floating_point() or mask.dim() != 2:
                 raise ValueError(f"the row mask is {mask.dtype} {tuple(mask.shape)}, not an integer (B, L) tensor")
-            keep = mask != 0
-        elif positions and (keep is None or any(pos not in rows for pos in positions)):
+            return mask.to(self._device) != 0
+        if positions and (keep is None or any(pos not in rows for pos in positions)):
             raise ValueError("tensors sent as rows without a row mask for them")
-        for pos in positions:
-            tensors[pos] = _put_rows(tensors[pos], keep)
+        return keep
 
     def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
         """Check a message's sample ids against their range (with delta coding, the rows are checked

@@ -16,7 +16,11 @@ message carries for that position (:mod:`dgpipe.pipeline.message`):
   on both sides (a full-precision warm-up visit).
 
 The two delta lanes of one position share one :class:`~dgpipe.compression.wrappers.delta.DeltaCoder`;
-the sample ids of the rows travel once per message and reach them in the :class:`LaneContext`.
+the sample ids of the rows travel once per message and reach them in the :class:`LaneContext`, and so
+does a row mask: a position sent as its kept rows (:data:`~dgpipe.pipeline.message.ROWS`) goes
+through a delta lane with the context's ``keep`` -- the change of the kept rows, or (warm-up) the
+kept rows with the others stored as zeros on both sides -- while the boundary cuts and restores
+the rows of the other lanes itself (:func:`put_rows`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dgpipe.compression.wrappers.delta import DeltaCoder
 from .message import CODED, DELTA_CODED, DELTA_WARMUP, LOSSLESS
 
 __all__ = ["LaneContext", "Lane", "LosslessLane", "CodedLane", "DeltaLane", "DeltaWarmupLane", "LOSSLESS_LANE",
-           "encode_ids", "decode_ids"]
+           "encode_ids", "decode_ids", "put_rows"]
 
 _NONE = get_codec("none")
 _INTS = get_codec("intpack")
@@ -46,10 +50,12 @@ class LaneContext:
         ids: int64 ``(B,)`` sample ids of the rows (training forward messages with delta
             coding), else ``None``.
         device: where the receiver's tensors go.
+        keep: bool ``(B, L)`` rows that travel, for a delta lane of a position sent as rows; else ``None``.
     """
 
     ids: torch.Tensor | None = None
     device: torch.device = torch.device("cpu")
+    keep: torch.Tensor | None = None
 
     def need_ids(self) -> torch.Tensor:
         """The ids, for a delta lane.
@@ -124,10 +130,10 @@ class DeltaLane(Lane):
         self.coder = coder
 
     def encode(self, t: torch.Tensor, ctx: LaneContext) -> Payload:
-        return self.coder.encode(t, ctx.need_ids())
+        return self.coder.encode(t, ctx.need_ids(), ctx.keep)
 
     def decode(self, payload: Payload, ctx: LaneContext) -> torch.Tensor:
-        return self.coder.decode(payload, ctx.need_ids()).to(ctx.device)
+        return self.coder.decode(payload, ctx.need_ids(), ctx.keep).to(ctx.device)
 
 
 class DeltaWarmupLane(Lane):
@@ -139,16 +145,37 @@ class DeltaWarmupLane(Lane):
         self.coder = coder
 
     def encode(self, t: torch.Tensor, ctx: LaneContext) -> Payload:
+        if ctx.keep is not None:  # the kept rows; both caches store the others as zeros
+            rows = t[ctx.keep.to(t.device)]
+            self.coder.refresh(put_rows(rows, ctx.keep), ctx.need_ids())
+            return _NONE.encode(rows)
         self.coder.refresh(t, ctx.need_ids())
         return _NONE.encode(t)
 
     def decode(self, payload: Payload, ctx: LaneContext) -> torch.Tensor:
         ids = ctx.need_ids()
         x = _NONE.decode(payload)
-        if not x.is_floating_point() or x.dim() < 1 or x.shape[0] != ids.numel():
+        if not x.is_floating_point() or x.dim() < 1:
+            raise ValueError(f"warm-up tensor {x.dtype} {tuple(x.shape)} for {ids.numel()} ids")
+        if ctx.keep is not None:
+            x = put_rows(x, ctx.keep)
+        if x.shape[0] != ids.numel():
             raise ValueError(f"warm-up tensor {x.dtype} {tuple(x.shape)} for {ids.numel()} ids")
         self.coder.refresh(x, ids)
         return x
+
+
+def put_rows(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``(kept, ...)`` rows back into a ``(B, L, ...)`` tensor of zeros at ``keep``'s True entries.
+
+    Raises:
+        ValueError: the row count differs from ``keep``'s (a corrupt payload).
+    """
+    keep = keep.to(rows.device)
+    n = int(keep.sum())
+    if rows.dim() < 1 or rows.shape[0] != n:
+        raise ValueError(f"corrupt payload: {tuple(rows.shape)} rows for a mask that keeps {n}")
+    return rows.new_zeros((*keep.shape, *rows.shape[1:])).index_put((keep,), rows)
 
 
 def encode_ids(ids: torch.Tensor) -> Payload:

@@ -17,7 +17,7 @@ form::
   (delta lanes always do) + :data:`ROW_MASK` on the tensor whose nonzero entries mark the
   rows that travel (a lossless integer ``(B, L)`` tensor, e.g. an attention mask) +
   :data:`ROWS` on a floating ``(B, L, ...)`` tensor sent as its kept rows only
-  (``(kept, ...)``; padding rows stay behind and arrive as zeros; lossless and coded lanes).
+  (``(kept, ...)``; padding rows stay behind and arrive as zeros, or, delta-coded, as cached).
   A backward message's :data:`ROWS` gradients use the row mask of the forward message of
   the same micro-batch.
 
@@ -48,8 +48,7 @@ MAX_BOUNDARY_TENSORS = 16
 _ATOMIC, _HAS_IDS = 1, 2  # bits of the head
 _BASE_FLAGS = frozenset({ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD,
                          DELTA_WARMUP | REQUIRES_GRAD, DELTA_CODED | REQUIRES_GRAD})
-_VALID_FLAGS = _BASE_FLAGS | {f | ROWS for f in _BASE_FLAGS if f & ~REQUIRES_GRAD in (LOSSLESS, CODED)} | {
-    LOSSLESS | ROW_MASK}
+_VALID_FLAGS = _BASE_FLAGS | {f | ROWS for f in _BASE_FLAGS if f != ABSENT} | {LOSSLESS | ROW_MASK}
 
 
 def _float_bits(x: float) -> int:

@@ -276,40 +276,54 @@ class DeltaCoder:
         wide = torch.promote_types(dtype, self.cache.dtype)
         return self.cache.rows(ids, row_shape).to(device=device, dtype=wide)
 
-    def encode(self, x: torch.Tensor, ids: torch.Tensor) -> Payload:
+    def encode(self, x: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None = None) -> Payload:
         """Sender: encode ``x - m[ids]`` with the inner codec and update ``m[ids]``.
 
         Args:
             x: ``(B, ...)`` floating activations of examples ``ids``.
             ids: int64 ``(B,)``, checked by the caller (:func:`check_ids`).
+            keep: bool ``(B, L)``, or None: only the change of the rows ``x[keep]`` (``(kept, ...)``) is
+                coded and sent; the other rows of ``m[ids]`` stay as they are (padding rows), and
+                :attr:`stats` counts the kept rows.
 
         Returns:
             The inner codec's payload of the change (computed in ``promote_types(x.dtype,
             cache dtype)``), its header's ``dtype`` field relabelled to ``x.dtype``.
 
         Raises:
-            ValueError: ``x`` not floating or not batched like ``ids``; what the inner codec raises.
+            ValueError: ``x`` not floating or not batched like ``ids`` (and ``keep``); what the inner codec
+                raises.
         """
-        if not x.is_floating_point() or x.dim() < 1 or x.shape[0] != ids.numel():
+        if not x.is_floating_point() or x.dim() < 1 or x.shape[0] != ids.numel() or (
+                keep is not None and x.shape[:keep.dim()] != keep.shape):
             raise ValueError(f"{self.cache.name}: delta coding needs a floating (B, ...) tensor with one row per "
-                             f"id, got {x.dtype} {tuple(x.shape)} for {ids.numel()} ids")
+                             f"id, got {x.dtype} {tuple(x.shape)} for {ids.numel()} ids"
+                             + (f" and a {tuple(keep.shape)} row mask" if keep is not None else ""))
         m = self._base(ids, x.shape[1:], x.device, x.dtype)
         a = x.detach().to(m.dtype)
         change = a - m
-        payload = self.inner.encode(change)
-        r = m + self.inner.decode(payload)
+        if keep is None:
+            payload = self.inner.encode(change)
+            r = m + self.inner.decode(payload)
+            kept = (a, change, a - r)
+        else:
+            keep = keep.to(m.device)
+            payload = self.inner.encode(change[keep])
+            r = m.index_put((keep,), m[keep] + self.inner.decode(payload))
+            kept = (a[keep], change[keep], (a - r)[keep])
         self.cache.store(ids, r)
-        sums = [t.double().square().sum() for t in (a, change, a - r)]
+        sums = [t.double().square().sum() for t in kept]
         self.stats += torch.stack(sums).cpu()
         return _relabel(payload, x.dtype)
 
-    def decode(self, payload: Payload, ids: torch.Tensor) -> torch.Tensor:
+    def decode(self, payload: Payload, ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Receiver: ``m[ids] + decode(payload)``, stored as the new ``m[ids]``, returned in the
-        activation's dtype (the payload's header names it).
+        activation's dtype (the payload's header names it). With ``keep`` (bool ``(B, L)``) the payload
+        holds the change of the kept rows only, as :meth:`encode` sent it; the other rows keep ``m[ids]``.
 
         Raises:
             ValueError: a corrupt payload (a non-floating dtype field included), or one whose
-                rows do not match ``ids``.
+                rows do not match ``ids`` (or ``keep``).
         """
         h = payload.header
         if not isinstance(h, torch.Tensor) or h.dim() != 1 or h.numel() < 3:
@@ -318,6 +332,16 @@ class DeltaCoder:
         if not dtype.is_floating_point:
             raise ValueError(f"corrupt header: field 'delta dtype' is {dtype}, not a floating dtype")
         d = self.inner.decode(_relabel(payload, torch.promote_types(dtype, self.cache.dtype)))
+        if keep is not None:
+            n = int(keep.sum())
+            if d.dim() < 1 or d.shape[0] != n or keep.shape[0] != ids.numel():
+                raise ValueError(f"{self.cache.name}: delta payload of shape {tuple(d.shape)} for {n} kept rows of "
+                                 f"{ids.numel()} ids")
+            r = self._base(ids, (*keep.shape[1:], *d.shape[1:]), d.device, dtype)
+            keep = keep.to(r.device)
+            r = r.index_put((keep,), r[keep] + d.to(r.dtype))
+            self.cache.store(ids, r)
+            return r.to(dtype)
         if d.dim() < 1 or d.shape[0] != ids.numel():
             raise ValueError(f"{self.cache.name}: delta payload of shape {tuple(d.shape)} for {ids.numel()} ids")
         r = self._base(ids, d.shape[1:], d.device, dtype)
