@@ -414,9 +414,11 @@ class Boundary:
                 ids = self._parse_ids(decode_ids(next(it)), direction, peer)
             at = {pos: next(it) for pos in range(len(message.flags)) if message.kind(pos) != ABSENT}
             tensors: list[torch.Tensor | None] = [None] * len(message.flags)
-            keep = self._row_keep(message, at, keep, rows)  # the row mask first: delta lanes need it
+            keep = self._row_keep(message, at, tensors, keep, rows)  # the row mask first: delta lanes need it
             ctx, rows_ctx = LaneContext(ids, self._device), LaneContext(ids, self._device, keep)
             for pos, payload in at.items():
+                if pos == message.row_mask:
+                    continue
                 kind = message.kind(pos)
                 lane = self._lane(direction, slot, pos, kind)
                 if message.rows(pos) and kind & DELTA:  # the delta lane restores the rows itself
@@ -431,10 +433,11 @@ class Boundary:
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
         return message, tensors, ids
 
-    def _row_keep(self, message: Message, payloads: dict[int, Payload], keep: torch.Tensor | None,
+    def _row_keep(self, message: Message, payloads: dict[int, Payload], tensors: list, keep: torch.Tensor | None,
                   rows: frozenset[int]) -> torch.Tensor | None:
-        """The rows that travel in ``message``: from its row mask (decoded here, losslessly), else
-        (backward) ``keep``, which the positions ``rows`` may use; None when no position is rows.
+        """The rows that travel in ``message``: from its row mask (decoded here, losslessly, into its place
+        in ``tensors``), else (backward) ``keep``, which the positions ``rows`` may use; None when no
+        position is rows.
 
         Raises:
             ValueError: a row mask that is not an integer ``(B, L)`` tensor, or rows without a row mask
@@ -442,7 +445,7 @@ class Boundary:
         """
         positions = [pos for pos in payloads if message.rows(pos)]
         if message.row_mask is not None:
-            mask = LOSSLESS_LANE.decode(payloads[message.row_mask], LaneContext())
+            mask = tensors[message.row_mask] = LOSSLESS_LANE.decode(payloads[message.row_mask], LaneContext())
             if mask.is_floating_point() or mask.dim() != 2:
                 raise ValueError(f"the row mask is {mask.dtype} {tuple(mask.shape)}, not an integer (B, L) tensor")
             return mask.to(self._device) != 0
