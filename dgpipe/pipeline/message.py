@@ -87,7 +87,8 @@ class Message:
     def __post_init__(self) -> None:
         object.__setattr__(self, "flags", tuple(int(f) for f in self.flags))
         ok = len(self.flags) <= MAX_BOUNDARY_TENSORS and all(f in _VALID_FLAGS for f in self.flags)
-        ok = ok and sum(bool(f & ROW_MASK) for f in self.flags) <= 1 and self.n_micro >= 0 and self.slot >= 0 and (not self.atomic or len(self.flags) == 1)
+        ok = ok and sum(bool(f & ROW_MASK) for f in self.flags) <= 1
+        ok = ok and self.n_micro >= 0 and self.slot >= 0 and (not self.atomic or len(self.flags) == 1)
         if not ok:
             raise ValueError(f"corrupt message meta: flags {list(self.flags)[:MAX_BOUNDARY_TENSORS]}, "
                              f"n_micro {self.n_micro}, slot {self.slot}, atomic {self.atomic}")

@@ -340,12 +340,11 @@ class DeltaCoder:
             r = self._base(ids, (*keep.shape[1:], *d.shape[1:]), d.device, dtype)
             keep = keep.to(r.device)
             r = r.index_put((keep,), r[keep] + d.to(r.dtype))
-            self.cache.store(ids, r)
-            return r.to(dtype)
-        if d.dim() < 1 or d.shape[0] != ids.numel():
-            raise ValueError(f"{self.cache.name}: delta payload of shape {tuple(d.shape)} for {ids.numel()} ids")
-        r = self._base(ids, d.shape[1:], d.device, dtype)
-        r = r + d.to(r.dtype)
+        else:
+            if d.dim() < 1 or d.shape[0] != ids.numel():
+                raise ValueError(f"{self.cache.name}: delta payload of shape {tuple(d.shape)} for {ids.numel()} ids")
+            r = self._base(ids, d.shape[1:], d.device, dtype)
+            r = r + d.to(r.dtype)
         self.cache.store(ids, r)
         return r.to(dtype)
 
