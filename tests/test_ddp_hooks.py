@@ -7,24 +7,20 @@ rank saw; the tests below assert on those results.
 from __future__ import annotations
 
 import copy
-import datetime
 import io
 import os
-import socket
-import traceback
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dgpipe.baseline import GradCompression, build_ddp, grad_compression_names
 from dgpipe.compression import get_codec
+from dgpipe.pipeline import spawn
 
 WORLD = 2
-DEADLINE_S = 150
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -151,45 +147,17 @@ def _scenarios(rank: int) -> dict:
     return res
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world_size: int, outdir: str) -> None:
     torch.set_num_threads(1)  # tiny tensors; spare the busy machine the threads' spin-waits
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        torch.save(_scenarios(rank), os.path.join(outdir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    torch.save(_scenarios(rank), os.path.join(outdir, f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    # The library's launcher: a rank that fails is reported with its traceback, and a finished rank
+    # ends without interpreter teardown, where gloo's threads can abort it (pytorch/pytorch#38228).
     outdir = str(tmp_path_factory.mktemp("ddp"))
-    ctx = mp.start_processes(_worker, args=(_free_port(), outdir), nprocs=WORLD, join=False, start_method="spawn")
-    try:
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=DEADLINE_S)
-        while not ctx.join(timeout=1):
-            if datetime.datetime.now() > deadline:
-                raise TimeoutError(f"DDP hook workers did not finish within {DEADLINE_S} s")
-    except Exception:
-        errors = [p for p in os.listdir(outdir) if p.endswith(".err")]
-        details = "\n".join(open(os.path.join(outdir, p)).read() for p in errors)
-        raise RuntimeError(f"workers failed:\n{details}")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn(_worker, WORLD, (outdir,), backend="gloo", timeout=60.0)
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
