@@ -105,10 +105,18 @@ def _validated(argv, cli=VISION):
         (["--example-dropout", "--engine", "torch", "--partition", "linear"],
          "--example-dropout needs the examples' ids at every boundary, which torch's schedules do not pass"),
         (["--example-dropout"], "--example-dropout is for the nlp job's encoders"),
-        (["--mode", "dataparallel", "--skip-padding"], "--skip-padding thins pipeline boundaries; use --mode pipeline"),
+        (["--mode", "dataparallel", "--skip-padding"], "--skip-padding works on pipeline boundaries; use --mode pipeline"),
         (["--skip-padding", "--engine", "torch", "--partition", "linear"],
-         "--skip-padding is dgpipe's runtime (its boundaries carry the attention mask): use --engine dgpipe"),
+         "--skip-padding is dgpipe's runtime (its boundaries carry the attention mask and token ids): use --engine "
+         "dgpipe"),
         (["--skip-padding"], "--skip-padding is for the nlp job's encoders"),
+        (["--token-reference", "--delta", "--save", "ckpt"],
+         "--token-reference does not combine with --delta, --save (it codes whole tensors directly"),
+        (["--token-reference", "--skip-padding"], "--token-reference does not combine with --skip-padding"),
+        (["--mode", "dataparallel", "--token-reference"], "--token-reference works on pipeline boundaries; use --mode"),
+        (["--token-reference", "--engine", "torch", "--partition", "linear"],
+         "--token-reference is dgpipe's runtime (its boundaries carry the attention mask and token ids)"),
+        (["--token-reference"], "--token-reference is for the nlp job's encoders"),
     ],
 )
 def test_common_flag_errors(argv, message, cifar, capsys):

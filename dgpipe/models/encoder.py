@@ -121,22 +121,27 @@ def small_encoder_config(
 
 
 class EncoderEmbeddings(nn.Module):
-    """``(input_ids, attention_mask[, token_type_ids])`` -> ``(hidden float (B, L, H), attention_mask)``."""
+    """``(input_ids, attention_mask[, token_type_ids])`` -> ``(hidden float (B, L, H), attention_mask)``,
+    and ``input_ids`` last with ``carry_ids`` (for a per-token reference at the boundaries,
+    :mod:`dgpipe.compression.wrappers.reference`; the layers pass it through)."""
 
-    def __init__(self, embeddings: nn.Module) -> None:
+    def __init__(self, embeddings: nn.Module, carry_ids: bool = False) -> None:
         super().__init__()
         self.embeddings = embeddings
+        self.carry_ids = carry_ids
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(inputs, (tuple, list)) or len(inputs) not in (2, 3):
             raise ValueError("the embeddings take the tuple (input_ids, attention_mask[, token_type_ids])")
         input_ids, attention_mask = inputs[0], inputs[1]
         token_type_ids = inputs[2] if len(inputs) == 3 else None
-        return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids), attention_mask
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        return (hidden, attention_mask, input_ids) if self.carry_ids else (hidden, attention_mask)
 
 
 class EncoderLayer(nn.Module):
-    """One transformer layer: ``(hidden (B, L, H), attention_mask (B, L))`` -> same.
+    """One transformer layer: ``(hidden (B, L, H), attention_mask (B, L), *rest)`` -> same (``rest``, the
+    token ids where they are carried, passes through).
 
     The attention bias is rebuilt here from the integer mask, by
     ``transformers.masking_utils.create_bidirectional_mask`` for the model's attention
@@ -151,9 +156,9 @@ class EncoderLayer(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         from transformers.masking_utils import create_bidirectional_mask
 
-        hidden, attention_mask = inputs
+        hidden, attention_mask, *rest = inputs
         bias = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
-        return self.layer(hidden, bias), attention_mask
+        return (self.layer(hidden, bias), attention_mask, *rest)
 
 
 class PooledHead(nn.Module):
@@ -184,8 +189,11 @@ class SequenceHead(nn.Module):
         return self.classifier(inputs[0])
 
 
-def encoder_layers(model: nn.Module) -> list[nn.Module]:
+def encoder_layers(model: nn.Module, carry_ids: bool = False) -> list[nn.Module]:
     """The layers of a BERT- or RoBERTa-family ``...ForSequenceClassification``, in order.
+
+    With ``carry_ids`` every layer's output ends with the input ids (int64 ``(B, L)``), which a
+    per-token reference at the boundaries needs.
 
     ``[EncoderEmbeddings, EncoderLayer x num_hidden_layers, PooledHead | SequenceHead]``;
     see the module doc for what each takes and returns. Their composition computes the
@@ -212,4 +220,4 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
         head = SequenceHead(classifier)
     else:
         raise ValueError(f"unknown classification head on {type(model).__name__}: {type(classifier).__name__}")
-    return [EncoderEmbeddings(base.embeddings), *(EncoderLayer(layer, config) for layer in layers), head]
+    return [EncoderEmbeddings(base.embeddings, carry_ids), *(EncoderLayer(layer, config) for layer in layers), head]

@@ -52,6 +52,14 @@ gradients are zero. The raw bytes the meter records stay those of the whole tens
 wire/raw falls by the padding's share. A delta-coded tensor sends the change of its kept rows
 (its caches hold whole examples; padding rows keep their cached values, zeros from a warm-up).
 
+Per-token reference (``token_reference``, :mod:`dgpipe.compression.wrappers.reference`): the last
+tensor of a forward or evaluation value is the token ids, an integer ``(B, L)`` tensor that travels
+losslessly (flag ``TOKEN_IDS``; decoded first on the receiver); each coded floating ``(B, L, d)``
+tensor of the value is sent as its residual against the table of its tuple position (flag
+``REFERENCE``). The table is one per position on each side, shared by the micro-batches and by
+evaluation; training messages update it in the order they are sent and received, evaluation only
+reads it.
+
 Codec instances are made per (direction, micro-batch slot, tuple position), so a
 stateful codec (error feedback) keeps one state per boundary, direction and slot;
 evaluation uses its own instances and never touches training state.
@@ -68,11 +76,12 @@ from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, CodecSpec, Payload
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
+from dgpipe.compression.wrappers.reference import ReferenceCoder, TokenReference, TokenTable, check_tokens
 
-from .lanes import (LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, decode_ids, encode_ids,
-                    put_rows)
-from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REQUIRES_GRAD,
-                      ROW_MASK, ROWS, Message)
+from .lanes import (LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, ReferenceLane,
+                    decode_ids, encode_ids, put_rows)
+from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REFERENCE,
+                      REQUIRES_GRAD, ROW_MASK, ROWS, TOKEN_IDS, Message)
 
 __all__ = ["CodecArg", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
 
@@ -167,6 +176,8 @@ class Boundary:
         id_examples: sample ids travel with forward messages, each in ``[0, id_examples)``
             (``None``: no ids; with ``delta``, its ``examples``).
         skip_padding: send only the rows a tuple's row mask keeps (module docstring).
+        token_reference: code floating ``(B, L, d)`` tensors against a per-token table keyed by the
+            value's last tensor, its token ids (module docstring); ``None``: no reference.
     """
 
     def __init__(
@@ -184,8 +195,11 @@ class Boundary:
         report: Callable[[str], None] | None = print,
         id_examples: int | None = None,
         skip_padding: bool = False,
+        token_reference: TokenReference | None = None,
     ) -> None:
         self.name = f"stage{index}->stage{index + 1}"
+        self.token_reference = token_reference
+        self._references: dict[int, ReferenceCoder] = {}
         self.skip_padding = bool(skip_padding)
         # micro-batch slot -> (the row mask's kept rows, bool (B, L); the leaves sent as rows) of the
         # training forward message of that slot, for its backward message (sender and receiver alike)
@@ -241,8 +255,24 @@ class Boundary:
             self._deltas[pos] = DeltaCoder(self._factories["forward"](), cache)
         return self._deltas[pos]
 
-    def _lane(self, direction: str, slot: int, pos: int, kind: int) -> Lane:
+    def _reference_coder(self, pos: int) -> ReferenceCoder:
+        """The reference coder of tuple position ``pos`` on this rank's side (made on first use).
+
+        Raises:
+            ValueError: this rank has no token reference.
+        """
+        if self.token_reference is None:
+            raise ValueError("a reference-coded tensor, but this rank has no token reference "
+                             "(configure it alike on every rank)")
+        if pos not in self._references:
+            spec = self.token_reference
+            self._references[pos] = ReferenceCoder(self._factories["forward"](), TokenTable(spec.vocab, spec.alpha))
+        return self._references[pos]
+
+    def _lane(self, direction: str, slot: int, pos: int, kind: int, referenced: bool = False) -> Lane:
         """The lane of kind ``kind`` for tuple position ``pos`` of micro-batch ``slot``."""
+        if referenced:
+            return ReferenceLane(self._reference_coder(pos))
         if kind == LOSSLESS:
             return LOSSLESS_LANE
         if kind == CODED:
@@ -293,14 +323,36 @@ class Boundary:
             for pos, t in enumerate(tensors):
                 if t.is_floating_point() and t.dim() >= 3 and t.shape[:2] == keep.shape:
                     flags[pos] |= ROWS
+        tokens = None
+        if self.token_reference is not None:
+            tokens = self._mark_reference(tensors, flags)
         ids = ids if direction == "forward" else None
         message = Message(tuple(flags), n_micro, slot, atomic=atomic, has_ids=ids is not None)
-        works = self._send(direction, message, tensors, ids, keep)
+        works = self._send(direction, message, tensors, ids, keep, tokens)
         if direction == "forward":  # a backward message will answer it: have the receive ready
             self._grads_due += 1
             self._stream("backward", sending=False).post()
             self._remember_rows(message, keep)
         return works, [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
+
+    def _mark_reference(self, tensors: list[torch.Tensor], flags: list[int]) -> torch.Tensor:
+        """Flag the last tensor as the token ids and the coded ``(B, L, d)`` tensors as reference-coded;
+        returns the ids (int64 ``(B, L)``).
+
+        Raises:
+            ValueError: the last tensor is not integer token ids of a floating tensor's ``(B, L)``.
+        """
+        last = tensors[-1]
+        floating = [t for t in tensors if t.is_floating_point() and t.dim() == 3]
+        if not floating:
+            raise ValueError(f"{self.name}: a token reference needs a floating (B, L, d) tensor in the value")
+        tokens = check_tokens(last, self.token_reference.vocab, tuple(floating[0].shape[:2]),
+                              f"{self.name}: the value's last tensor")
+        flags[-1] |= TOKEN_IDS
+        for pos, t in enumerate(tensors):
+            if flags[pos] & CODED and t.is_floating_point() and t.dim() == 3 and t.shape[:2] == last.shape:
+                flags[pos] |= REFERENCE
+        return tokens
 
     def _remember_rows(self, message: Message, keep: torch.Tensor | None) -> None:
         """Keep a training forward message's row mask for the gradients of its micro-batch."""
@@ -363,11 +415,12 @@ class Boundary:
     # -- wire ------------------------------------------------------------------------------
 
     def _send(self, direction: str, message: Message, tensors: list, ids: torch.Tensor | None = None,
-              keep: torch.Tensor | None = None) -> list[SendWork]:
+              keep: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> list[SendWork]:
         """Lanes -> transport -> meter for one message (of the positions flagged :data:`ROWS`, the rows
-        ``keep`` marks)."""
+        ``keep`` marks; reference lanes keyed by ``tokens``)."""
         start = _now(self._device)
-        ctx, rows_ctx = LaneContext(ids), LaneContext(ids, keep=keep)
+        ctx = LaneContext(ids, tokens=tokens, update=direction == "forward")
+        rows_ctx = LaneContext(ids, keep=keep)
         payloads: list[Payload] = []
         raw = 0
         with torch.no_grad():
@@ -377,7 +430,8 @@ class Boundary:
                 if message.kind(pos) == ABSENT:
                     continue
                 raw += t.numel() * t.element_size()
-                lane, t = self._lane(direction, message.slot, pos, message.kind(pos)), t.detach()
+                lane = self._lane(direction, message.slot, pos, message.kind(pos), message.referenced(pos))
+                t = t.detach()
                 if message.rows(pos) and message.kind(pos) & DELTA:  # the delta lane takes the rows itself
                     payloads.append(lane.encode(t, rows_ctx))
                 else:
@@ -415,12 +469,14 @@ class Boundary:
             at = {pos: next(it) for pos in range(len(message.flags)) if message.kind(pos) != ABSENT}
             tensors: list[torch.Tensor | None] = [None] * len(message.flags)
             keep = self._row_keep(message, at, tensors, keep, rows)  # the row mask first: delta lanes need it
-            ctx, rows_ctx = LaneContext(ids, self._device), LaneContext(ids, self._device, keep)
+            tokens = self._tokens(message, at, tensors)  # the token ids too: reference lanes need them
+            ctx = LaneContext(ids, self._device, tokens=tokens, update=direction == "forward")
+            rows_ctx = LaneContext(ids, self._device, keep)
             for pos, payload in at.items():
-                if pos == message.row_mask:
+                if pos in (message.row_mask, message.token_ids):
                     continue
                 kind = message.kind(pos)
-                lane = self._lane(direction, slot, pos, kind)
+                lane = self._lane(direction, slot, pos, kind, message.referenced(pos))
                 if message.rows(pos) and kind & DELTA:  # the delta lane restores the rows itself
                     tensors[pos] = lane.decode(payload, rows_ctx)
                 else:
@@ -452,6 +508,24 @@ class Boundary:
         if positions and (keep is None or any(pos not in rows for pos in positions)):
             raise ValueError("tensors sent as rows without a row mask for them")
         return keep
+
+    def _tokens(self, message: Message, payloads: dict[int, Payload], tensors: list) -> torch.Tensor | None:
+        """The message's token ids (decoded here, losslessly, into their place in ``tensors``), or None.
+
+        Raises:
+            ValueError: token ids on a rank without a token reference, or ids that are not integer
+                ``(B, L)`` values in ``[0, vocab)``.
+        """
+        pos = message.token_ids
+        if pos is None:
+            return None
+        if self.token_reference is None:
+            raise ValueError("token ids in a message, but this rank has no token reference "
+                             "(configure it alike on every rank)")
+        t = tensors[pos] = LOSSLESS_LANE.decode(payloads[pos], LaneContext())
+        if t.dim() != 2:
+            raise ValueError(f"token ids {t.dtype} {tuple(t.shape)}, not an integer (B, L) tensor")
+        return check_tokens(t, self.token_reference.vocab, tuple(t.shape), "token ids")
 
     def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
         """Check a message's sample ids against their range (with delta coding, the rows are checked
@@ -519,6 +593,10 @@ class Boundary:
         for coder in self._deltas.values():
             total += coder.take_stats()
         return total
+
+    def reference_digests(self) -> dict[int, str]:
+        """SHA-256 of this side's token table per tuple position (equal on the two sides of the boundary)."""
+        return {pos: coder.table.digest() for pos, coder in sorted(self._references.items())}
 
     def delta_digests(self) -> dict[int, str]:
         """SHA-256 of this side's cache per tuple position (equal on the two sides of the boundary)."""

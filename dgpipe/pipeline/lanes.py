@@ -13,7 +13,11 @@ message carries for that position (:mod:`dgpipe.pipeline.message`):
   the activation codec (AQ-SGD, :mod:`dgpipe.compression.wrappers.delta`); the payload
   carries the activation's dtype in its header;
 - :class:`DeltaWarmupLane` (``DELTA_WARMUP``): the tensor losslessly, stored in the cache
-  on both sides (a full-precision warm-up visit).
+  on both sides (a full-precision warm-up visit);
+- :class:`ReferenceLane` (``CODED`` + ``REFERENCE``): the residual against the per-token
+  reference of the message's token ids, coded by the activation codec
+  (:mod:`dgpipe.compression.wrappers.reference`); training messages update the table on both
+  sides, evaluation reads it.
 
 The two delta lanes of one position share one :class:`~dgpipe.compression.wrappers.delta.DeltaCoder`;
 the sample ids of the rows travel once per message and reach them in the :class:`LaneContext`, and so
@@ -31,10 +35,12 @@ import torch
 
 from dgpipe.compression import Codec, Payload, get_codec
 from dgpipe.compression.wrappers.delta import DeltaCoder
+from dgpipe.compression.wrappers.reference import ReferenceCoder
 
 from .message import CODED, DELTA_CODED, DELTA_WARMUP, LOSSLESS
 
-__all__ = ["LaneContext", "Lane", "LosslessLane", "CodedLane", "DeltaLane", "DeltaWarmupLane", "LOSSLESS_LANE",
+__all__ = ["LaneContext", "Lane", "LosslessLane", "CodedLane", "DeltaLane", "DeltaWarmupLane", "ReferenceLane",
+           "LOSSLESS_LANE",
            "encode_ids", "decode_ids", "put_rows"]
 
 _NONE = get_codec("none")
@@ -51,11 +57,15 @@ class LaneContext:
             coding), else ``None``.
         device: where the receiver's tensors go.
         keep: bool ``(B, L)`` rows that travel, for a delta lane of a position sent as rows; else ``None``.
+        tokens: int64 ``(B, L)`` token ids of the message, for a reference lane; else ``None``.
+        update: a training message: reference lanes fold what they code into their table.
     """
 
     ids: torch.Tensor | None = None
     device: torch.device = torch.device("cpu")
     keep: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    update: bool = False
 
     def need_ids(self) -> torch.Tensor:
         """The ids, for a delta lane.
@@ -163,6 +173,26 @@ class DeltaWarmupLane(Lane):
             raise ValueError(f"warm-up tensor {x.dtype} {tuple(x.shape)} for {ids.numel()} ids")
         self.coder.refresh(x, ids)
         return x
+
+
+class ReferenceLane(Lane):
+    """The residual against ``coder``'s per-token table, keyed by the context's token ids."""
+
+    kind = CODED
+
+    def __init__(self, coder: ReferenceCoder) -> None:
+        self.coder = coder
+
+    def _tokens(self, ctx: LaneContext) -> torch.Tensor:
+        if ctx.tokens is None:
+            raise ValueError("a reference-coded tensor without token ids")
+        return ctx.tokens
+
+    def encode(self, t: torch.Tensor, ctx: LaneContext) -> Payload:
+        return self.coder.encode(t, self._tokens(ctx), ctx.update)
+
+    def decode(self, payload: Payload, ctx: LaneContext) -> torch.Tensor:
+        return self.coder.decode(payload, self._tokens(ctx).to(ctx.device), ctx.update).to(ctx.device)
 
 
 def put_rows(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,9 @@ form::
   :data:`ROWS` on a floating ``(B, L, ...)`` tensor sent as its kept rows only
   (``(kept, ...)``; padding rows stay behind and arrive as zeros, or, delta-coded, as cached).
   A backward message's :data:`ROWS` gradients use the row mask of the forward message of
-  the same micro-batch.
+  the same micro-batch. With a per-token reference (:mod:`dgpipe.compression.wrappers.reference`):
+  :data:`TOKEN_IDS` on the message's token ids (a lossless integer ``(B, L)`` tensor) and
+  :data:`REFERENCE` on a coded ``(B, L, d)`` tensor sent as its residual against the table.
 
 One payload follows per present tensor, after the ids payload if ``head`` says so.
 """
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["ABSENT", "LOSSLESS", "CODED", "DELTA_WARMUP", "DELTA_CODED", "REQUIRES_GRAD", "ROWS", "ROW_MASK",
-           "MAX_BOUNDARY_TENSORS", "Message"]
+           "TOKEN_IDS", "REFERENCE", "MAX_BOUNDARY_TENSORS", "Message"]
 
 #: Lane kinds (the low bits of a flag).
 ABSENT, LOSSLESS, CODED = 0, 1, 2
@@ -43,12 +45,17 @@ REQUIRES_GRAD = 4
 ROWS = 16
 #: Flag bit: the tensor is the message's row mask (nonzero: the row travels).
 ROW_MASK = 32
+#: Flag bit: the tensor is the message's token ids (the per-token reference's keys).
+TOKEN_IDS = 64
+#: Flag bit: the coded tensor is the residual against the per-token reference of the message's token ids.
+REFERENCE = 128
 #: Most tensors one boundary value (a tuple) may hold.
 MAX_BOUNDARY_TENSORS = 16
 _ATOMIC, _HAS_IDS = 1, 2  # bits of the head
 _BASE_FLAGS = frozenset({ABSENT, LOSSLESS, CODED, LOSSLESS | REQUIRES_GRAD, CODED | REQUIRES_GRAD,
                          DELTA_WARMUP | REQUIRES_GRAD, DELTA_CODED | REQUIRES_GRAD})
-_VALID_FLAGS = _BASE_FLAGS | {f | ROWS for f in _BASE_FLAGS if f != ABSENT} | {LOSSLESS | ROW_MASK}
+_VALID_FLAGS = (_BASE_FLAGS | {f | ROWS for f in _BASE_FLAGS if f != ABSENT} | {LOSSLESS | ROW_MASK, LOSSLESS | TOKEN_IDS}
+                | {CODED | REFERENCE, CODED | REFERENCE | REQUIRES_GRAD})
 
 
 def _float_bits(x: float) -> int:
@@ -74,7 +81,8 @@ class Message:
 
     Raises:
         ValueError: an unknown flag, too many or (for an atomic value) more than one flag,
-            more than one row mask, or a negative count; the message says "corrupt message meta".
+            more than one row mask or token ids position, a reference-coded tensor without token
+            ids, or a negative count; the message says "corrupt message meta".
     """
 
     flags: tuple[int, ...]
@@ -88,6 +96,8 @@ class Message:
         object.__setattr__(self, "flags", tuple(int(f) for f in self.flags))
         ok = len(self.flags) <= MAX_BOUNDARY_TENSORS and all(f in _VALID_FLAGS for f in self.flags)
         ok = ok and sum(bool(f & ROW_MASK) for f in self.flags) <= 1
+        tokens = sum(bool(f & TOKEN_IDS) for f in self.flags)
+        ok = ok and tokens <= 1 and (tokens == 1 or not any(f & REFERENCE for f in self.flags))
         ok = ok and self.n_micro >= 0 and self.slot >= 0 and (not self.atomic or len(self.flags) == 1)
         if not ok:
             raise ValueError(f"corrupt message meta: flags {list(self.flags)[:MAX_BOUNDARY_TENSORS]}, "
@@ -99,9 +109,18 @@ class Message:
         return sum(f != ABSENT for f in self.flags) + self.has_ids
 
     def kind(self, pos: int) -> int:
-        """The lane kind of tuple position ``pos`` (its flag without :data:`REQUIRES_GRAD`, :data:`ROWS`
-        and :data:`ROW_MASK`)."""
-        return self.flags[pos] & ~(REQUIRES_GRAD | ROWS | ROW_MASK)
+        """The lane kind of tuple position ``pos`` (its flag without :data:`REQUIRES_GRAD`, :data:`ROWS`,
+        :data:`ROW_MASK`, :data:`TOKEN_IDS` and :data:`REFERENCE`)."""
+        return self.flags[pos] & ~(REQUIRES_GRAD | ROWS | ROW_MASK | TOKEN_IDS | REFERENCE)
+
+    def referenced(self, pos: int) -> bool:
+        """Whether tuple position ``pos`` is coded against the per-token reference (:data:`REFERENCE`)."""
+        return bool(self.flags[pos] & REFERENCE)
+
+    @property
+    def token_ids(self) -> int | None:
+        """The tuple position of the token ids (:data:`TOKEN_IDS`), or None."""
+        return next((pos for pos, f in enumerate(self.flags) if f & TOKEN_IDS), None)
 
     def rows(self, pos: int) -> bool:
         """Whether tuple position ``pos`` travels as its kept rows (:data:`ROWS`)."""

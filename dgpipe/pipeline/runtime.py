@@ -32,6 +32,7 @@ from torchgpipe.microbatch import Batch, gather
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
+from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models.example_dropout import example_ids
 
 from .boundary import Boundary, CodecArg, codec_factories
@@ -126,6 +127,11 @@ class Pipeline:
             rows the mask keeps of those tensors and of their gradients (padding rows arrive as
             zeros; exact where padding influences nothing but itself;
             :mod:`dgpipe.pipeline.boundary`). The same on every rank.
+        token_reference: a :class:`~dgpipe.compression.wrappers.reference.TokenReference`: every stage
+            output (and input) ends with the token ids, an integer ``(B, L)`` tensor, and each coded
+            floating ``(B, L, d)`` tensor crosses a boundary as its residual against a per-token table
+            both sides build from training messages (:mod:`dgpipe.pipeline.boundary`). Not with
+            ``delta`` or ``skip_padding``. The same on every rank.
 
     Raises:
         ValueError: bad placement, ``chunks``, ``timeout``, rank, codec or delta spec.
@@ -148,6 +154,7 @@ class Pipeline:
         delta_report: Callable[[str], None] | None = print,
         example_ids: int | None = None,
         skip_padding: bool = False,
+        token_reference: TokenReference | None = None,
     ) -> None:
         stages = list(stages)
         if not stages or any(not isinstance(s, nn.Module) for s in stages):
@@ -176,6 +183,11 @@ class Pipeline:
             raise ValueError(f"example_ids must be a positive int (training examples), got {example_ids!r}")
         if delta is not None and example_ids not in (None, delta.examples):
             raise ValueError(f"example_ids={example_ids} but the delta spec caches {delta.examples} examples")
+        if token_reference is not None:
+            if not isinstance(token_reference, TokenReference):
+                raise ValueError(f"token_reference must be a TokenReference, got {type(token_reference).__name__}")
+            if delta is not None or skip_padding:
+                raise ValueError("token_reference codes whole tensors directly: not with delta or skip_padding")
         acts = codec_factories(act_codec, n_boundaries, "act_codec")
         grads = acts if grad_codec is None else codec_factories(grad_codec, n_boundaries, "grad_codec")
 
@@ -205,7 +217,7 @@ class Pipeline:
                 self._bounds[a.index] = Boundary(
                     a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout,
                     rank=rank, delta=delta, report=delta_report, id_examples=self.id_examples,
-                    skip_padding=skip_padding,
+                    skip_padding=skip_padding, token_reference=token_reference,
                 )
         self.last_step_totals: dict = self.meter.totals()
 
@@ -249,6 +261,11 @@ class Pipeline:
             if b.delta_coded:
                 out[names.index(b.name)] += b.take_delta_stats()
         return out
+
+    def reference_digests(self) -> dict[str, dict[int, str]]:
+        """SHA-256 of this rank's token tables: ``{boundary name: {tuple position: hex}}``; the two ranks
+        of a boundary hold equal digests."""
+        return {b.name: b.reference_digests() for b in self._bounds.values() if b.token_reference is not None}
 
     def delta_digests(self) -> dict[str, dict[int, str]]:
         """SHA-256 of this rank's delta caches: ``{boundary name: {tuple position: hex}}``; the

@@ -153,6 +153,10 @@ DELTA_SETTINGS: dict[str, list[str]] = {
     **{f"{prefix}{label}_eval32": LOWBIT_SETTINGS[label] + flags + ["--no-compress-eval"]
        for label in _LOWBIT_CODEBOOKS
        for prefix, flags in (("", []), ("delta_", ["--delta"]))},
+    # Direct coding against the per-token reference (--token-reference): evaluated through the link, where
+    # no delta cache exists; the token ids count against the forward direction
+    **{f"ref_{label}": LOWBIT_SETTINGS[label] + ["--token-reference"]
+       for label in ("codebook2_g2", "codebook5lv_gsub1lv5")},
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,

@@ -119,6 +119,10 @@ def common_parser(
     c.add_argument("--skip-padding", action="store_true",
                    help="nlp: send only the real tokens' rows of the hidden states and their gradients across "
                         "boundaries (padding rows arrive as zeros; exact, as attention masks them)")
+    c.add_argument("--token-reference", action="store_true",
+                   help="nlp: code the hidden states at each boundary as their residual against a per-token table "
+                        "that both sides build from the training messages (the token ids travel too); cuts the "
+                        "error of direct coding, in training and in evaluation through the link")
     c.add_argument("--compare-to", metavar="SETTING[,SETTING...]",
                    help="also train each named setting with the same seed, data and flags, one after another "
                         f"in the same processes, and print a side-by-side table; settings: {', '.join(SETTINGS)}")
@@ -343,6 +347,18 @@ def _check_delta(args: argparse.Namespace) -> None:
                              "choose a writable directory")
 
 
+def _check_token_reference(args: argparse.Namespace) -> None:
+    """--token-reference codes whole tensors directly: not with --delta or --skip-padding; its tables
+    are not in checkpoints: not with --save or --resume."""
+    if not args.token_reference:
+        return
+    clash = [f for f, v in (("--delta", args.delta), ("--skip-padding", args.skip_padding), ("--save", args.save),
+                            ("--resume", args.resume)) if v]
+    if clash:
+        raise ValueError(f"--token-reference does not combine with {', '.join(clash)} (it codes whole tensors "
+                         "directly, and its tables are not saved in checkpoints)")
+
+
 def _torch_schedule(args: argparse.Namespace) -> str | None:
     """``--schedule`` resolved for ``--engine torch`` (None for dgpipe's runtime), after checking the
     flags torch's schedules cannot serve; :func:`_check_torch_stages` checks the stage count."""
@@ -362,9 +378,9 @@ def _torch_schedule(args: argparse.Namespace) -> str | None:
     if args.delta or args.example_dropout:
         raise ValueError(f"{'--delta' if args.delta else '--example-dropout'} needs the examples' ids at every "
                          "boundary, which torch's schedules do not pass: use --engine dgpipe")
-    if args.skip_padding:
-        raise ValueError("--skip-padding is dgpipe's runtime (its boundaries carry the attention mask): "
-                         "use --engine dgpipe")
+    if args.skip_padding or args.token_reference:
+        raise ValueError(f"{'--skip-padding' if args.skip_padding else '--token-reference'} is dgpipe's runtime "
+                         "(its boundaries carry the attention mask and token ids): use --engine dgpipe")
     if not args.compress_eval:
         raise ValueError("--no-compress-eval: with --engine torch evaluation crosses the boundaries through the "
                          "training codecs; drop the flag or use --engine dgpipe")
@@ -454,6 +470,7 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
         compression = derived["compression"] = boundary_compression(args)
         derived["dp_compression"] = None
         _check_delta(args)
+        _check_token_reference(args)
         derived["compare_to"] = _compare_to(args, compression)
     else:
         if args.batch_size % world_size:
@@ -472,8 +489,9 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
             raise ValueError("--delta codes pipeline boundaries; it has no meaning in --mode dataparallel")
         if args.example_dropout:
             raise ValueError("--example-dropout sends sample ids along the pipeline; use --mode pipeline")
-        if args.skip_padding:
-            raise ValueError("--skip-padding thins pipeline boundaries; use --mode pipeline")
+        if args.skip_padding or args.token_reference:
+            raise ValueError(f"{'--skip-padding' if args.skip_padding else '--token-reference'} works on pipeline "
+                             "boundaries; use --mode pipeline")
         if args.compare_to:
             raise ValueError("--compare-to compares pipeline boundary settings; drop it in --mode dataparallel")
         if args.engine != "dgpipe" or args.schedule:

@@ -42,6 +42,9 @@ class PipelineConfig:
         compress_eval: evaluation crosses the boundaries through the training codecs.
         skip_padding: boundaries send only the real tokens' rows of an encoder's hidden states
             and of their gradients (:mod:`dgpipe.pipeline.boundary`).
+        token_reference: coded hidden states cross boundaries as their residual against a per-token
+            table both sides build from training messages; the token ids travel with them
+            (:mod:`dgpipe.compression.wrappers.reference`).
         engine: ``"dgpipe"`` (this package's GPipe runtime) or ``"torch"`` (torch's schedules).
         schedule: torch schedule of the torch engine (``"gpipe"``, ``"1f1b"``,
             ``"interleaved"``, ``"zbv"``), ``None`` with dgpipe's.
@@ -59,6 +62,7 @@ class PipelineConfig:
     timeout: float
     compress_eval: bool
     skip_padding: bool
+    token_reference: bool
     engine: str
     schedule: str | None
 

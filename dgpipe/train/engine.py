@@ -29,6 +29,7 @@ from torch import nn
 from dgpipe.comm import BandwidthMeter, wire_device
 from dgpipe.compression import CodecSpec
 from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
+from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
 
@@ -123,6 +124,7 @@ class PipelineEngine:
             deferred_batchnorm=job.deferred_batchnorm, compress_eval=p.compress_eval,
             delta=delta, delta_report=lambda line: print(line, flush=True),
             example_ids=train_examples if d.example_dropout else None, skip_padding=p.skip_padding,
+            token_reference=TokenReference(job.vocab) if p.token_reference else None,
         )
         self.meter = self.pipe.meter
         self.reads_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage

@@ -101,7 +101,11 @@ class GlueOptions:
 
 
 class GlueJob(Job):
-    """An encoder on one GLUE task; see :class:`~dgpipe.train.job.Job` for the interface."""
+    """An encoder on one GLUE task; see :class:`~dgpipe.train.job.Job` for the interface.
+
+    Attributes:
+        vocab: the model's vocabulary size (token ids are in ``[0, vocab)``), set by :meth:`build_layers`.
+    """
 
     options = GlueOptions
     pinned = (1, 1)
@@ -181,7 +185,8 @@ class GlueJob(Job):
         model = build_encoder(config if config is not None else self.config.job.model, self.task.num_labels)
         if self.config.delta.example_dropout:
             use_example_dropout(model, self.config.train.seed)
-        return encoder_layers(model)
+        self.vocab = model.config.vocab_size
+        return encoder_layers(model, carry_ids=self.config.pipeline.token_reference)
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         a, d, seed = self.config.job, self.config.data, self.config.train.seed

@@ -100,6 +100,9 @@ class VisionJob(Job):
         if config.pipeline.skip_padding:
             raise ValueError("--skip-padding is for the nlp job's encoders (MobileNetV2's activations have no "
                              "padding rows)")
+        if config.pipeline.token_reference:
+            raise ValueError("--token-reference is for the nlp job's encoders (MobileNetV2's activations have no "
+                             "tokens)")
         if opts.deferred_batchnorm and config.pipeline.engine == "torch":
             raise ValueError("--deferred-batchnorm is dgpipe's runtime (torchgpipe's DeferredBatchNorm); "
                              "drop it with --engine torch")

@@ -1,0 +1,207 @@
+"""Per-token reference (``Pipeline(token_reference=...)``, :mod:`dgpipe.compression.wrappers.reference`): the
+table's running mean against an independent computation, equal tables and reconstructions on the two sides,
+evaluation that reads without writing; a client/server split of a tiny BERT whose boundaries carry the token
+ids -- loss and gradients equal to the unsplit model's, exact wire bytes, equal tables on both ranks after
+coded training steps -- and the checks that guard it."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dgpipe.compression import get_codec
+from dgpipe.compression.wrappers.reference import ReferenceCoder, TokenReference, TokenTable, check_tokens
+from dgpipe.models.encoder import build_encoder, encoder_layers, small_encoder_config
+from dgpipe.pipeline import Pipeline
+from dgpipe.pipeline.message import CODED, LOSSLESS, REFERENCE, REQUIRES_GRAD, TOKEN_IDS, Message
+from helpers import assert_ranks_ok, spawn_checks
+
+VOCAB, LENGTH, HIDDEN = 120, 12, 32
+CODEBOOK = {"count": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_table_is_the_running_mean_of_the_rows_with_a_least_weight():
+    """Lossless codec: the table after each message equals a float64 running mean computed here, each
+    new row of a token weighted ``max(1 / count, alpha)``, a message's rows at most 1 together."""
+    alpha = 0.25
+    coder = ReferenceCoder(get_codec("none"), TokenTable(6, alpha))
+    g = torch.Generator().manual_seed(0)
+    mean, count = torch.zeros(6, 3, dtype=torch.float64), torch.zeros(6)
+    for _ in range(7):
+        ids = torch.randint(0, 6, (2, 4), generator=g)
+        x = torch.randn(2, 4, 3, generator=g)
+        coder.encode(x, ids, update=True)
+        for t in ids.unique().tolist():
+            rows = x[ids == t].double()
+            count[t] += len(rows)
+            w = min(max(1 / count[t], alpha) * len(rows), 1.0)
+            mean[t] += (rows.mean(0) - mean[t]) * w
+    torch.testing.assert_close(coder.table.rows.double(), mean, rtol=1e-5, atol=1e-6)
+    assert torch.equal(coder.table.count, count.long())
+
+
+def test_both_sides_hold_the_same_table_and_the_error_falls():
+    """Codebook 5 levels on rows that are mostly a function of their token: sender and receiver tables stay
+    bit-identical, the receiver returns the sender's reconstruction, the error after 30 messages is under half
+    of direct coding's, and an evaluation message (no update) leaves both tables as they were."""
+    make = lambda: ReferenceCoder(get_codec("codebook", **CODEBOOK), TokenTable(50))  # noqa: E731
+    sender, receiver, direct = make(), make(), get_codec("codebook", **CODEBOOK)
+    g = torch.Generator().manual_seed(0)
+    emb = 3 * torch.randn(50, 64, generator=g)
+
+    def message():
+        ids = torch.randint(0, 50, (4, 16), generator=g)
+        return emb[ids] + 0.3 * torch.randn(4, 16, 64, generator=g), ids
+
+    err = lambda x, y: float((x - y).square().sum() / x.square().sum())  # noqa: E731
+    for _ in range(30):
+        x, ids = message()
+        payload = sender.encode(x, ids, update=True)
+        y = receiver.decode(payload, ids, update=True)
+        assert sender.table.digest() == receiver.table.digest()
+    torch.testing.assert_close(sender.table.rows, receiver.table.rows, rtol=0, atol=0)
+    x, ids = message()
+    before = receiver.table.digest()
+    y = receiver.decode(sender.encode(x, ids, update=False), ids, update=False)
+    assert receiver.table.digest() == before == sender.table.digest()
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert err(x, y) < 0.5 * err(x, direct.decode(direct.encode(x)))
+
+
+def test_token_checks():
+    with pytest.raises(ValueError, match="outside"):
+        check_tokens(torch.tensor([[0, 7]]), 7, (1, 2), "ids")
+    with pytest.raises(ValueError, match="expected integer"):
+        check_tokens(torch.zeros(1, 2), 7, (1, 2), "ids")
+    with pytest.raises(ValueError, match="expected integer"):
+        check_tokens(torch.zeros(2, 1, dtype=torch.int64), 7, (1, 2), "ids")
+    with pytest.raises(ValueError, match="alpha"):
+        TokenReference(10, alpha=0.0)
+    with pytest.raises(ValueError, match="vocab"):
+        TokenReference(0)
+    coder = ReferenceCoder(get_codec("none"), TokenTable(10))
+    with pytest.raises(ValueError, match="for token ids"):
+        coder.encode(torch.zeros(2, 3, 4), torch.zeros(2, 4, dtype=torch.int64), update=True)
+
+
+@pytest.mark.parametrize("flags", [
+    (CODED | REFERENCE | REQUIRES_GRAD,),  # a reference-coded tensor without token ids
+    (CODED | REFERENCE, LOSSLESS | TOKEN_IDS, LOSSLESS | TOKEN_IDS),  # two token ids positions
+    (CODED | TOKEN_IDS,),  # token ids travel losslessly
+    (LOSSLESS | REFERENCE, LOSSLESS | TOKEN_IDS),  # only a coded tensor has a reference
+])
+def test_reference_flags_are_checked(flags):
+    meta = Message((LOSSLESS,), 1, 0).to_meta()[:4] + list(flags)
+    with pytest.raises(ValueError, match="corrupt message meta"):
+        Message.from_meta(meta, len(flags))
+
+
+def test_reference_flags_round_trip():
+    m = Message((CODED | REFERENCE | REQUIRES_GRAD, LOSSLESS, LOSSLESS | TOKEN_IDS), 2, 1)
+    back = Message.from_meta(m.to_meta(), 3)
+    assert back == m and back.token_ids == 2 and back.referenced(0) and not back.referenced(1)
+    assert back.kind(0) == CODED and back.kind(2) == LOSSLESS
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = small_encoder_config("bert", VOCAB, 0, max_length=LENGTH, num_labels=3, hidden_size=HIDDEN, num_layers=4,
+                               num_heads=2)
+    model = build_encoder(cfg, 3, attn_implementation="eager")
+    for m in model.modules():  # no dropout: the pipeline and the reference draw no random masks
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model.train()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 40, (8, LENGTH), generator=g)  # 35 distinct tokens: rows repeat across messages
+    mask = torch.ones(8, LENGTH, dtype=torch.int64)
+    mask[2, 5:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _stages(model):
+    layers = encoder_layers(model, carry_ids=True)  # embeddings, 4 encoder layers, head
+    return [torch.nn.Sequential(*layers[:2]), torch.nn.Sequential(*layers[2:4]), torch.nn.Sequential(*layers[4:])]
+
+
+def run_lossless(rank):
+    """Codec ``none`` with the reference on stages [embeddings + 1 layer | 2 layers | 1 layer + head] on ranks
+    [0, 1, 0], 2 micro-batches, two SGD steps: losses and the first step's gradients equal to the unsplit
+    model's (the residual adds back to the tensor within float rounding); each boundary's forward bytes are
+    the residual's, the packed mask's and the packed ids' payloads, its backward bytes the gradient's."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(_stages(model), [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30,
+                    token_reference=TokenReference(VOCAB))
+    (ids, mask), y = _inputs(), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    loss = pipe.train_step((ids, mask), y)
+    out = ref(input_ids=ids, attention_mask=mask).logits
+    expected = F.cross_entropy(out, y)
+    expected.backward()
+    assert abs(loss - float(expected)) < 1e-5
+    ref_params = dict(ref.named_parameters())
+    mine = {n: p for n, p in model.named_parameters() if p.grad is not None}
+    assert mine
+    for name, p in mine.items():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    none, ints = get_codec("none"), get_codec("intpack")
+    hidden_bytes = none.encode(torch.zeros(4, LENGTH, HIDDEN)).nbytes
+    forward = 2 * (hidden_bytes + ints.encode(mask[:4]).nbytes + ints.encode(ids[:4]).nbytes)
+    for rec in pipe.meter.records():
+        if rec["wire_bytes"]:  # the sending side of this boundary and direction
+            assert rec["wire_bytes"] == (2 * hidden_bytes if rec["direction"] == "backward" else forward), rec
+
+
+def run_coded(rank):
+    """The 5-level codebook with the reference: three training steps, then an evaluation step; the two ranks of
+    each boundary hold equal tables after training and after evaluation (which leaves them unchanged), and
+    each forward message costs the codebook's payload of the residual plus the ids."""
+    codec = ("codebook", CODEBOOK)
+    pipe = Pipeline(_stages(_model()), [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30, act_codec=codec,
+                    grad_codec=codec, token_reference=TokenReference(VOCAB))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    (ids, mask), y = _inputs(), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    for _ in range(3):
+        opt.zero_grad()
+        pipe.train_step((ids, mask), y)
+        opt.step()
+
+    def digests():
+        mine = pipe.reference_digests()
+        local = torch.tensor([[int(mine[n][0][i:i + 15], 16) for i in range(0, 60, 15)]
+                              for n in ("stage0->stage1", "stage1->stage2")])
+        everyone = [torch.zeros_like(local) for _ in range(2)]
+        dist.all_gather(everyone, local)
+        assert torch.equal(everyone[0], everyone[1])
+        return local
+
+    trained = digests()
+    pipe.eval_step((ids, mask))
+    assert torch.equal(digests(), trained)
+    coded = get_codec("codebook", **CODEBOOK).encode(torch.randn(4, LENGTH, HIDDEN)).nbytes
+    ints = get_codec("intpack")
+    forward = 3 * 2 * (coded + ints.encode(mask[:4]).nbytes + ints.encode(ids[:4]).nbytes)
+    for rec in pipe.meter.records():
+        if rec["wire_bytes"] and rec["direction"] == "forward":
+            assert rec["wire_bytes"] == forward, rec
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory):
+    return spawn_checks({"lossless": run_lossless, "coded": run_coded}, 2, tmp_path_factory.mktemp("token_reference"))
+
+
+def test_client_server_pipeline_with_the_reference_matches_the_unsplit_model(outcome):
+    assert_ranks_ok(outcome, "lossless", 2)
+
+
+def test_both_ranks_build_the_same_tables_and_evaluation_leaves_them(outcome):
+    assert_ranks_ok(outcome, "coded", 2)
