@@ -110,8 +110,7 @@ def _validated(argv, cli=VISION):
          "--skip-padding is dgpipe's runtime (its boundaries carry the attention mask and token ids): use --engine "
          "dgpipe"),
         (["--skip-padding"], "--skip-padding is for the nlp job's encoders"),
-        (["--token-reference", "--delta", "--save", "ckpt"],
-         "--token-reference does not combine with --delta, --save (it codes whole tensors directly"),
+        (["--token-reference", "--delta"], "--token-reference does not combine with --delta (it codes whole tensors"),
         (["--token-reference", "--skip-padding"], "--token-reference does not combine with --skip-padding"),
         (["--mode", "dataparallel", "--token-reference"], "--token-reference works on pipeline boundaries; use --mode"),
         (["--token-reference", "--engine", "torch", "--partition", "linear"],

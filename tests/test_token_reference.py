@@ -71,6 +71,30 @@ def test_both_sides_hold_the_same_table_and_the_error_falls():
     assert err(x, y) < 0.5 * err(x, direct.decode(direct.encode(x)))
 
 
+def test_table_state_round_trips_and_is_checked():
+    """A table restored from ``state_dict`` has the same digest and codes the next message to the same bytes;
+    a state of another vocabulary is refused; an empty state restores an empty table."""
+    make = lambda vocab=50: ReferenceCoder(get_codec("codebook", **CODEBOOK), TokenTable(vocab))  # noqa: E731
+    coder, g = make(), torch.Generator().manual_seed(0)
+    batch = lambda: (torch.randn(2, 8, 64, generator=g), torch.randint(0, 50, (2, 8), generator=g))  # noqa: E731
+    for _ in range(4):
+        coder.encode(*batch(), update=True)
+    restored = make()
+    restored.table.load_state_dict(coder.table.state_dict())
+    assert restored.table.digest() == coder.table.digest()
+    x, ids = batch()
+    a, b = coder.encode(x, ids, update=True), restored.encode(x, ids, update=True)
+    assert torch.equal(a.header, b.header) and all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors))
+    assert restored.table.digest() == coder.table.digest()
+    with pytest.raises(ValueError, match="do not fit a vocabulary of 49"):
+        TokenTable(49).load_state_dict(coder.table.state_dict())
+    with pytest.raises(ValueError, match="do not fit"):
+        TokenTable(50).load_state_dict({"rows": coder.table.rows, "count": None})
+    empty = TokenTable(50)
+    empty.load_state_dict(make().table.state_dict())
+    assert empty.rows is None and empty.digest() == make().table.digest()
+
+
 def test_token_checks():
     with pytest.raises(ValueError, match="outside"):
         check_tokens(torch.tensor([[0, 7]]), 7, (1, 2), "ids")
@@ -162,8 +186,9 @@ def run_lossless(rank):
 
 def run_coded(rank):
     """The 5-level codebook with the reference: three training steps, then an evaluation step; the two ranks of
-    each boundary hold equal tables after training and after evaluation (which leaves them unchanged), and
-    each forward message costs the codebook's payload of the residual plus the ids."""
+    each boundary hold equal tables after training and after evaluation (which leaves them unchanged), the
+    tables go into ``state_dict`` and come back from it, and each forward message costs the codebook's payload
+    of the residual plus the ids."""
     codec = ("codebook", CODEBOOK)
     pipe = Pipeline(_stages(_model()), [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30, act_codec=codec,
                     grad_codec=codec, token_reference=TokenReference(VOCAB))
@@ -184,8 +209,16 @@ def run_coded(rank):
         return local
 
     trained = digests()
+    saved = pipe.state_dict()["reference"]
+    assert set(saved) == {"stage0->stage1", "stage1->stage2"}  # rank 0 sends one, receives the other; rank 1 too
     pipe.eval_step((ids, mask))
     assert torch.equal(digests(), trained)
+    before = pipe.reference_digests()
+    pipe.load_state_dict({**pipe.state_dict(), "reference": {name: {"0": {"rows": None, "count": None}}
+                                                             for name in saved}})
+    assert pipe.reference_digests() != before  # emptied
+    pipe.load_state_dict({**pipe.state_dict(), "reference": saved})
+    assert pipe.reference_digests() == before  # and restored from the checkpoint's tables
     coded = get_codec("codebook", **CODEBOOK).encode(torch.randn(4, LENGTH, HIDDEN)).nbytes
     ints = get_codec("intpack")
     forward = 3 * 2 * (coded + ints.encode(mask[:4]).nbytes + ints.encode(ids[:4]).nbytes)

@@ -594,6 +594,19 @@ class Boundary:
             total += coder.take_stats()
         return total
 
+    def reference_state(self) -> dict[str, dict]:
+        """``state_dict()`` of this side's token table per tuple position (``{}`` if none)."""
+        return {str(pos): coder.table.state_dict() for pos, coder in sorted(self._references.items())}
+
+    def load_reference_state(self, state: dict[str, dict]) -> None:
+        """Restore :meth:`reference_state` output.
+
+        Raises:
+            ValueError: this rank has no token reference, or a table does not fit.
+        """
+        for pos, table_state in state.items():
+            self._reference_coder(int(pos)).table.load_state_dict(table_state)
+
     def reference_digests(self) -> dict[int, str]:
         """SHA-256 of this side's token table per tuple position (equal on the two sides of the boundary)."""
         return {pos: coder.table.digest() for pos, coder in sorted(self._references.items())}

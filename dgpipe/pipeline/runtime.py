@@ -274,11 +274,12 @@ class Pipeline:
 
     def state_dict(self) -> dict:
         """``{"stages": {index: stage state}, "codecs": {boundary name: codec states},
-        "delta": {boundary name: cache states}}`` of this rank."""
+        "delta": {boundary name: cache states}, "reference": {boundary name: token tables}}`` of this rank."""
         return {
             "stages": {str(i): s.state_dict() for i, s in sorted(self._stages.items())},
             "codecs": {b.name: b.codec_state() for b in self._bounds.values()},
             "delta": {b.name: b.delta_state() for b in self._bounds.values() if b.delta_coded},
+            "reference": {b.name: b.reference_state() for b in self._bounds.values() if b.token_reference is not None},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -303,6 +304,10 @@ class Pipeline:
             if name not in bounds:
                 raise ValueError(f"delta caches for boundary {name!r}, which this rank does not touch")
             bounds[name].load_delta_state(delta_state)
+        for name, reference_state in state.get("reference", {}).items():
+            if name not in bounds:
+                raise ValueError(f"token tables for boundary {name!r}, which this rank does not touch")
+            bounds[name].load_reference_state(reference_state)
 
     # -- steps -----------------------------------------------------------------------------
 

@@ -348,15 +348,13 @@ def _check_delta(args: argparse.Namespace) -> None:
 
 
 def _check_token_reference(args: argparse.Namespace) -> None:
-    """--token-reference codes whole tensors directly: not with --delta or --skip-padding; its tables
-    are not in checkpoints: not with --save or --resume."""
+    """--token-reference codes whole tensors directly: not with --delta or --skip-padding."""
     if not args.token_reference:
         return
-    clash = [f for f, v in (("--delta", args.delta), ("--skip-padding", args.skip_padding), ("--save", args.save),
-                            ("--resume", args.resume)) if v]
+    clash = [f for f, v in (("--delta", args.delta), ("--skip-padding", args.skip_padding)) if v]
     if clash:
         raise ValueError(f"--token-reference does not combine with {', '.join(clash)} (it codes whole tensors "
-                         "directly, and its tables are not saved in checkpoints)")
+                         "directly)")
 
 
 def _torch_schedule(args: argparse.Namespace) -> str | None:

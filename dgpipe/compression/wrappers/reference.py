@@ -112,6 +112,32 @@ class TokenTable:
         old = self.rows[tokens]
         self.rows[tokens] = old + (sums - n[:, None].float() * old) * weight[:, None]
 
+    def state_dict(self) -> dict:
+        """``{"rows": float32 (vocab, d) or None, "count": int64 (vocab,) or None}`` (copies, safe to save)."""
+        return {"rows": None if self.rows is None else self.rows.clone(),
+                "count": None if self.count is None else self.count.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (on the saved tensors' device).
+
+        Raises:
+            ValueError: rows that are not float32 ``(vocab, d)`` or counts that are not int64 ``(vocab,)``,
+                or one of the two without the other.
+        """
+        rows, count = state.get("rows"), state.get("count")
+        if rows is None and count is None:
+            self.rows = self.count = None
+            return
+        ok = isinstance(rows, torch.Tensor) and isinstance(count, torch.Tensor)
+        ok = ok and rows.dtype == torch.float32 and rows.dim() == 2 and rows.shape[0] == self.vocab
+        ok = ok and count.dtype == torch.int64 and tuple(count.shape) == (self.vocab,)
+        if not ok:
+            raise ValueError(f"token reference: saved table {getattr(rows, 'dtype', rows)} "
+                             f"{tuple(getattr(rows, 'shape', ()))} / counts {getattr(count, 'dtype', count)} "
+                             f"{tuple(getattr(count, 'shape', ()))} do not fit a vocabulary of {self.vocab}; "
+                             "resume with the same model")
+        self.rows, self.count = rows.clone(), count.clone().to(rows.device)
+
     def digest(self) -> str:
         """SHA-256 (hex) of the rows and counts: equal on both sides of a link."""
         h = hashlib.sha256()
