@@ -98,3 +98,19 @@ def wire_message(payloads, meta):
             end = start + t.numel() * t.element_size()
             buf[start:end] = t.reshape(-1).view(torch.uint8)
     return buf
+
+
+def tiny_bert(vocab: int, length: int, hidden: int):
+    """A 4-layer BERT classifier (3 labels) with every dropout off, seeded, in training mode: a pipeline's
+    boundaries and the unsplit model then compute the same numbers (no random masks)."""
+    from dgpipe.models.encoder import build_encoder, small_encoder_config
+
+    torch.manual_seed(0)
+    cfg = small_encoder_config("bert", vocab, 0, max_length=length, num_labels=3, hidden_size=hidden, num_layers=4,
+                               num_heads=2)
+    model = build_encoder(cfg, 3, attn_implementation="eager")
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model.train()
+

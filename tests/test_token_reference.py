@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from dgpipe.compression import get_codec
 from dgpipe.compression.wrappers.reference import ReferenceCoder, TokenReference, TokenTable, check_tokens
-from dgpipe.models.encoder import build_encoder, encoder_layers, small_encoder_config
+from dgpipe.models.encoder import encoder_layers
 from dgpipe.pipeline import Pipeline
 from dgpipe.pipeline.message import CODED, LOSSLESS, REFERENCE, REQUIRES_GRAD, TOKEN_IDS, Message
-from helpers import assert_ranks_ok, spawn_checks
+from helpers import assert_ranks_ok, spawn_checks, tiny_bert
 
 VOCAB, LENGTH, HIDDEN = 120, 12, 32
 CODEBOOK = {"count": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}
@@ -131,14 +131,7 @@ def test_reference_flags_round_trip():
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = small_encoder_config("bert", VOCAB, 0, max_length=LENGTH, num_labels=3, hidden_size=HIDDEN, num_layers=4,
-                               num_heads=2)
-    model = build_encoder(cfg, 3, attn_implementation="eager")
-    for m in model.modules():  # no dropout: the pipeline and the reference draw no random masks
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model.train()
+    return tiny_bert(VOCAB, LENGTH, HIDDEN)
 
 
 def _inputs():
