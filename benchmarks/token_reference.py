@@ -7,11 +7,12 @@ part, a function of its token: a table ``T`` of one reference row per vocabulary
 before the codec and added back after it, leaves the codec a smaller residual to code.
 
 The table is built on both sides of the link from what crossed it, so it costs no bytes beyond the
-token ids (the receiver needs them to look the rows up): after every training message each real
-token's row ``T[t]`` moves to the running mean of the *decoded* rows of that token
-(``T[t] += (row - T[t]) / min(count[t], 1 / alpha)``, rows of one message in order), which sender and
-receiver compute alike; evaluation reads it frozen. ``alpha`` keeps the mean following the weights
-during fine-tuning (here they are fixed, so it only bounds how much old rows weigh).
+token ids (the receiver needs them to look the rows up): after every training message each token's
+row moves to the running mean of the *decoded* rows of that token, padding included, which sender
+and receiver compute alike; evaluation reads it frozen. The table and its update are the pipeline's
+own (:class:`dgpipe.compression.wrappers.TokenTable`, :class:`~dgpipe.compression.wrappers.ReferenceCoder`,
+what ``--token-reference`` runs); ``alpha`` keeps the mean following the weights during fine-tuning
+(here they are fixed, so it only bounds how much old rows weigh).
 
 What this measures, for all-MiniLM-L6-v2's client/server boundaries (hidden states after encoder
 layers 2 and 4, SST-2, padded to ``--max-length``, messages of ``--micro-batch`` sentences):
@@ -45,6 +46,7 @@ import sys
 import torch
 
 from dgpipe.compression import get_codec
+from dgpipe.compression.wrappers import ReferenceCoder, TokenTable
 
 TOKEN = {"group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}
 SETTINGS = {
@@ -80,31 +82,6 @@ def hidden_states(split: str, n: int, max_length: int, train: bool) -> tuple[tor
                 if i in CUTS:
                     out[i].append((x[0] if isinstance(x, tuple) else x).clone())
     return enc["input_ids"], enc["attention_mask"].bool(), {c: torch.cat(v) for c, v in out.items()}
-
-
-class TokenReference:
-    """The table (module docstring): ``rows`` float32 ``(vocab, d)``, ``count`` int64 ``(vocab,)``."""
-
-    def __init__(self, vocab: int, d: int, alpha: float) -> None:
-        self.rows = torch.zeros(vocab, d)
-        self.count = torch.zeros(vocab, dtype=torch.int64)
-        self.cap = round(1 / alpha)
-
-    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows[ids]
-
-    def update(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Fold ``rows`` ``(k, d)`` of tokens ``ids`` ``(k,)`` into the running means, in order."""
-        for t, r in zip(ids.tolist(), rows):
-            self.count[t] += 1
-            self.rows[t] += (r - self.rows[t]) / min(int(self.count[t]), self.cap)
-
-
-def code(codec, x: torch.Tensor, ref: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """``(decoded x, payload bytes)`` of one message, optionally as the residual against ``ref``."""
-    payload = codec.encode(x if ref is None else x - ref)
-    y = codec.decode(payload)
-    return (y if ref is None else y + ref), payload.nbytes
 
 
 def rel_error(x: torch.Tensor, y: torch.Tensor, real: torch.Tensor) -> float:
@@ -143,23 +120,20 @@ def main() -> None:
           "coded table | with the exact table (bound) |")
     print("|---|---|---|---|---|---|---|")
     for cut in CUTS:
-        d = dev[cut].shape[-1]
         exact = exact_table(vocab, ids_t[real_t], train[cut][real_t])
         x = dev[cut]
         for label, options in SETTINGS.items():
             codec = get_codec("codebook", **options)
-            table = TokenReference(vocab, d, args.alpha)
-            for part, ids, real in zip(train[cut].split(args.micro_batch), ids_t.split(args.micro_batch),
-                                       real_t.split(args.micro_batch)):
-                y, _ = code(codec, part, table[ids])
-                table.update(ids[real], y[real])
+            coder = ReferenceCoder(codec, TokenTable(vocab, args.alpha))
+            for part, ids in zip(train[cut].split(args.micro_batch), ids_t.split(args.micro_batch)):
+                coder.encode(part, ids, update=True)  # the sender's table: the receiver's is the same
             direct, with_table, with_exact, nbytes = [], [], [], 0
             for part, ids in zip(x.split(args.micro_batch), ids_d.split(args.micro_batch)):
-                y, n = code(codec, part, None)
-                direct.append(y)
-                nbytes += n
-                with_table.append(code(codec, part, table[ids])[0])
-                with_exact.append(code(codec, part, exact[ids])[0])
+                payload = codec.encode(part)
+                direct.append(codec.decode(payload))
+                nbytes += payload.nbytes
+                with_table.append(coder.decode(coder.encode(part, ids, update=False), ids, update=False))
+                with_exact.append(exact[ids] + codec.decode(codec.encode(part - exact[ids])))
             bits = 8 * nbytes / x.numel()
             errors = [rel_error(x, torch.cat(y), real_d) for y in (direct, with_table, with_exact)]
             print(f"| after layer {cut} | {label} | {bits:.2f} | {errors[0]:.4f} | {bits + id_bits:.2f} | "
