@@ -1,10 +1,22 @@
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# The codebook codec's one-pass row kernels (dgpipe/compression/kernels/rows.c), a plain C library that
+# dgpipe loads with ctypes. -ffp-contract=off: no fused multiply-add may change a rounding (the bytes must
+# be the reference's). Optional: without a C compiler the package installs and runs the reference steps.
+ROWS = Extension(
+    "dgpipe.compression.kernels._rows",
+    sources=["dgpipe/compression/kernels/rows.c"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-Wno-psabi"],
+    libraries=["m"],
+    optional=True,
+)
 
 setup(
     name="dgpipe",
     version="0.1.0",
     description="GPipe-style micro-batch pipeline training with compressed stage boundaries",
     packages=find_packages(include=["dgpipe", "dgpipe.*"]),
+    ext_modules=[ROWS],
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",

@@ -22,7 +22,7 @@ message in one pass         :func:`level_rows_values`
 Hadamard butterflies        :func:`fwht`                                 :mod:`.fwht`
 ==========================  ==========================================  ===================
 
-Backends: :mod:`.numba_codes`, :mod:`.numba_message`, :mod:`.numba_rows` (CPU), :mod:`.triton_codes` (CUDA);
+Backends: :mod:`.numba_codes`, :mod:`.numba_message`, :mod:`.rows` (CPU, compiled C), :mod:`.triton_codes` (CUDA);
 :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the thread
 parts and the per-kernel failure record.
 """

@@ -8,7 +8,7 @@
   order (a pairwise fold) that every backend repeats exactly;
 - :func:`level_rows` / :func:`level_rows_values`: a whole token-grouped message -- rotation,
   :func:`row_rms`, the scale's rounding, :func:`level_codes` -- in one compiled pass per
-  row on CPU (:mod:`.numba_rows`), and its decode; None where that does not apply (the
+  row on CPU (:mod:`.rows`, compiled C), and its decode; None where that does not apply (the
   codec then runs the steps one by one: the reference).
 
 Compiled on CPU (:mod:`.numba_codes`) and GPU (:mod:`.triton_codes`) for codes of up to
@@ -21,9 +21,11 @@ the nearest level is the MSE-optimal assignment for fixed levels.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from . import numba_codes, numba_rows
+from . import numba_codes
+from . import rows as row_pass
 from .backend import choose, empty, kernels_of
 from .bitpack import CHUNK, pack_bits, packed_nbytes, unpack_bits
 from .uniform import in_groups, pack_tail, values_tail
@@ -95,7 +97,7 @@ def row_rms(rows: torch.Tensor) -> torch.Tensor:
     pairwise fold in a fixed order -- while ``m > 1`` values remain, add the upper
     ``m - ceil(m/2)`` to the lower ones -- so that it does not depend on the SIMD width or
     thread count of a library's reduction, and a compiled kernel repeats it bit for bit
-    (:mod:`.numba_rows`). The square root is taken in float64 and rounded to float32: torch's
+    (:mod:`.rows`). The square root is taken in float64 and rounded to float32: torch's
     float32 square root on CPU is not correctly rounded (measured: 17% of results 1 ulp off on
     an AVX-512 machine); its float64 one is off by an ulp of float64 at most, which moves the
     float32 result only with a chance of about ``2**-29`` per row.
@@ -145,7 +147,7 @@ def level_rows(x: torch.Tensor, rotation, levels: torch.Tensor, bits: int,
     if not x.is_contiguous():
         return None
     signs, width, block = _rotation_args(rotation, x.shape[1])
-    done = numba_rows.encode_rows(x, signs, width, block, (levels[1:] + levels[:-1]) / 2, bits, meta_dtype)
+    done = row_pass.encode_rows(x, signs, width, block, (levels[1:] + levels[:-1]) / 2, bits, meta_dtype)
     if done is None:
         return None
     packed, scales, tail = done
@@ -168,12 +170,12 @@ def level_rows_values(packed: torch.Tensor, bits: int, levels: torch.Tensor, sca
         float32 ``(rows, d)``, the same bits as :func:`level_values` and the inverse rotation; None
         where it does not apply.
     """
-    if not numba_rows.applies(bits, packed):
+    if not row_pass.applies(bits, packed):
         return None
     signs, width, block = _rotation_args(rotation, d)
     n = rows * width
     full = n - n % CHUNK
-    tail = unpack_bits(packed, bits, n, start=full, dtype=torch.int32).to(torch.float32) if full < n else \
-        torch.empty(0)
-    return numba_rows.decode_rows(packed, bits, levels.float().contiguous(), scales.float().reshape(-1).contiguous(),
-                                  tail, rows, d, signs, width, block)
+    tail = unpack_bits(packed, bits, n, start=full, dtype=torch.int32).to(torch.uint8).numpy() if full < n else \
+        np.empty(0, np.uint8)
+    return row_pass.decode_rows(packed, bits, levels.float().contiguous(), scales.float().reshape(-1).contiguous(),
+                                tail, rows, d, signs, width, block)
