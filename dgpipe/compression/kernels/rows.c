@@ -99,25 +99,49 @@ static inline INLINE void long_strides(float *y, long width, long b, long h0, fl
             store(y + j, load(y + j) * fv);
 }
 
-/* A vector of row `x` (`d` values) from position j on, zero past d, times the signs. */
-static inline INLINE vf signed_load(const float *x, const float *signs, long d, long j) {
-    if (j + V <= d)
-        return load(x + j) * load(signs + j);
-    float t[V];
+/* A row's values times the signs, zero padded to `width`, in vectors: the last partial vector of a
+ * row (from `part` on) reads past the row's end where the tensor has room (`room` floats from the
+ * row's start) and clears the lanes past d with a mask -- a product with zero would keep a NaN. */
+typedef struct {
+    long d, part;
+    vi keep;  /* lanes < d - part */
+    vf signs; /* signs[part:d], zero padded */
+} row_tail;
+
+static inline INLINE row_tail make_tail(const float *signs, long d) {
+    row_tail t = {d, d / V * V, {}, {}};
+    float s[V] = {0};
+    for (long k = t.part; k < d; k++)
+        s[k - t.part] = signs[k];
+    t.signs = load(s);
     for (int k = 0; k < V; k++)
-        t[k] = j + k < d ? x[j + k] * signs[j + k] : 0.0f;
-    return load(t);
+        t.keep[k] = t.part + k < d ? -1 : 0;
+    return t;
+}
+
+static inline INLINE vf signed_load(const float *x, const float *signs, const row_tail *t, long room, long j) {
+    if (j < t->part)
+        return load(x + j) * load(signs + j);
+    if (j > t->part || t->part == t->d)
+        return (vf){};
+    if (j + V <= room)
+        return (vf)((vi)load(x + j) & t->keep) * t->signs;
+    float v[V] = {0};
+    for (long k = j; k < t->d; k++)
+        v[k - j] = x[k];
+    return load(v) * t->signs;
 }
 
 /* The rotation of one row: y = fwht(pad(x * signs, width)) in blocks of `b`, orthonormal. */
-static inline INLINE void rotate_row(const float *x, const float *signs, long d, long width, long b, float f, float *y) {
+static inline INLINE void rotate_row(const float *x, const float *signs, const row_tail *t, long room, long width,
+                                     long b, float f, float *y) {
     if (b >= V) {
         for (long j = 0; j < width; j += V)
-            store(y + j, short_strides(signed_load(x, signs, d, j)));
+            store(y + j, short_strides(signed_load(x, signs, t, room, j)));
         long_strides(y, width, b, V, f);
     } else {
         for (long j = 0; j < width; j++)
-            y[j] = j < d ? x[j] * signs[j] : 0.0f;
+            y[j] = j < t->d ? x[j] * signs[j] : 0.0f;
         long_strides(y, width, b, 1, f);
     }
 }
@@ -133,8 +157,8 @@ static inline INLINE void unrotate_row(float *y, long width, long b, float f, co
         out[k] = y[k] * signs[k];
 }
 
-/* levels.row_rms of `y` (`width` values; s64: (width + 1) / 2 doubles of scratch), as float32. */
-static inline INLINE float row_rms(const float *y, long width, double *s64) {
+/* levels.row_rms's fold, first level: s64[j] = y[j]**2 + y[h + j]**2 (h = ceil(width / 2)), in float64. */
+static inline INLINE void squares(const float *y, long width, double *s64) {
     long m = width, h = (m + 1) / 2, j = 0;
     for (; j + V / 2 <= m - h; j += V / 2) {
         typedef float v8 __attribute__((vector_size(2 * V)));
@@ -149,12 +173,29 @@ static inline INLINE float row_rms(const float *y, long width, double *s64) {
         s64[j] = (double)y[j] * y[j] + (double)y[h + j] * y[h + j];
     for (; j < h; j++) /* the middle value of an odd width: no partner yet */
         s64[j] = (double)y[j] * y[j];
-    for (m = h; m > 1; m = h) {
+}
+
+/* The rest of the fold on `nr` rows of first-level sums at once (row i at s64 + i * stride, m values):
+ * while m > 1 values remain, the upper m - ceil(m / 2) are added to the lower ones. A level of every row
+ * before the next level of any, so that the rows' chains of dependent sums overlap. Leaves the sums
+ * in s64[i * stride]. */
+static inline INLINE void fold(double *s64, long stride, long nr, long m) {
+    for (long h; m > 1; m = h) {
         h = (m + 1) / 2;
-        for (j = 0; j < m - h; j++)
-            s64[j] += s64[h + j];
+        for (long i = 0; i < nr; i++) {
+            double *s = s64 + i * stride;
+            long j = 0;
+            for (; j + V / 2 <= m - h; j += V / 2) {
+                vd a, c;
+                memcpy(&a, s + j, sizeof a);
+                memcpy(&c, s + h + j, sizeof c);
+                a += c;
+                memcpy(s + j, &a, sizeof a);
+            }
+            for (; j < m - h; j++)
+                s[j] += s[h + j];
+        }
     }
-    return (float)sqrt(s64[0] / (double)width);
 }
 
 /* The smallest value of the scale dtype >= t (grouping.round_meta rounding up); inf if none.
@@ -171,13 +212,12 @@ static inline INLINE float ceil_meta(float t, int mant, int emin, double top) {
 }
 
 /* Codes (0 .. 2**bits - 1) of row `y` / div: how many of the 2**bits - 1 ascending midpoints each
- * exceeds (levels.nearest_level), found by a binary search over the midpoints held in one vector:
- * `bits` comparisons per value instead of 2**bits - 1, the same count. */
-static inline INLINE void row_codes(const float *y, long width, float div, const float *mids, int bits, uint8_t *codes) {
+ * exceeds (levels.nearest_level), found by a binary search over the midpoints held in one vector `m`
+ * (mids, zero padded): `bits` comparisons per value instead of 2**bits - 1, the same count. */
+static inline INLINE void row_codes(const float *y, long width, float div, vf m, const float *mids, int bits,
+                                    uint8_t *codes) {
     int nm = (1 << bits) - 1;
-    float mv[V] = {0};
-    memcpy(mv, mids, nm * sizeof(float));
-    vf m = load(mv), dv = (vf){} + div;
+    vf dv = (vf){} + div;
     long j = 0;
     for (; j + V <= width; j += V) {
         vf q = load(y + j) / dv;
@@ -250,35 +290,56 @@ static inline INLINE void unpack_chunk(const uint8_t *in, int bits, uint8_t *cod
 
 /* The per-bits bodies are inlined into one function per width so that the compiler sees the
  * constants of the layout and of the level comparisons. */
+/* Rows taken at a time: their rotations and scales first, then their codes, so that one row's chain of
+ * dependent steps (the sums, the square root, the division) overlaps the next row's work. */
+#define GROUP_VALUES 2048
+#define MAX_GROUP 64
+
 static inline INLINE int encode_body(const float *x, const float *signs, long rows, long d, long width, long block,
                               float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
                               long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
-    float *y = aligned_alloc(64, ((width + V - 1) / V * V) * sizeof(float));
-    double *s64 = malloc(((width + 1) / 2) * sizeof(double));
-    uint8_t *rc = malloc(width), *chunk = malloc(CHUNK);
+    long wpad = (width + V - 1) / V * V, g = width >= GROUP_VALUES ? 1 : GROUP_VALUES / width;
+    g = g > MAX_GROUP ? MAX_GROUP : g;
+    float *y = aligned_alloc(64, g * wpad * sizeof(float)), scl[MAX_GROUP];
+    long half = (width + 1) / 2;
+    double *s64 = malloc(g * half * sizeof(double));
+    uint8_t *rc = malloc(g * width), *chunk = malloc(CHUNK);
     int bad = 0;
     if (!y || !s64 || !rc || !chunk) {
         bad = 2;
         goto done;
     }
-    long chunk_bytes = (long)CHUNK * bits / 8;
-    for (long r = start / width; r * width < stop; r++) {
-        const float *xr = x + r * d;
-        if (signs) {
-            rotate_row(xr, signs, d, width, block, inv_sqrt, y);
-        } else {
-            memcpy(y, xr, d * sizeof(float));
+    long chunk_bytes = (long)CHUNK * bits / 8, rend = (stop + width - 1) / width;
+    row_tail tl = signs ? make_tail(signs, d) : (row_tail){};
+    float mp[V] = {0};
+    memcpy(mp, mids, ((1 << bits) - 1) * sizeof(float));
+    vf mv = load(mp);
+    for (long r0 = start / width; r0 < rend; r0 += g) {
+        long nr = rend - r0 < g ? rend - r0 : g;
+        for (long i = 0; i < nr; i++) {
+            long r = r0 + i;
+            float *yr = y + i * wpad;
+            if (signs)
+                rotate_row(x + r * d, signs, &tl, (rows - r) * d, width, block, inv_sqrt, yr);
+            else
+                memcpy(yr, x + r * d, d * sizeof(float));
+            squares(yr, width, s64 + i * half);
         }
-        float s = ceil_meta(row_rms(y, width, s64), mant, emin, top);
-        if (!(s < INFINITY)) { /* inf/NaN in the row, or a scale overflowing the scale dtype */
-            bad = 1;
-            goto done;
+        fold(s64, half, nr, half);
+        for (long i = 0; i < nr; i++) { /* levels.row_rms, rounded up to the scale dtype */
+            float s = ceil_meta((float)sqrt(s64[i * half] / (double)width), mant, emin, top);
+            if (!(s < INFINITY)) { /* inf/NaN in the row, or a scale overflowing the scale dtype */
+                bad = 1;
+                goto done;
+            }
+            if ((r0 + i) * width >= start)
+                scales[r0 + i] = s;
+            scl[i] = s > 0 ? s : 1.0f;
         }
-        long p0 = r * width, p1 = p0 + width;
-        if (p0 >= start)
-            scales[r] = s;
-        row_codes(y, width, s > 0 ? s : 1.0f, mids, bits, rc);
+        for (long i = 0; i < nr; i++)
+            row_codes(y + i * wpad, width, scl[i], mv, mids, bits, rc + i * width);
         /* the codes at positions [max(p0, start), min(p1, stop)) to their chunk, or to the tail */
+        long p0 = r0 * width, p1 = (r0 + nr) * width;
         for (long p = p0 > start ? p0 : start, e = p1 < stop ? p1 : stop; p < e;) {
             if (p >= full) {
                 memcpy(tail + (p - full), rc + (p - p0), e - p);
