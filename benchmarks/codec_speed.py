@@ -59,8 +59,8 @@ harsher eviction than the convolution, of code as well as data). At these sizes 
 is per call, not per value, and the cold figures are what a pipeline pays.
 
 ``--one-pass`` prints only the table of the codebook codec's one-pass kernels
-(:mod:`dgpipe.compression.kernels.numba_rows`: token groups, Hadamard rotation, RMS scale, levels and
-packing in one compiled pass per row): on a MiniLM-sized micro-batch (16x64x384, 1% outlier
+(:mod:`dgpipe.compression.kernels.rows`, compiled C: token groups, Hadamard rotation, RMS scale, levels
+and packing in one pass per row): on a MiniLM-sized micro-batch (16x64x384, 1% outlier
 features), a MobileNetV2 stem activation and the 25.7 MB tensor, milliseconds of encode +
 decode with the compiled kernels and step by step, side by side with ``quant 8`` and a clone of
 the same tensor in the same rounds, whether both paths give the same bytes, bits per value

@@ -12,9 +12,13 @@
  * Rows stay in row-major order: butterflies of stride >= 16 are loops over contiguous runs of
  * 16 values; strides 1, 2, 4 and 8 are done inside each run with a lane permutation,
  * partner + sign * value (the sign +-1 makes the product exact, so the sum is a + b in the lower
- * lane and a - b in the upper one, the reference's two results). GCC's vector extensions
- * leave the instruction set to the compiler; target_clones builds AVX-512, AVX2 and baseline
- * x86-64 variants and picks one at load time.
+ * lane and a - b in the upper one, the reference's two results). Rows go in groups: their
+ * rotations and scales first, then their codes. A value's code is a binary search over the
+ * midpoints held in one vector. GCC's vector extensions leave the instruction set to the
+ * compiler; target_clones builds AVX-512, AVX2 and baseline x86-64 variants and picks one at
+ * load time (every helper is always_inline, so that it is compiled inside each variant).
+ * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
+ * Max 1960, Lloyd 1982.
  */
 #include <math.h>
 #include <stdint.h>
@@ -238,12 +242,10 @@ static inline INLINE void row_codes(const float *y, long width, float div, vf m,
     }
 }
 
-/* bitpack.py's layout of one chunk of CHUNK codes of `bits` <= 8 bits: g lanes of CHUNK / g codes,
+/* bitpack.py's layout of one chunk of CHUNK codes of `bits` <= 4 bits: g lanes of CHUNK / g codes,
  * word j holds code j of lane l at bits l * bits; w byte planes of the words. */
 static inline INLINE void pack_chunk(const uint8_t *codes, int bits, uint8_t *out) {
-    if (bits == 8) {
-        memcpy(out, codes, CHUNK);
-    } else if (8 % bits == 0) {
+    if (8 % bits == 0) {
         int g = 8 / bits;
         long cg = CHUNK / g;
         for (long j = 0; j < cg; j++) {
@@ -267,9 +269,7 @@ static inline INLINE void pack_chunk(const uint8_t *codes, int bits, uint8_t *ou
 
 static inline INLINE void unpack_chunk(const uint8_t *in, int bits, uint8_t *codes) {
     unsigned mask = (1u << bits) - 1;
-    if (bits == 8) {
-        memcpy(codes, in, CHUNK);
-    } else if (8 % bits == 0) {
+    if (8 % bits == 0) {
         int g = 8 / bits;
         long cg = CHUNK / g;
         for (int l = 0; l < g; l++)
