@@ -134,8 +134,8 @@ ROWS = [dict(bits=b, rotate=r, scale_dtype=sd) for b in (1, 2, 3, 4) for r in ("
 
 
 def row_inputs(seed: int) -> dict[str, torch.Tensor]:
-    """Token-grouped inputs: widths with one Hadamard block, several (384 = 3 x 128) and a padded one
-    (50 -> 64, 56 -> 64); tiles of rows across chunk and thread borders, a tail, zero rows."""
+    """Token-grouped inputs: widths with one Hadamard block, several (384 = 3 x 128) and padded ones
+    (14 -> 16, 28 -> 32, 50 -> 64, 56 -> 64, 5 -> 8); rows across chunk and thread borders, a tail, zero rows."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(6, 33, 384, generator=g)
     hidden[..., ::97] *= 30  # outlier features
@@ -145,6 +145,9 @@ def row_inputs(seed: int) -> dict[str, torch.Tensor]:
         "padded": torch.randn(5, 7, 50, generator=g) * 1e-3,
         "conv": torch.relu(torch.randn(2, 3, 40, 56, generator=g)),
         "tiny": torch.randn(3, 5, generator=g),  # the tail alone
+        "narrow": torch.randn(7, 9, 14, generator=g),
+        "map": torch.relu(torch.randn(3, 11, 28, generator=g)),
+        "sixteen": torch.randn(50, 16, generator=g),
         "chunks": torch.randn(4 * CHUNK // 64, 64, generator=g),  # whole chunks, no tail
         "subnormal": torch.randn(40, 128, generator=g) * 1e-41,
         "wide": torch.randn(40, 128, generator=g) * 1e30,

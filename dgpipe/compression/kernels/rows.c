@@ -33,6 +33,7 @@ typedef float vf __attribute__((vector_size(4 * V)));
 typedef int32_t vi __attribute__((vector_size(4 * V)));
 typedef uint8_t vb __attribute__((vector_size(V)));
 typedef double vd __attribute__((vector_size(4 * V)));
+typedef double vd2 __attribute__((vector_size(8 * V))); /* the 16 float64 of one vf */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -46,61 +47,66 @@ static inline INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 /* Stride-h butterflies (h = 1, 2, 4, 8) inside one vector: lane i pairs with lane i ^ h. */
 #define SWAP(v, h) __builtin_shufflevector(v, v, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, \
                                            8 ^ h, 9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h)
-static const vf SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
-static const vf SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
-static const vf SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
-static const vf SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+static const vi NEG1 = {0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31};
+static const vi NEG2 = {0, 0, 1 << 31, 1 << 31, 0, 0, 1 << 31, 1 << 31, 0, 0, 1 << 31, 1 << 31, 0, 0, 1 << 31, 1 << 31};
+static const vi NEG4 = {0, 0, 0, 0, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 0, 0, 0, 0, 1 << 31, 1 << 31, 1 << 31, 1 << 31};
+static const vi NEG8 = {0, 0, 0, 0, 0, 0, 0, 0, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31};
+#define NEG(v, m) ((vf)((vi)(v) ^ (m)))
 
 static inline INLINE vf short_strides(vf v) {
-    v = SWAP(v, 1) + v * SIGN1;
-    v = SWAP(v, 2) + v * SIGN2;
-    v = SWAP(v, 4) + v * SIGN4;
-    return SWAP(v, 8) + v * SIGN8;
+    v = SWAP(v, 1) + NEG(v, NEG1);
+    v = SWAP(v, 2) + NEG(v, NEG2);
+    v = SWAP(v, 4) + NEG(v, NEG4);
+    return SWAP(v, 8) + NEG(v, NEG8);
 }
 
-/* The butterflies of stride >= `h0` (a power of two) of fwht.fwht on each block of `b` values of row `y`
- * (`width` values, a multiple of `b`), in the reference's order, then the orthonormal factor `f`
- * (1 to leave it out). Strides >= V run on whole vectors, two stages per pass where they pair up. */
-static inline INLINE void long_strides(float *y, long width, long b, long h0, float f) {
+/* The butterflies of stride >= V of fwht.fwht on a row of `n` vectors in blocks of `bn` vectors, in the
+ * reference's order, then the orthonormal factor: fac[k] on vector k where fac is given (the factor times
+ * the signs, on decode), else f. The strides below V are done (short_strides). Two stages per pass where
+ * they pair up; the factor rides on the last stage (a product of the stage's sum, as the reference's). */
+static inline INLINE void long_strides(vf *restrict r, long n, long bn, const vf *restrict fac, float f) {
     vf fv = (vf){} + f;
-    long h = h0;
-    for (; 4 * h <= b && h >= V; h *= 4) {
-        int last = 4 * h == b;
-        for (long i = 0; i < width; i += 4 * h)
-            for (long j = i; j < i + h; j += V) {
-                vf a = load(y + j), c = load(y + j + h), e = load(y + j + 2 * h), g = load(y + j + 3 * h);
+#define FAC(k) (fac ? fac[k] : fv)
+    long h = 1;
+    for (; 4 * h <= bn; h *= 4) {
+        int last = 4 * h == bn;
+        for (long i = 0; i < n; i += 4 * h)
+            for (long j = i; j < i + h; j++) {
+                vf a = r[j], c = r[j + h], e = r[j + 2 * h], g = r[j + 3 * h];
                 vf a1 = a + c, c1 = a - c, e1 = e + g, g1 = e - g; /* stage h */
                 vf a2 = a1 + e1, e2 = a1 - e1, c2 = c1 + g1, g2 = c1 - g1; /* stage 2h */
-                if (last) {
-                    a2 *= fv, c2 *= fv, e2 *= fv, g2 *= fv;
-                }
-                store(y + j, a2), store(y + j + h, c2), store(y + j + 2 * h, e2), store(y + j + 3 * h, g2);
+                if (last)
+                    a2 *= FAC(j), c2 *= FAC(j + h), e2 *= FAC(j + 2 * h), g2 *= FAC(j + 3 * h);
+                r[j] = a2, r[j + h] = c2, r[j + 2 * h] = e2, r[j + 3 * h] = g2;
             }
     }
-    for (; h < b; h *= 2) {
-        int last = 2 * h == b;
-        for (long i = 0; i < width; i += 2 * h) {
-            float *p = y + i, *q = y + i + h;
-            if (h >= V) {
-                for (long j = 0; j < h; j += V) {
-                    vf a = load(p + j), c = load(q + j), s = a + c, t = a - c;
-                    if (last)
-                        s *= fv, t *= fv;
-                    store(p + j, s);
-                    store(q + j, t);
-                }
-            } else {
-                for (long j = 0; j < h; j++) {
-                    float a = p[j], c = q[j];
-                    p[j] = last ? (a + c) * f : a + c;
-                    q[j] = last ? (a - c) * f : a - c;
-                }
+    for (; h < bn; h *= 2) {
+        int last = 2 * h == bn;
+        for (long i = 0; i < n; i += 2 * h)
+            for (long j = i; j < i + h; j++) {
+                vf a = r[j], c = r[j + h], s = a + c, t = a - c;
+                if (last)
+                    s *= FAC(j), t *= FAC(j + h);
+                r[j] = s, r[j + h] = t;
             }
-        }
     }
-    if (h0 >= b && f != 1.0f) /* no stage left to carry the factor */
-        for (long j = 0; j < width; j += V)
-            store(y + j, load(y + j) * fv);
+    if (bn == 1) /* no stage left to carry the factor */
+        for (long k = 0; k < n; k++)
+            r[k] *= FAC(k);
+#undef FAC
+}
+
+/* fwht.fwht on blocks of b < V values of a row of `width` values, then the factor (fac[k] where given, else
+ * f): one value at a time, for rows too narrow for the vector passes. */
+static inline INLINE void small_blocks(float *y, long width, long b, const float *fac, float f) {
+    for (long h = 1; h < b; h *= 2)
+        for (long i = 0; i < width; i += 2 * h)
+            for (long j = i; j < i + h; j++) {
+                float a = y[j], c = y[j + h];
+                y[j] = a + c, y[j + h] = a - c;
+            }
+    for (long k = 0; k < width; k++)
+        y[k] *= fac ? fac[k] : f;
 }
 
 /* A row's values times the signs, zero padded to `width`, in vectors: the last partial vector of a
@@ -136,41 +142,53 @@ static inline INLINE vf signed_load(const float *x, const float *signs, const ro
     return load(v) * t->signs;
 }
 
-/* The rotation of one row: y = fwht(pad(x * signs, width)) in blocks of `b`, orthonormal. */
+/* The rotation of one row: y = fwht(pad(x * signs, width)) in blocks of `b`, orthonormal (factor f);
+ * y is 64-byte aligned. */
 static inline INLINE void rotate_row(const float *x, const float *signs, const row_tail *t, long room, long width,
                                      long b, float f, float *y) {
     if (b >= V) {
-        for (long j = 0; j < width; j += V)
-            store(y + j, short_strides(signed_load(x, signs, t, room, j)));
-        long_strides(y, width, b, V, f);
+        vf *r = (vf *)y;
+        for (long k = 0; k < width / V; k++)
+            r[k] = short_strides(signed_load(x, signs, t, room, k * V));
+        long_strides(r, width / V, b / V, NULL, f);
     } else {
         for (long j = 0; j < width; j++)
             y[j] = j < t->d ? x[j] * signs[j] : 0.0f;
-        long_strides(y, width, b, 1, f);
+        small_blocks(y, width, b, NULL, f);
     }
 }
 
-/* The inverse rotation of one row, in place: y = fwht(y) (orthonormal), then out = y[:d] * signs; the
- * strides below V are done already where b >= V (the decode runs them as it reads the levels). */
-static inline INLINE void unrotate_row(float *y, long width, long b, float f, const float *signs, long d, float *out) {
-    long_strides(y, width, b, b >= V ? V : 1, f);
-    long k = 0;
-    for (; k + V <= d; k += V)
-        store(out + k, load(y + k) * load(signs + k));
-    for (; k < d; k++)
-        out[k] = y[k] * signs[k];
+/* levels.row_rms's squares and fold of a row of a power-of-two width w >= V, in vectors of 8 float64:
+ * the first level pairs y[j] with y[w / 2 + j]; then vector k takes vector k + m / 2 while m vectors
+ * remain; then the lanes of the last one, 4 -> 2 -> 1. */
+static inline INLINE double sum_squares_pow2(const float *y, long w) {
+    long n = w / V; /* float64 vectors after the first level */
+    vd s[n > 1 ? n : 2];
+    if (n == 1) {
+        vd2 a = __builtin_convertvector(load(y), vd2);
+        memcpy(s, &a, sizeof a);
+        s[0] = s[0] * s[0] + s[1] * s[1];
+    }
+    for (long k = 0; k + 1 < n; k += 2) {
+        vd2 a = __builtin_convertvector(load(y + 8 * k), vd2), c = __builtin_convertvector(load(y + w / 2 + 8 * k), vd2);
+        vd2 q = a * a + c * c;
+        memcpy(s + k, &q, sizeof q);
+    }
+    for (long m = n; m > 1; m /= 2)
+        for (long k = 0; k < m / 2; k++)
+            s[k] += s[k + m / 2];
+    vd v = s[0];
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3);
+    return v[0] + v[1];
 }
 
 /* levels.row_rms's fold, first level: s64[j] = y[j]**2 + y[h + j]**2 (h = ceil(width / 2)), in float64. */
 static inline INLINE void squares(const float *y, long width, double *s64) {
     long m = width, h = (m + 1) / 2, j = 0;
-    for (; j + V / 2 <= m - h; j += V / 2) {
-        typedef float v8 __attribute__((vector_size(2 * V)));
-        v8 a, c;
-        memcpy(&a, y + j, sizeof a);
-        memcpy(&c, y + h + j, sizeof c);
-        vd a64 = __builtin_convertvector(a, vd), c64 = __builtin_convertvector(c, vd);
-        vd s = a64 * a64 + c64 * c64;
+    for (; j + V <= m - h; j += V) {
+        vd2 a = __builtin_convertvector(load(y + j), vd2), c = __builtin_convertvector(load(y + h + j), vd2);
+        vd2 s = a * a + c * c;
         memcpy(s64 + j, &s, sizeof s);
     }
     for (; j < m - h; j++)
@@ -288,21 +306,21 @@ static inline INLINE void unpack_chunk(const uint8_t *in, int bits, uint8_t *cod
     }
 }
 
-/* The per-bits bodies are inlined into one function per width so that the compiler sees the
- * constants of the layout and of the level comparisons. */
 /* Rows taken at a time: their rotations and scales first, then their codes, so that one row's chain of
- * dependent steps (the sums, the square root, the division) overlaps the next row's work. */
+ * dependent steps (the sums, the square root, the division) overlaps the next row's work. Where the width
+ * divides CHUNK, a group is the rows of one chunk, whose codes are then packed where they were written. */
 #define GROUP_VALUES 2048
-#define MAX_GROUP 64
+#define MAX_GROUP (CHUNK / V)
 
 static inline INLINE int encode_body(const float *x, const float *signs, long rows, long d, long width, long block,
-                              float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
-                              long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
-    long wpad = (width + V - 1) / V * V, g = width >= GROUP_VALUES ? 1 : GROUP_VALUES / width;
+                                     float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
+                                     long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
+    long wpad = (width + V - 1) / V * V, g = CHUNK % width == 0 ? CHUNK / width : (GROUP_VALUES + width - 1) / width;
     g = g > MAX_GROUP ? MAX_GROUP : g;
+    int pow2 = width >= V && (width & (width - 1)) == 0; /* squares and fold in vectors (sum_squares_pow2) */
+    long half = pow2 ? 1 : (width + 1) / 2;
     float *y = aligned_alloc(64, g * wpad * sizeof(float)), scl[MAX_GROUP];
-    long half = (width + 1) / 2;
-    double *s64 = malloc(g * half * sizeof(double));
+    double *s64 = malloc(g * half * sizeof(double)), sums[MAX_GROUP];
     uint8_t *rc = malloc(g * width), *chunk = malloc(CHUNK);
     int bad = 0;
     if (!y || !s64 || !rc || !chunk) {
@@ -323,11 +341,20 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
                 rotate_row(x + r * d, signs, &tl, (rows - r) * d, width, block, inv_sqrt, yr);
             else
                 memcpy(yr, x + r * d, d * sizeof(float));
-            squares(yr, width, s64 + i * half);
+            if (pow2)
+                sums[i] = sum_squares_pow2(yr, width);
+            else
+                squares(yr, width, s64 + i * half);
         }
-        fold(s64, half, nr, half);
-        for (long i = 0; i < nr; i++) { /* levels.row_rms, rounded up to the scale dtype */
-            float s = ceil_meta((float)sqrt(s64[i * half] / (double)width), mant, emin, top);
+        if (!pow2) {
+            fold(s64, half, nr, half);
+            for (long i = 0; i < nr; i++)
+                sums[i] = s64[i * half];
+        }
+        for (long i = 0; i < nr; i++) /* levels.row_rms (a loop of square roots the compiler vectorises) */
+            scl[i] = (float)sqrt(sums[i] / (double)width);
+        for (long i = 0; i < nr; i++) { /* rounded up to the scale dtype */
+            float s = ceil_meta(scl[i], mant, emin, top);
             if (!(s < INFINITY)) { /* inf/NaN in the row, or a scale overflowing the scale dtype */
                 bad = 1;
                 goto done;
@@ -340,6 +367,10 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
             row_codes(y + i * wpad, width, scl[i], mv, mids, bits, rc + i * width);
         /* the codes at positions [max(p0, start), min(p1, stop)) to their chunk, or to the tail */
         long p0 = r0 * width, p1 = (r0 + nr) * width;
+        if (p1 - p0 == CHUNK && p0 % CHUNK == 0 && p0 >= start && p1 <= stop && p1 <= full) {
+            pack_chunk(rc, bits, out + p0 / CHUNK * chunk_bytes);
+            continue;
+        }
         for (long p = p0 > start ? p0 : start, e = p1 < stop ? p1 : stop; p < e;) {
             if (p >= full) {
                 memcpy(tail + (p - full), rc + (p - p0), e - p);
@@ -360,18 +391,43 @@ done:
     return bad;
 }
 
+/* Row widths compiled as constants, so that the loops over a row unroll and its vectors stay in registers:
+ * one Hadamard block of 16, 32 or 64 (a CNN feature map's rows: 14, 28, 56 padded) and MiniLM's 384 in
+ * blocks of 128; others take the general loops (wider single blocks gain nothing measurable). The decode
+ * keeps a row of up to REG_WIDTH values in a local array. */
+#define REG_WIDTH 128
+#define CONST_WIDTH(W, call) \
+    if (signs && width == block) \
+        switch (width) { \
+        case 16: { const long W = 16, B = W; return call; } \
+        case 32: { const long W = 32, B = W; return call; } \
+        case 64: { const long W = 64, B = W; return call; } \
+        } \
+    if (signs && width == 384 && block == 128) { const long W = 384, B = 128; return call; }
+
+static inline INLINE int encode_width(const float *x, const float *signs, long rows, long d, long width, long block,
+                                      float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
+                                      long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
+    CONST_WIDTH(W, encode_body(x, signs, rows, d, W, B, inv_sqrt, mids, bits, mant, emin, top, start, stop, full,
+                               out, scales, tail))
+    return encode_body(x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop, full, out,
+                       scales, tail);
+}
+
 /* Encode the codes at positions [start, stop) of the stream of rows * width codes (start a multiple
  * of CHUNK): chunks below `full` packed into `out`, codes from `full` on into `tail` (one byte each);
  * rows that start in [start, stop) get their scale. signs: NULL for no rotation (width == block == d).
- * Returns 0, 1 if a row holds inf/NaN or its scale overflows the scale dtype, 2 if out of memory. */
+ * Returns 0, 1 if a row holds inf/NaN or its scale overflows the scale dtype, 2 if out of memory.
+ * The per-bits bodies are inlined so that the compiler sees the constants of the layout and of the
+ * level comparisons. */
 CLONES int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
                               float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
                               long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
     switch (bits) {
-    case 1: return encode_body(x, signs, rows, d, width, block, inv_sqrt, mids, 1, mant, emin, top, start, stop, full, out, scales, tail);
-    case 2: return encode_body(x, signs, rows, d, width, block, inv_sqrt, mids, 2, mant, emin, top, start, stop, full, out, scales, tail);
-    case 3: return encode_body(x, signs, rows, d, width, block, inv_sqrt, mids, 3, mant, emin, top, start, stop, full, out, scales, tail);
-    case 4: return encode_body(x, signs, rows, d, width, block, inv_sqrt, mids, 4, mant, emin, top, start, stop, full, out, scales, tail);
+    case 1: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 1, mant, emin, top, start, stop, full, out, scales, tail);
+    case 2: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 2, mant, emin, top, start, stop, full, out, scales, tail);
+    case 3: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 3, mant, emin, top, start, stop, full, out, scales, tail);
+    case 4: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 4, mant, emin, top, start, stop, full, out, scales, tail);
     default: return 3;
     }
 }
@@ -381,24 +437,35 @@ static inline INLINE void widen(int32_t *to, const uint8_t *from, long n) {
         to[i] = from[i];
 }
 
+/* Decode rows [r0, r1) (see dgpipe_decode_rows). A row is rebuilt in vectors (in registers where the width
+ * is a constant up to REG_WIDTH): level * scale, the butterflies, and in the last stage the factor times
+ * the signs (fac: (f * signs[k])[k], a product by +-1 after the factor's, so the reference's values); then
+ * its first d values are written out, the last partial vector whole where the next row of the call will
+ * overwrite what it writes past the row. */
 static inline INLINE int decode_body(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
-                              long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
-                              long full, long r0, long r1, float *out) {
-    float *y = aligned_alloc(64, ((width + V - 1) / V * V) * sizeof(float));
-    int32_t *rc = malloc(width * sizeof(int32_t)); /* the row's codes */
+                                     long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
+                                     long full, long r0, long r1, float *out) {
+    long n = (width + V - 1) / V;
+    vf local[REG_WIDTH / V], *r = width <= REG_WIDTH ? local : aligned_alloc(64, n * sizeof(vf));
+    vf *fac = signs ? aligned_alloc(64, n * sizeof(vf)) : NULL;
+    int32_t *rc = malloc(n * V * sizeof(int32_t)); /* the row's codes */
     uint8_t *chunk = malloc(CHUNK);
-    if (!y || !rc || !chunk) {
-        free(y);
-        free(rc);
-        free(chunk);
-        return 2;
+    int bad = 0;
+    if (!r || (signs && !fac) || !rc || !chunk) {
+        bad = 2;
+        goto done;
+    }
+    if (signs) {
+        float *ff = (float *)fac;
+        for (long k = 0; k < n * V; k++)
+            ff[k] = k < d ? inv_sqrt * signs[k] : 0.0f;
     }
     long chunk_bytes = (long)CHUNK * bits / 8, have = -1; /* the chunk unpacked in `chunk` */
     float lv[V] = {0};
     memcpy(lv, table, sizeof(float) << bits);
     vf levels = load(lv);
-    for (long r = r0; r < r1; r++) {
-        long p0 = r * width, p1 = p0 + width;
+    for (long row = r0; row < r1; row++) {
+        long p0 = row * width, p1 = p0 + width;
         for (long p = p0; p < p1;) {
             if (p >= full) {
                 widen(rc + (p - p0), tail + (p - full), p1 - p);
@@ -412,27 +479,41 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
             widen(rc + (p - p0), chunk + (p - c * CHUNK), ce - p);
             p = ce;
         }
-        vf s = (vf){} + scales[r];
+        vf s = (vf){} + scales[row];
+        float *o = out + row * d, *y = (float *)r;
         long j = 0;
         for (; j + V <= width; j += V) {
             vi idx;
             memcpy(&idx, rc + j, sizeof idx);
             vf v = __builtin_shuffle(levels, idx) * s;
-            store(y + j, signs && block >= V ? short_strides(v) : v);
+            r[j / V] = signs && block >= V ? short_strides(v) : v;
         }
         for (; j < width; j++)
-            y[j] = table[rc[j]] * scales[r];
-        float *o = out + r * d;
-        if (signs) {
-            unrotate_row(y, width, block, inv_sqrt, signs, d, o);
-        } else {
-            memcpy(o, y, d * sizeof(float));
-        }
+            y[j] = table[rc[j]] * scales[row];
+        if (signs && block >= V)
+            long_strides(r, width / V, block / V, fac, 1.0f);
+        else if (signs)
+            small_blocks(y, width, block, (const float *)fac, 1.0f);
+        long k = 0, room = (r1 - row) * d;
+        for (; k + V <= room && k < d; k += V)
+            store(o + k, r[k / V]);
+        for (; k < d; k++)
+            o[k] = y[k];
     }
-    free(y);
+done:
+    if (r != local)
+        free(r);
+    free(fac);
     free(rc);
     free(chunk);
-    return 0;
+    return bad;
+}
+
+static inline INLINE int decode_width(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
+                                      long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
+                                      long full, long r0, long r1, float *out) {
+    CONST_WIDTH(W, decode_body(packed, bits, table, scales, d, W, B, inv_sqrt, signs, tail, full, r0, r1, out))
+    return decode_body(packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
 }
 
 /* Decode rows [r0, r1): out[r * d + k] for k < d. tail: the codes from position `full` on, one byte
@@ -441,10 +522,10 @@ CLONES int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *tabl
                               long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
                               long full, long r0, long r1, float *out) {
     switch (bits) {
-    case 1: return decode_body(packed, 1, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
-    case 2: return decode_body(packed, 2, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
-    case 3: return decode_body(packed, 3, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
-    case 4: return decode_body(packed, 4, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
+    case 1: return decode_width(packed, 1, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
+    case 2: return decode_width(packed, 2, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
+    case 3: return decode_width(packed, 3, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
+    case 4: return decode_width(packed, 4, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
     default: return 3;
     }
 }
