@@ -394,6 +394,47 @@ def test_stochastic_rounding_stays_eager(monkeypatch):
     assert calls == ["uniform_message", "encode_uniform", "sampled_grid(pack=True)"]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parts_cover_the_chunks(monkeypatch, threads):
+    """The runs a kernel is cut into: disjoint, in order, covering every chunk; one on one thread, else up
+    to PARTS_PER_THREAD per thread, none under MIN_CHUNKS_PER_THREAD chunks."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    least = backend.MIN_CHUNKS_PER_THREAD
+    for chunks in (0, 1, least - 1, least, 2 * least, 5 * least + 3, 1000 * least):
+        runs = backend.parts(chunks)
+        assert runs[0][0] == 0 and runs[-1][1] == chunks
+        assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        if threads == 1 or chunks < 2 * least:
+            assert len(runs) == 1
+        else:
+            assert 1 < len(runs) <= threads * backend.PARTS_PER_THREAD
+            assert all(c1 - c0 >= least for c0, c1 in runs)
+
+
+def test_run_hands_every_call_out_once(monkeypatch):
+    """run(): the calls are taken in turn by the calling thread and the pool's; each runs exactly once, and
+    the calls left while one thread is held up go to the others."""
+    import threading
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    lock, rest_done = threading.Lock(), threading.Event()
+    done, who = [], {}
+
+    def kernel(i: int) -> None:
+        if i == 0:  # the first call handed out holds its thread until the others have run the rest
+            assert rest_done.wait(60), "the other threads did not take the remaining calls"
+        with lock:
+            done.append(i)
+            who[i] = threading.get_ident()
+            if len(done) == 11 and 0 not in done:
+                rest_done.set()
+
+    assert backend.run(("test_queue",), lambda: kernel, [(i,) for i in range(12)])
+    assert sorted(done) == list(range(12))
+    assert who[0] not in {who[i] for i in range(1, 12)}
+    assert len(set(who.values())) >= 2
+
+
 def test_compile_failure_switches_off_that_kernel_only(monkeypatch):
     """A kernel that fails to compile warns once, its step runs the reference (same bytes), and every
     other kernel keeps running."""

@@ -22,16 +22,19 @@ or Triton missing, a typing or LLVM error, a launch error -- :func:`run` issues 
 that kernel alone stays off for the rest of the process (:func:`failed_kernels`); every
 other kernel keeps running.
 
-Threads: a Numba kernel runs on ``torch.get_num_threads()`` threads, as an eager torch op
-would -- each on its own run of whole chunks (the kernels release the GIL), none under
-:data:`MIN_CHUNKS_PER_THREAD` chunks (:func:`parts`); the parts are disjoint, so payloads
-do not depend on the number of threads (tested).
+Threads: a compiled kernel runs on ``torch.get_num_threads()`` threads, as an eager torch op
+would (the kernels release the GIL). Its work is cut into runs of whole chunks, up to
+:data:`PARTS_PER_THREAD` per thread and none under :data:`MIN_CHUNKS_PER_THREAD` chunks
+(:func:`parts`), and the threads take the runs in turn (:func:`run`), so that a thread slowed by
+another one on its core -- torch's OpenMP workers spin for milliseconds after each parallel op --
+takes fewer. The parts are disjoint, so payloads do not depend on the number of threads (tested).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -42,7 +45,7 @@ import torch
 from .bitpack import CHUNK
 
 __all__ = [
-    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose", "triton_takes", "kernels_of",
+    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "PARTS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose", "triton_takes", "kernels_of",
     "parts",
     "run", "failed_kernels", "empty",
 ]
@@ -52,6 +55,9 @@ MIN_VALUES = 2 * CHUNK
 
 MIN_CHUNKS_PER_THREAD = 32
 """Fewest chunks (of :data:`.bitpack.CHUNK` values) a thread is given: smaller parts cost more to hand out than to run."""
+
+PARTS_PER_THREAD = 4
+"""Runs a kernel's work is cut into per thread, where there are several threads (module docstring)."""
 
 ENV = "DGPIPE_FUSED"
 
@@ -111,11 +117,13 @@ def kernels_of(backend: str):
 
 
 def parts(chunks: int) -> list[tuple[int, int]]:
-    """Chunk ranges ``[c0, c1)`` of the threads a kernel over ``chunks`` chunks runs on:
-    ``torch.get_num_threads()`` equal parts (the intra-op threads an eager torch op would use),
-    fewer where a part would be under :data:`MIN_CHUNKS_PER_THREAD` chunks."""
+    """Chunk ranges ``[c0, c1)`` a kernel over ``chunks`` chunks is cut into: one where it runs on one
+    thread, else up to :data:`PARTS_PER_THREAD` per thread of ``torch.get_num_threads()`` (the intra-op
+    threads an eager torch op would use), none under :data:`MIN_CHUNKS_PER_THREAD` chunks. More than one
+    exactly where more than one thread would take part."""
     t = max(1, min(torch.get_num_threads(), chunks // MIN_CHUNKS_PER_THREAD))
-    return [(chunks * i // t, chunks * (i + 1) // t) for i in range(t)]
+    k = 1 if t == 1 else min(t * PARTS_PER_THREAD, chunks // MIN_CHUNKS_PER_THREAD)
+    return [(chunks * i // k, chunks * (i + 1) // k) for i in range(k)]
 
 
 def _workers(k: int) -> ThreadPoolExecutor:
@@ -143,15 +151,15 @@ def failure(key: tuple, error: Exception, what: str = "codec kernel") -> bool:
 
 
 def run(key: tuple, build: Callable[[], Callable], calls: list[tuple]) -> bool:
-    """Run compiled kernel ``key`` (built by ``build`` on first use) on each argument tuple of ``calls`` at
-    once (the first on the calling thread, the others on the pool).
+    """Run compiled kernel ``key`` (built by ``build`` on first use) on each argument tuple of ``calls``:
+    up to ``torch.get_num_threads()`` threads (the calling one and the pool's) take the calls in turn.
 
     Returns:
         True if it ran; False if it is off after a failure, or fails now (:func:`failure`: one warning,
         off for the rest of the process; the caller runs the reference).
 
     The calls of one kernel cover disjoint parts of its input and output (:func:`parts`), so the
-    result does not depend on the number of threads.
+    result does not depend on the number of threads or on which thread took which call.
     """
     if key in _failed:
         return False
@@ -159,10 +167,20 @@ def run(key: tuple, build: Callable[[], Callable], calls: list[tuple]) -> bool:
         kernel = _kernels.get(key)
         if kernel is None:
             kernel = _kernels[key] = build()
-        first, *rest = calls
-        others = [_workers(len(rest)).submit(kernel, *args) for args in rest]
+        todo, lock = iter(calls), threading.Lock()
+
+        def drain() -> None:
+            while True:
+                with lock:
+                    args = next(todo, None)
+                if args is None:
+                    return
+                kernel(*args)
+
+        helpers = min(torch.get_num_threads(), len(calls)) - 1
+        others = [_workers(helpers).submit(drain) for _ in range(helpers)]
         try:
-            kernel(*first)
+            drain()
         finally:
             for f in others:
                 f.result()
