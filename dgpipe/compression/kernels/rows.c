@@ -221,16 +221,21 @@ static inline INLINE void fold(double *s64, long stride, long nr, long m) {
 }
 
 /* The smallest value of the scale dtype >= t (grouping.round_meta rounding up); inf if none.
- * mant: explicit mantissa bits (0: float32, no rounding); emin: least normal exponent. */
+ * mant: explicit mantissa bits (0: float32, no rounding); emin: least normal exponent. The dtype's spacing
+ * at t is 2**e, e = max(t's exponent, emin) - mant, and t / 2**e, its ceiling and the product are exact in
+ * float64; no library calls, so that a loop of them vectorises. */
 static inline INLINE float ceil_meta(float t, int mant, int emin, double top) {
-    if (mant == 0 || !(t > 0 && t < INFINITY))
-        return t;
-    int e;
-    frexp((double)t, &e);
-    e = e - 1 > emin ? e - 1 : emin;
-    double ulp = ldexp(1.0, e - mant);
-    double r = ceil((double)t / ulp) * ulp;
-    return r <= top ? (float)r : INFINITY;
+    uint32_t b;
+    memcpy(&b, &t, sizeof b);
+    int e = (int)(b >> 23 & 0xff) - 127; /* -127 for a subnormal t: below every emin */
+    e = (e > emin ? e : emin) - mant;
+    uint64_t up = (uint64_t)(1023 + e) << 52, down = (uint64_t)(1023 - e) << 52;
+    double spacing, inverse;
+    memcpy(&spacing, &up, sizeof spacing);
+    memcpy(&inverse, &down, sizeof inverse);
+    double r = ceil((double)t * inverse) * spacing;
+    float rounded = r <= top ? (float)r : INFINITY;
+    return mant == 0 || !(t > 0 && t < INFINITY) ? t : rounded;
 }
 
 /* Codes (0 .. 2**bits - 1) of row `y` / div: how many of the 2**bits - 1 ascending midpoints each
@@ -353,8 +358,10 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
         }
         for (long i = 0; i < nr; i++) /* levels.row_rms (a loop of square roots the compiler vectorises) */
             scl[i] = (float)sqrt(sums[i] / (double)width);
-        for (long i = 0; i < nr; i++) { /* rounded up to the scale dtype */
-            float s = ceil_meta(scl[i], mant, emin, top);
+        for (long i = 0; i < nr; i++) /* rounded up to the scale dtype */
+            scl[i] = ceil_meta(scl[i], mant, emin, top);
+        for (long i = 0; i < nr; i++) {
+            float s = scl[i];
             if (!(s < INFINITY)) { /* inf/NaN in the row, or a scale overflowing the scale dtype */
                 bad = 1;
                 goto done;
