@@ -238,22 +238,27 @@ static inline INLINE float ceil_meta(float t, int mant, int emin, double top) {
     return mant == 0 || !(t > 0 && t < INFINITY) ? t : rounded;
 }
 
-/* Codes (0 .. 2**bits - 1) of row `y` / div: how many of the 2**bits - 1 ascending midpoints each
- * exceeds (levels.nearest_level), found by a binary search over the midpoints held in one vector `m`
- * (mids, zero padded): `bits` comparisons per value instead of 2**bits - 1, the same count. */
+/* The codes (0 .. 2**bits - 1) of the V values at y divided by dv: how many of the 2**bits - 1 ascending
+ * midpoints each exceeds (levels.nearest_level), found by a binary search over the midpoints held in one
+ * vector `m` (mids, zero padded): `bits` comparisons per value instead of 2**bits - 1, the same count. */
+static inline INLINE vi code_vector(const float *y, vf dv, vf m, int bits) {
+    vf q = load(y) / dv;
+    vi c = (vi){};
+    for (int k = bits - 1; k >= 0; k--) {
+        vi probe = c + ((1 << k) - 1); /* the midpoint halfway through the codes left */
+        c |= (q > __builtin_shuffle(m, probe)) & ((vi){} + (1 << k));
+    }
+    return c;
+}
+
+/* Codes of row `y` / div (code_vector), one byte each. */
 static inline INLINE void row_codes(const float *y, long width, float div, vf m, const float *mids, int bits,
                                     uint8_t *codes) {
     int nm = (1 << bits) - 1;
     vf dv = (vf){} + div;
     long j = 0;
     for (; j + V <= width; j += V) {
-        vf q = load(y + j) / dv;
-        vi c = (vi){};
-        for (int k = bits - 1; k >= 0; k--) {
-            vi probe = c + ((1 << k) - 1); /* the midpoint halfway through the codes left */
-            c |= (q > __builtin_shuffle(m, probe)) & ((vi){} + (1 << k));
-        }
-        vb cb = __builtin_convertvector(c, vb);
+        vb cb = __builtin_convertvector(code_vector(y + j, dv, m, bits), vb);
         memcpy(codes + j, &cb, V);
     }
     for (; j < width; j++) {
@@ -265,8 +270,32 @@ static inline INLINE void row_codes(const float *y, long width, float div, vf m,
     }
 }
 
-/* bitpack.py's layout of one chunk of CHUNK codes of `bits` <= 4 bits: g lanes of CHUNK / g codes,
- * word j holds code j of lane l at bits l * bits; w byte planes of the words. */
+/* The lanes of bitpack.py's layout of a chunk of CHUNK codes of `bits` <= 4 bits: g lanes of CHUNK / g codes,
+ * word j holding code j of lane l at bits l * bits, in w byte planes. */
+#define LANES(bits) (8 % (bits) == 0 ? 8 / (bits) : 8)
+
+/* The codes of a chunk's rows (rows * width == CHUNK, width a multiple of V dividing CHUNK / LANES(bits);
+ * row i at y + i * wpad, divided by div[i]) packed as they are found: the rows at the same place in each
+ * lane are coded together and their codes shifted into the words' bit fields, with no pass over bytes. */
+static inline INLINE void code_chunk(const float *y, long wpad, long width, const float *div, vf m, int bits,
+                                     uint8_t *out) {
+    int g = LANES(bits), w = g * bits / 8;
+    long cg = CHUNK / g, per = cg / width; /* rows per lane */
+    for (long o = 0; o < per; o++)
+        for (long j = 0; j < width; j += V) {
+            vi word = (vi){};
+            for (int l = 0; l < g; l++) {
+                long i = l * per + o;
+                word |= code_vector(y + i * wpad + j, (vf){} + div[i], m, bits) << (l * bits);
+            }
+            for (int q = 0; q < w; q++) {
+                vb b = __builtin_convertvector(word >> (8 * q), vb);
+                memcpy(out + q * cg + o * width + j, &b, V);
+            }
+        }
+}
+
+/* A chunk of CHUNK codes, one byte each, to bitpack.py's layout (LANES) and back. */
 static inline INLINE void pack_chunk(const uint8_t *codes, int bits, uint8_t *out) {
     if (8 % bits == 0) {
         int g = 8 / bits;
@@ -370,14 +399,20 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
                 scales[r0 + i] = s;
             scl[i] = s > 0 ? s : 1.0f;
         }
+        long p0 = r0 * width, p1 = (r0 + nr) * width;
+        if (p1 - p0 == CHUNK && p0 % CHUNK == 0 && p0 >= start && p1 <= stop && p1 <= full) { /* a whole chunk */
+            if (width % V == 0 && CHUNK / LANES(bits) % width == 0)
+                code_chunk(y, wpad, width, scl, mv, bits, out + p0 / CHUNK * chunk_bytes);
+            else {
+                for (long i = 0; i < nr; i++)
+                    row_codes(y + i * wpad, width, scl[i], mv, mids, bits, rc + i * width);
+                pack_chunk(rc, bits, out + p0 / CHUNK * chunk_bytes);
+            }
+            continue;
+        }
         for (long i = 0; i < nr; i++)
             row_codes(y + i * wpad, width, scl[i], mv, mids, bits, rc + i * width);
         /* the codes at positions [max(p0, start), min(p1, stop)) to their chunk, or to the tail */
-        long p0 = r0 * width, p1 = (r0 + nr) * width;
-        if (p1 - p0 == CHUNK && p0 % CHUNK == 0 && p0 >= start && p1 <= stop && p1 <= full) {
-            pack_chunk(rc, bits, out + p0 / CHUNK * chunk_bytes);
-            continue;
-        }
         for (long p = p0 > start ? p0 : start, e = p1 < stop ? p1 : stop; p < e;) {
             if (p >= full) {
                 memcpy(tail + (p - full), rc + (p - p0), e - p);
