@@ -9,14 +9,19 @@
  * the signs. The floating-point operations and their order are those of the reference steps, so
  * the bytes and the decoded values are bit for bit theirs: build with -ffp-contract=off.
  *
- * Rows stay in row-major order: butterflies of stride >= 16 are loops over contiguous runs of
- * 16 values; strides 1, 2, 4 and 8 are done inside each run with a lane permutation,
- * partner + sign * value (the sign +-1 makes the product exact, so the sum is a + b in the lower
- * lane and a - b in the upper one, the reference's two results). Rows go in groups: their
- * rotations and scales first, then their codes. A value's code is a binary search over the
- * midpoints held in one vector. GCC's vector extensions leave the instruction set to the
- * compiler; target_clones builds AVX-512, AVX2 and baseline x86-64 variants and picks one at
- * load time (every helper is always_inline, so that it is compiled inside each variant).
+ * Rows stay in row-major order, as vectors of 16 values: strides 1, 2, 4 and 8 are done inside a
+ * vector with a lane permutation, partner + value with the upper lanes' sign flipped (an exact
+ * negation, so the sum is a + b in the lower lane and a - b in the upper one, the reference's two
+ * results); longer strides pair whole vectors, two stages per pass. Rows go in groups -- where the
+ * width divides CHUNK, the rows of one chunk: their rotations and scales first, then their codes,
+ * which are packed as they are found (the rows at the same place in each lane of the layout coded
+ * together). The float64 squares of a power-of-two width are converted 16 at a time and folded in
+ * vectors. A value's code is a binary search over the midpoints held in one vector. The decode
+ * rebuilds a row in vectors and multiplies the last butterfly stage by the factor times the signs.
+ * Common widths (one block of 16, 32 or 64; 384 in blocks of 128) are compiled as constants.
+ * GCC's vector extensions leave the instruction set to the compiler; target_clones builds AVX-512,
+ * AVX2 and baseline x86-64 variants and picks one at load time (every helper is always_inline, so
+ * that it is compiled inside each variant).
  * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
  * Max 1960, Lloyd 1982.
  */
@@ -61,12 +66,11 @@ static inline INLINE vf short_strides(vf v) {
 }
 
 /* The butterflies of stride >= V of fwht.fwht on a row of `n` vectors in blocks of `bn` vectors, in the
- * reference's order, then the orthonormal factor: fac[k] on vector k where fac is given (the factor times
- * the signs, on decode), else f. The strides below V are done (short_strides). Two stages per pass where
- * they pair up; the factor rides on the last stage (a product of the stage's sum, as the reference's). */
-static inline INLINE void long_strides(vf *restrict r, long n, long bn, const vf *restrict fac, float f) {
+ * reference's order, then the orthonormal factor f. The strides below V are done (short_strides). Two
+ * stages per pass where they pair up; the factor rides on the last stage (a product of the stage's sum,
+ * as the reference's). */
+static inline INLINE void long_strides(vf *r, long n, long bn, float f) {
     vf fv = (vf){} + f;
-#define FAC(k) (fac ? fac[k] : fv)
     long h = 1;
     for (; 4 * h <= bn; h *= 4) {
         int last = 4 * h == bn;
@@ -76,7 +80,7 @@ static inline INLINE void long_strides(vf *restrict r, long n, long bn, const vf
                 vf a1 = a + c, c1 = a - c, e1 = e + g, g1 = e - g; /* stage h */
                 vf a2 = a1 + e1, e2 = a1 - e1, c2 = c1 + g1, g2 = c1 - g1; /* stage 2h */
                 if (last)
-                    a2 *= FAC(j), c2 *= FAC(j + h), e2 *= FAC(j + 2 * h), g2 *= FAC(j + 3 * h);
+                    a2 *= fv, c2 *= fv, e2 *= fv, g2 *= fv;
                 r[j] = a2, r[j + h] = c2, r[j + 2 * h] = e2, r[j + 3 * h] = g2;
             }
     }
@@ -86,19 +90,18 @@ static inline INLINE void long_strides(vf *restrict r, long n, long bn, const vf
             for (long j = i; j < i + h; j++) {
                 vf a = r[j], c = r[j + h], s = a + c, t = a - c;
                 if (last)
-                    s *= FAC(j), t *= FAC(j + h);
+                    s *= fv, t *= fv;
                 r[j] = s, r[j + h] = t;
             }
     }
     if (bn == 1) /* no stage left to carry the factor */
         for (long k = 0; k < n; k++)
-            r[k] *= FAC(k);
-#undef FAC
+            r[k] *= fv;
 }
 
-/* fwht.fwht on blocks of b < V values of a row of `width` values, then the factor (fac[k] where given, else
- * f): one value at a time, for rows too narrow for the vector passes. */
-static inline INLINE void small_blocks(float *y, long width, long b, const float *fac, float f) {
+/* fwht.fwht on blocks of b < V values of a row of `width` values, then the factor f: one value at a time,
+ * for rows too narrow for the vector passes. */
+static inline INLINE void small_blocks(float *y, long width, long b, float f) {
     for (long h = 1; h < b; h *= 2)
         for (long i = 0; i < width; i += 2 * h)
             for (long j = i; j < i + h; j++) {
@@ -106,7 +109,7 @@ static inline INLINE void small_blocks(float *y, long width, long b, const float
                 y[j] = a + c, y[j + h] = a - c;
             }
     for (long k = 0; k < width; k++)
-        y[k] *= fac ? fac[k] : f;
+        y[k] *= f;
 }
 
 /* A row's values times the signs, zero padded to `width`, in vectors: the last partial vector of a
@@ -150,11 +153,11 @@ static inline INLINE void rotate_row(const float *x, const float *signs, const r
         vf *r = (vf *)y;
         for (long k = 0; k < width / V; k++)
             r[k] = short_strides(signed_load(x, signs, t, room, k * V));
-        long_strides(r, width / V, b / V, NULL, f);
+        long_strides(r, width / V, b / V, f);
     } else {
         for (long j = 0; j < width; j++)
             y[j] = j < t->d ? x[j] * signs[j] : 0.0f;
-        small_blocks(y, width, b, NULL, f);
+        small_blocks(y, width, b, f);
     }
 }
 
@@ -480,28 +483,24 @@ static inline INLINE void widen(int32_t *to, const uint8_t *from, long n) {
 }
 
 /* Decode rows [r0, r1) (see dgpipe_decode_rows). A row is rebuilt in vectors (in registers where the width
- * is a constant up to REG_WIDTH): level * scale, the butterflies, and in the last stage the factor times
- * the signs (fac: (f * signs[k])[k], a product by +-1 after the factor's, so the reference's values); then
- * its first d values are written out, the last partial vector whole where the next row of the call will
- * overwrite what it writes past the row. */
+ * is a constant up to REG_WIDTH): level * scale, the butterflies with the factor in the last stage; then its
+ * first d values times the signs are written out, the last partial vector whole where the next row of the
+ * call will overwrite what it writes past the row. */
 static inline INLINE int decode_body(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                                      long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
                                      long full, long r0, long r1, float *out) {
     long n = (width + V - 1) / V;
     vf local[REG_WIDTH / V], *r = width <= REG_WIDTH ? local : aligned_alloc(64, n * sizeof(vf));
-    vf *fac = signs ? aligned_alloc(64, n * sizeof(vf)) : NULL;
+    vf *sg = aligned_alloc(64, n * sizeof(vf)); /* the signs (1 without a rotation), zero padded */
     int32_t *rc = malloc(n * V * sizeof(int32_t)); /* the row's codes */
     uint8_t *chunk = malloc(CHUNK);
     int bad = 0;
-    if (!r || (signs && !fac) || !rc || !chunk) {
+    if (!r || !sg || !rc || !chunk) {
         bad = 2;
         goto done;
     }
-    if (signs) {
-        float *ff = (float *)fac;
-        for (long k = 0; k < n * V; k++)
-            ff[k] = k < d ? inv_sqrt * signs[k] : 0.0f;
-    }
+    for (long k = 0; k < n * V; k++)
+        ((float *)sg)[k] = k >= d ? 0.0f : signs ? signs[k] : 1.0f;
     long chunk_bytes = (long)CHUNK * bits / 8, have = -1; /* the chunk unpacked in `chunk` */
     float lv[V] = {0};
     memcpy(lv, table, sizeof(float) << bits);
@@ -522,7 +521,7 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
             p = ce;
         }
         vf s = (vf){} + scales[row];
-        float *o = out + row * d, *y = (float *)r;
+        float *o = out + row * d, *y = (float *)r, *ys = (float *)sg;
         long j = 0;
         for (; j + V <= width; j += V) {
             vi idx;
@@ -533,19 +532,19 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
         for (; j < width; j++)
             y[j] = table[rc[j]] * scales[row];
         if (signs && block >= V)
-            long_strides(r, width / V, block / V, fac, 1.0f);
+            long_strides(r, width / V, block / V, inv_sqrt);
         else if (signs)
-            small_blocks(y, width, block, (const float *)fac, 1.0f);
+            small_blocks(y, width, block, inv_sqrt);
         long k = 0, room = (r1 - row) * d;
         for (; k + V <= room && k < d; k += V)
-            store(o + k, r[k / V]);
+            store(o + k, signs ? r[k / V] * sg[k / V] : r[k / V]);
         for (; k < d; k++)
-            o[k] = y[k];
+            o[k] = signs ? y[k] * ys[k] : y[k];
     }
 done:
     if (r != local)
         free(r);
-    free(fac);
+    free(sg);
     free(rc);
     free(chunk);
     return bad;
