@@ -17,7 +17,7 @@
  * which are packed as they are found (the rows at the same place in each lane of the layout coded
  * together). The float64 squares of a power-of-two width are converted 16 at a time and folded in
  * vectors. A value's code is a binary search over the midpoints held in one vector. The decode
- * rebuilds a row in vectors and multiplies the last butterfly stage by the factor times the signs.
+ * rebuilds a row in vectors and applies the signs as it writes the row out.
  * Common widths (one block of 16, 32 or 64; 384 in blocks of 128) are compiled as constants.
  * GCC's vector extensions leave the instruction set to the compiler; target_clones builds AVX-512,
  * AVX2 and baseline x86-64 variants and picks one at load time (every helper is always_inline, so
