@@ -7,21 +7,25 @@
  * dtype, the division by it, the level codes (how many midpoints a value exceeds) and the
  * bit-packing of bitpack.py's layout. Decode: unpack, level * scale, the butterflies, the factor,
  * the signs. The floating-point operations and their order are those of the reference steps, so
- * the bytes and the decoded values are bit for bit theirs: build with -ffp-contract=off.
+ * the bytes and the decoded values are bit for bit theirs. Built with -ffp-contract=fast: every product
+ * the compiler can fuse with a sum is exact (a value times +-1, a float32 squared in float64), so a fused
+ * multiply-add rounds as the two operations do; the one inexact product that meets a sum -- a level
+ * times its scale, before the butterflies of blocks narrower than a vector -- is stored behind a
+ * compiler barrier first. Keep it so when editing.
  *
  * Rows stay in row-major order, as vectors of 16 values: strides 1, 2, 4 and 8 are done inside a
- * vector with a lane permutation, partner + value with the upper lanes' sign flipped (an exact
- * negation, so the sum is a + b in the lower lane and a - b in the upper one, the reference's two
- * results); longer strides pair whole vectors, two stages per pass. Rows go in groups -- where the
- * width divides CHUNK, the rows of one chunk: their rotations and scales first, then their codes,
- * which are packed as they are found (the rows at the same place in each lane of the layout coded
+ * vector with a lane permutation, partner + sign * value (the sign +-1 makes the product exact, so
+ * the sum is a + b in the lower lane and a - b in the upper one, the reference's two results);
+ * longer strides pair whole vectors, two stages per pass. Rows go in groups -- where the width
+ * divides CHUNK, the rows of one chunk: their rotations and scales first, then their codes, which
+ * are packed as they are found (the rows at the same place in each lane of the layout coded
  * together). The float64 squares of a power-of-two width are converted 16 at a time and folded in
- * vectors. A value's code is a binary search over the midpoints held in one vector. The decode
- * rebuilds a row in vectors and applies the signs as it writes the row out.
- * Common widths (one block of 16, 32 or 64; 384 in blocks of 128) are compiled as constants.
- * GCC's vector extensions leave the instruction set to the compiler; target_clones builds AVX-512,
- * AVX2 and baseline x86-64 variants and picks one at load time (every helper is always_inline, so
- * that it is compiled inside each variant).
+ * vectors. A value's code is a binary search over the midpoints held in one vector (the second
+ * midpoint picked by the first comparison). The decode rebuilds a row in vectors and applies the
+ * signs as it writes the row out. Common widths (one block of 16, 32 or 64; 384 in blocks of 128)
+ * are compiled as constants. GCC's vector extensions leave the instruction set to the compiler;
+ * target_clones builds AVX-512, AVX2 and baseline x86-64 variants and picks one at load time (every
+ * helper is always_inline, so that it is compiled inside each variant).
  * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
  * Max 1960, Lloyd 1982.
  */
@@ -52,17 +56,17 @@ static inline INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 /* Stride-h butterflies (h = 1, 2, 4, 8) inside one vector: lane i pairs with lane i ^ h. */
 #define SWAP(v, h) __builtin_shufflevector(v, v, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, \
                                            8 ^ h, 9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h)
-static const vi NEG1 = {0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31, 0, 1 << 31};
-static const vi NEG2 = {0, 0, 1 << 31, 1 << 31, 0, 0, 1 << 31, 1 << 31, 0, 0, 1 << 31, 1 << 31, 0, 0, 1 << 31, 1 << 31};
-static const vi NEG4 = {0, 0, 0, 0, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 0, 0, 0, 0, 1 << 31, 1 << 31, 1 << 31, 1 << 31};
-static const vi NEG8 = {0, 0, 0, 0, 0, 0, 0, 0, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31, 1 << 31};
-#define NEG(v, m) ((vf)((vi)(v) ^ (m)))
+static const vf SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+static const vf SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+static const vf SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+static const vf SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
 
+/* partner + value * sign: one fused multiply-add where the machine has one (the product is exact) */
 static inline INLINE vf short_strides(vf v) {
-    v = SWAP(v, 1) + NEG(v, NEG1);
-    v = SWAP(v, 2) + NEG(v, NEG2);
-    v = SWAP(v, 4) + NEG(v, NEG4);
-    return SWAP(v, 8) + NEG(v, NEG8);
+    v = SWAP(v, 1) + v * SIGN1;
+    v = SWAP(v, 2) + v * SIGN2;
+    v = SWAP(v, 4) + v * SIGN4;
+    return SWAP(v, 8) + v * SIGN8;
 }
 
 /* The butterflies of stride >= V of fwht.fwht on a row of `n` vectors in blocks of `bn` vectors, in the
@@ -246,8 +250,14 @@ static inline INLINE float ceil_meta(float t, int mant, int emin, double top) {
  * vector `m` (mids, zero padded): `bits` comparisons per value instead of 2**bits - 1, the same count. */
 static inline INLINE vi code_vector(const float *y, vf dv, vf m, int bits) {
     vf q = load(y) / dv;
-    vi c = (vi){};
-    for (int k = bits - 1; k >= 0; k--) {
+    int top = 1 << (bits - 1);
+    vi gt = q > __builtin_shuffle(m, (vi){} + (top - 1)), c = gt & ((vi){} + top);
+    if (bits == 1)
+        return c;
+    /* the second midpoint is one of two: picked by the first comparison, no lookup */
+    vi lo = (vi)__builtin_shuffle(m, (vi){} + (top / 2 - 1)), hi = (vi)__builtin_shuffle(m, (vi){} + (top + top / 2 - 1));
+    c |= (q > (vf)((hi & gt) | (lo & ~gt))) & ((vi){} + top / 2);
+    for (int k = bits - 3; k >= 0; k--) {
         vi probe = c + ((1 << k) - 1); /* the midpoint halfway through the codes left */
         c |= (q > __builtin_shuffle(m, probe)) & ((vi){} + (1 << k));
     }
@@ -533,8 +543,10 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
             y[j] = table[rc[j]] * scales[row];
         if (signs && block >= V)
             long_strides(r, width / V, block / V, inv_sqrt);
-        else if (signs)
+        else if (signs) {
+            __asm__("" ::: "memory"); /* the products rounded and stored: none is fused with a sum below */
             small_blocks(y, width, block, inv_sqrt);
+        }
         long k = 0, room = (r1 - row) * d;
         for (; k + V <= room && k < d; k += V)
             store(o + k, signs ? r[k / V] * sg[k / V] : r[k / V]);

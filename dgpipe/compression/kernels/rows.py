@@ -20,8 +20,9 @@ to 8 run inside a vector register with lane permutations, the longer ones on who
 vectors; the level of a value is found by a binary search over the midpoints held in a
 register (``bits`` comparisons, the same count as one comparison per midpoint). The C source
 uses GCC's vector extensions and ``target_clones`` (AVX-512, AVX2 and baseline x86-64
-builds, one picked at load time) and is compiled with ``-ffp-contract=off`` (no fused
-multiply-add may change a rounding).
+builds, one picked at load time) and is compiled with ``-ffp-contract=fast``: the only
+products a fused multiply-add can take are exact ones (a value times +-1, a float32 squared in
+float64), so it rounds as the separate operations do (see the head of ``rows.c``).
 
 Threads: the encode splits the code stream into runs of whole chunks (:func:`.backend.parts`;
 the last run also takes the ``n % CHUNK`` tail, which the caller packs), a row that straddles
