@@ -310,46 +310,26 @@ static inline INLINE void code_chunk(const float *y, long wpad, long width, cons
 
 /* A chunk of CHUNK codes, one byte each, to bitpack.py's layout (LANES) and back. */
 static inline INLINE void pack_chunk(const uint8_t *codes, int bits, uint8_t *out) {
-    if (8 % bits == 0) {
-        int g = 8 / bits;
-        long cg = CHUNK / g;
-        for (long j = 0; j < cg; j++) {
-            unsigned byte = 0;
-            for (int l = 0; l < g; l++)
-                byte |= (unsigned)codes[l * cg + j] << (l * bits);
-            out[j] = (uint8_t)byte;
-        }
-    } else {
-        int g = 8, w = bits;
-        long cg = CHUNK / g;
-        for (long j = 0; j < cg; j++) {
-            uint64_t word = 0;
-            for (int l = 0; l < g; l++)
-                word |= (uint64_t)codes[l * cg + j] << (l * bits);
-            for (int q = 0; q < w; q++)
-                out[q * cg + j] = (uint8_t)(word >> (8 * q));
-        }
+    int g = LANES(bits), w = g * bits / 8;
+    long cg = CHUNK / g;
+    for (long j = 0; j < cg; j++) {
+        uint32_t word = 0;
+        for (int l = 0; l < g; l++)
+            word |= (uint32_t)codes[l * cg + j] << (l * bits);
+        for (int q = 0; q < w; q++)
+            out[q * cg + j] = (uint8_t)(word >> (8 * q));
     }
 }
 
 static inline INLINE void unpack_chunk(const uint8_t *in, int bits, uint8_t *codes) {
-    unsigned mask = (1u << bits) - 1;
-    if (8 % bits == 0) {
-        int g = 8 / bits;
-        long cg = CHUNK / g;
+    int g = LANES(bits), w = g * bits / 8;
+    long cg = CHUNK / g;
+    for (long j = 0; j < cg; j++) {
+        uint32_t word = 0;
+        for (int q = 0; q < w; q++)
+            word |= (uint32_t)in[q * cg + j] << (8 * q);
         for (int l = 0; l < g; l++)
-            for (long j = 0; j < cg; j++)
-                codes[l * cg + j] = (uint8_t)((in[j] >> (l * bits)) & mask);
-    } else {
-        int g = 8, w = bits;
-        long cg = CHUNK / g;
-        for (long j = 0; j < cg; j++) {
-            uint64_t word = 0;
-            for (int q = 0; q < w; q++)
-                word |= (uint64_t)in[q * cg + j] << (8 * q);
-            for (int l = 0; l < g; l++)
-                codes[l * cg + j] = (uint8_t)((word >> (l * bits)) & mask);
-        }
+            codes[l * cg + j] = (uint8_t)((word >> (l * bits)) & ((1u << bits) - 1));
     }
 }
 
