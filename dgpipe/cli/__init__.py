@@ -1,7 +1,7 @@
-"""The command-line programs: ``dgpipe-nlp`` (:mod:`.nlp`), ``dgpipe-vision`` (:mod:`.vision`)
-and ``dgpipe-probe`` (:mod:`.probe`). Each module is thin: a parser and a ``main(argv)``
+"""The command-line programs: ``dgpipe-nlp`` (:mod:`.nlp`), ``dgpipe-vision`` (:mod:`.vision`),
+``dgpipe-lm`` (:mod:`.lm`) and ``dgpipe-probe`` (:mod:`.probe`). Each module is thin: a parser and a ``main(argv)``
 that hands over to :mod:`dgpipe.train` (or :mod:`dgpipe.comm.probe`). The repository-root
-scripts ``test_nlp_dgpipe.py`` and ``test_vision_dgpipe.py`` run the same ``main``."""
+scripts ``test_nlp_dgpipe.py``, ``test_vision_dgpipe.py`` and ``test_lm_dgpipe.py`` run the same ``main``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""``python -m dgpipe.cli JOB [flags]``: the main job ``vision`` or ``nlp`` without its console script
+"""``python -m dgpipe.cli JOB [flags]``: the main job ``vision``, ``nlp`` or ``lm`` without its console script
 (how the quality benchmark, :mod:`dgpipe.train.ablation`, runs one); flags as ``dgpipe-JOB --help``."""
 
 import sys
 
 from dgpipe.pipeline import exit_without_teardown
 
-from . import nlp, vision
+from . import lm, nlp, vision
 
-JOBS = {"vision": vision.main, "nlp": nlp.main}
+JOBS = {"vision": vision.main, "nlp": nlp.main, "lm": lm.main}
 
 if len(sys.argv) < 2 or sys.argv[1] not in JOBS:
     print(f"usage: python -m dgpipe.cli {{{','.join(JOBS)}}} [flags of that job]", file=sys.stderr)

@@ -38,6 +38,7 @@ from dgpipe.models.example_dropout import example_ids
 from .boundary import Boundary, CodecArg, codec_factories
 from .partition import validate_placement
 from .schedule import Task, gpipe_tasks, segments
+from .tied import TiedParameters, unique_parameters
 
 __all__ = ["Pipeline"]
 
@@ -220,6 +221,8 @@ class Pipeline:
                     skip_padding=skip_padding, token_reference=token_reference,
                 )
         self.last_step_totals: dict = self.meter.totals()
+        #: Parameters shared by stages on different ranks (tied embeddings), summed after each backward.
+        self.tied = TiedParameters(stages, self._placement, rank)
 
     # -- properties ------------------------------------------------------------------------
 
@@ -239,9 +242,9 @@ class Pipeline:
         return dict(self._stages)
 
     def parameters(self):
-        """Parameters of this rank's stages (for the optimizer)."""
-        for i in sorted(self._stages):
-            yield from self._stages[i].parameters()
+        """Parameters of this rank's stages (for the optimizer), each once: stages on this rank that
+        share a parameter (tied embeddings) share one object."""
+        return unique_parameters([self._stages[i] for i in sorted(self._stages)])
 
     @property
     def delta_boundaries(self) -> list[str]:
@@ -315,7 +318,9 @@ class Pipeline:
         """One GPipe step: forward all micro-batches, backward them in reverse.
 
         Gradients accumulate into :meth:`parameters` (call ``optimizer.zero_grad()``
-        and ``optimizer.step()`` around it). A collective: every rank must call it.
+        and ``optimizer.step()`` around it); a parameter that stages on several ranks share
+        (tied embeddings) ends with the sum of their gradients on each of them
+        (:class:`~dgpipe.pipeline.tied.TiedParameters`). A collective: every rank must call it.
 
         Args:
             inputs: mini-batch (tensor or tuple, batch in dim 0) on the rank holding
@@ -375,6 +380,7 @@ class Pipeline:
         with torch.enable_grad():
             step = self._run("forward", micro_in, micro_tg, return_outputs,
                              micro_ids if self.holds_first_stage else None)
+        self.tied.sum_gradients()
         if return_outputs:
             return step.loss, gather([Batch(o) for o in step.outputs]) if step.outputs else None
         return step.loss

@@ -52,7 +52,7 @@ from .plots import ablation_points, plot
 from .runlog import direction_bits, read_records, read_summary
 
 #: How each job's CLI is run (after ``python``): the main jobs' modules.
-CLIS = {"vision": ["-m", "dgpipe.cli", "vision"], "nlp": ["-m", "dgpipe.cli", "nlp"]}
+CLIS = {"vision": ["-m", "dgpipe.cli", "vision"], "nlp": ["-m", "dgpipe.cli", "nlp"], "lm": ["-m", "dgpipe.cli", "lm"]}
 
 #: Pipeline boundary compression: uncompressed, sortquant at 16/12/8/4 bits (Q:S = 3:1),
 #: uniform quantization, and the data-parallel baseline.

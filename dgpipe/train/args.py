@@ -160,6 +160,9 @@ def common_parser(
     t.add_argument("--lr", type=float, default=lr, help="peak learning rate")
     t.add_argument("--max-steps", type=int, metavar="N",
                    help="stop after N optimizer steps (smoke runs; default: every step of --epochs)")
+    t.add_argument("--eval-every", type=int, metavar="N",
+                   help="also evaluate every N optimizer steps (an 'eval' record in the log), besides after every "
+                        "epoch")
     t.add_argument("--seed", type=int, default=0,
                    help="seed of the initialisation, the subsets, the batch order and dropout")
 
@@ -429,7 +432,7 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
     Raises:
         ValueError: the first problem found, with the flag to change.
     """
-    _positive(args, "batch_size", "chunk", "epochs", "lr", "max_steps", "train_subset", "eval_subset",
+    _positive(args, "batch_size", "chunk", "epochs", "lr", "max_steps", "eval_every", "train_subset", "eval_subset",
               "client_layers", "stages", "world_size", "timeout")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")

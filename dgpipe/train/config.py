@@ -93,12 +93,14 @@ class TrainConfig:
         epochs: passes over the training set.
         lr: peak learning rate.
         max_steps: stop after this many optimizer steps, or ``None``.
+        eval_every: also evaluate every this many optimizer steps, or ``None`` (after each epoch only).
         seed: seed of the initialisation, the subsets, the batch order and dropout.
     """
 
     epochs: int
     lr: float
     max_steps: int | None
+    eval_every: int | None
     seed: int
 
 

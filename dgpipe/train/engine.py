@@ -32,6 +32,7 @@ from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
+from dgpipe.pipeline.tied import TiedParameters, unique_parameters
 
 from .config import PipelineConfig, RunConfig
 from .job import Job
@@ -220,6 +221,7 @@ class TorchScheduleEngine:
         warm_up_codecs((comp.forward, comp.backward), device)
         self.meter = BandwidthMeter()
         self.modules = {i: stages[i].to(device) for i in mine}
+        self.tied = TiedParameters(stages, self.placement, rank)
         self.stages = [CompressedPipelineStage(_Positional(self.modules[i]), i, len(stages), device,
                                                act_codec=comp.forward, grad_codec=comp.backward, meter=self.meter)
                        for i in mine]
@@ -239,7 +241,8 @@ class TorchScheduleEngine:
                 f"{self.layers_per_stage} layers on ranks {self.placement}")
 
     def parameters(self):
-        return [q for m in self.modules.values() for q in m.parameters()]
+        """This rank's parameters, each once (tied embeddings on one rank are one parameter)."""
+        return list(unique_parameters(list(self.modules.values())))
 
     def _run(self, run, inputs, targets, **extra):
         args = ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)) if self.first else ()
@@ -253,6 +256,7 @@ class TorchScheduleEngine:
             m.train()
         losses: list[torch.Tensor] = []
         self._run(self.schedule.step, inputs, targets, **({"losses": losses} if self.last else {}))
+        self.tied.sum_gradients()
         loss = torch.tensor([float(torch.stack(losses).detach().mean()) if self.last else 0.0], dtype=torch.float64,
                             device=wire_device())
         dist.broadcast(loss, self.output_rank)

@@ -78,6 +78,9 @@ class Job:
             partition besides ``--client-layers`` (an encoder's embeddings and head).
         deferred_batchnorm: BatchNorm statistics per mini-batch (torchgpipe's
             ``DeferredBatchNorm``) in a pipeline.
+        classifier: the outputs are class scores (the logs then record how many evaluation examples
+            the most predicted class got, a sign of a model that has not learnt the task).
+        step_records: write a ``step`` record (loss, learning rate) after every optimizer step.
         metric: log field of the summary metric (e.g. ``"val_acc"``), set by ``__init__``.
         metric_names: every validation metric's log field, summary metric first.
     """
@@ -85,6 +88,8 @@ class Job:
     options: type
     pinned: tuple[int, int] = (0, 0)
     deferred_batchnorm: bool = False
+    classifier: bool = True
+    step_records: bool = False
     metric: str
     metric_names: tuple[str, ...]
 
@@ -121,8 +126,15 @@ class Job:
         """Mean loss of a (micro-)batch: a scalar tensor."""
         raise NotImplementedError
 
+    def eval_outputs(self, output: torch.Tensor, target) -> torch.Tensor:
+        """What the evaluation keeps of one batch's outputs for :meth:`metrics` (on the last stage's
+        rank): the outputs themselves by default; a job whose outputs are large (a language model's
+        logits) reduces them here."""
+        return output
+
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-        """Validation metrics of the whole evaluation set, keyed by :attr:`metric_names`."""
+        """Validation metrics of the whole evaluation set, keyed by :attr:`metric_names`, from the
+        concatenated :meth:`eval_outputs` and targets."""
         raise NotImplementedError
 
     def optimizer(self, params: Iterable[nn.Parameter], total_steps: int, steps_per_epoch: int,

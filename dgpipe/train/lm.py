@@ -1,0 +1,224 @@
+"""The language-model job: a decoder LM pretrained or fine-tuned on a text corpus.
+
+Data from :mod:`dgpipe.data.text` (a local corpus folder with train/valid/test ``.txt`` files, or
+a Hugging Face dataset online), tokenized and packed into blocks of ``--block-length`` tokens; the
+model from :mod:`dgpipe.models.causal_lm` -- pretrained weights (``--model``: a local directory, a
+GGUF file, an offline package name such as ``smollm2-135m-instruct``, or a hub name online) or a
+random initialisation (``--model-config``: a preset of :data:`~dgpipe.models.causal_lm.LM_PRESETS`
+or a config path). AdamW (betas 0.9/0.95) with a linear warm-up and cosine decay
+(``transformers.get_cosine_schedule_with_warmup``), as GPT-style pretraining uses.
+
+The loss is the mean next-token cross-entropy over a micro-batch's tokens; the metric is the
+validation loss -- the mean token negative log-likelihood, in nats, over every held-out block
+(the corpus's ``valid`` split, or ``test`` with ``--eval-split test``) -- and its perplexity
+``exp(val_loss)``. Evaluation runs through the boundary codecs unless ``--no-compress-eval``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dgpipe.data.loading import make_dataloader
+from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus
+from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, build_causal_lm, causal_lm_layers, preset_config,
+                                     resolve_lm)
+
+from .config import RunConfig
+from .job import Job, check_partition, decay_groups
+
+__all__ = ["LMJob", "LMOptions", "DEFAULT_BPE"]
+
+#: Tokenizer of a randomly initialised preset unless ``--tokenizer`` says otherwise.
+DEFAULT_BPE = "bpe:4096"
+
+
+@dataclass(frozen=True)
+class LMOptions:
+    """The LM job's own flags (``RunConfig.job``); see ``test_lm_dgpipe.py --help``.
+
+    Attributes:
+        model: pretrained weights (name, directory, ``.gguf`` file), or ``None`` with ``model_config``.
+        model_config: a preset name or a config path (random initialisation), or ``None``.
+        tokenizer: ``bpe:N``, a tokenizer folder or name; ``None`` until :meth:`LMJob.check` (then the
+            model's own, or :data:`DEFAULT_BPE` for a random model).
+        block_length: tokens per training and evaluation block.
+        eval_split: the held-out split, ``"valid"`` or ``"test"``.
+        weight_decay: AdamW weight decay (matrices only).
+        warmup_ratio: fraction of the steps of linear warm-up.
+    """
+
+    model: str | None
+    model_config: str | None
+    tokenizer: str | None
+    block_length: int
+    eval_split: str
+    weight_decay: float
+    warmup_ratio: float
+
+
+def _tokenizer(opts: LMOptions, corpus: str):
+    """``opts.tokenizer`` as a tokenizer: ``"model"`` is the pretrained model's own (a GGUF file's
+    included), else :func:`dgpipe.data.text.load_tokenizer` (``bpe:N`` trained on ``corpus``)."""
+    from transformers import AutoTokenizer
+
+    if opts.tokenizer == "model":
+        source = resolve_lm(opts.model)
+        extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+        return AutoTokenizer.from_pretrained(source.path, **extra)
+    return load_tokenizer(opts.tokenizer, corpus)
+
+
+def _model_config(opts: LMOptions, vocab_size: int):
+    """The config to initialise randomly (``--model-config``), or ``None`` for pretrained weights."""
+    from transformers import AutoConfig
+
+    if opts.model_config is None:
+        return None
+    if opts.model_config in LM_PRESETS:
+        return preset_config(opts.model_config, vocab_size, opts.block_length)
+    config = AutoConfig.from_pretrained(opts.model_config)
+    config.vocab_size = vocab_size
+    return config
+
+
+class LMJob(Job):
+    """A decoder LM on a text corpus; see :class:`~dgpipe.train.job.Job` for the interface.
+
+    The client of a client/server partition keeps the embeddings and the LM head (``pinned``), so
+    tied embeddings stay on one rank there.
+
+    Attributes:
+        vocab: the model's vocabulary size, set by :meth:`build_layers`.
+    """
+
+    options = LMOptions
+    pinned = (1, 1)
+    classifier = False
+    step_records = True
+    metric = "val_loss"
+    metric_names = ("val_loss", "val_ppl")
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__(config)
+        self.tokenizer = _tokenizer(config.job, config.data.data_dir)
+
+    @classmethod
+    def check(cls, config: RunConfig) -> LMOptions:
+        """Check the corpus, tokenizer, model and partition in the launching process (a trained
+        ``bpe:N`` tokenizer and the token streams are cached on disk here, once for all ranks).
+
+        Returns ``config.job`` with ``tokenizer`` resolved (``"model"``: the pretrained model's own).
+
+        Raises:
+            ValueError: no or a missing corpus, neither or both of ``--model``/``--model-config``, an
+                unknown preset or family, a GGUF file without the ``gguf`` package, a block length past
+                the model's context or too long for the held-out split, a bad partition.
+        """
+        from transformers import AutoConfig
+
+        opts, data = config.job, config.data
+        if data.data_dir is None:
+            raise ValueError("--data-dir: give a corpus folder with train.txt/valid.txt/test.txt (e.g. "
+                             "../shared/data/text/wiki-excerpt) or, online, a Hugging Face dataset NAME[:CONFIG]")
+        if (opts.model is None) == (opts.model_config is None):
+            raise ValueError("give --model NAME_OR_PATH (pretrained weights) or --model-config PRESET_OR_PATH "
+                             f"(random initialisation; presets: {', '.join(LM_PRESETS)}), not both or neither")
+        if opts.block_length < 2:
+            raise ValueError(f"--block-length {opts.block_length} is too short; use e.g. 128")
+        if opts.weight_decay < 0 or not 0 <= opts.warmup_ratio < 1:
+            raise ValueError("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
+        if config.delta.example_dropout:
+            raise ValueError("--example-dropout is for the encoders' dropout; the LM presets have none")
+        if opts.model_config is not None and opts.model_config not in LM_PRESETS and \
+                not (opts.model_config.endswith(".json") or "/" in opts.model_config):
+            raise ValueError(f"--model-config {opts.model_config}: unknown preset; use one of "
+                             f"{', '.join(LM_PRESETS)} or a config.json / model directory")
+        if opts.model is not None:
+            resolve_lm(opts.model)  # an offline package or a GGUF file without what reads it: ValueError
+        read_corpus(data.data_dir, "train")
+        read_corpus(data.data_dir, opts.eval_split)
+        opts = replace(opts, tokenizer=opts.tokenizer or ("model" if opts.model is not None else DEFAULT_BPE))
+        try:
+            tokenizer = _tokenizer(opts, data.data_dir)
+            model_config = _model_config(opts, len(tokenizer))
+            if model_config is None:
+                source = resolve_lm(opts.model)
+                model_config = AutoConfig.from_pretrained(
+                    source.path, **({"gguf_file": source.gguf_file} if source.gguf_file else {}))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load the model or tokenizer ({e}); pass --model as a local directory, a "
+                             "GGUF file or a hub name (online), or --model-config PRESET for a random model") from None
+        if model_config.model_type not in FAMILIES:
+            raise ValueError(f"the model's family {model_config.model_type!r} is not supported; supported: "
+                             f"{', '.join(FAMILIES)}")
+        context = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+        if context is not None and opts.block_length > context:
+            raise ValueError(f"--block-length {opts.block_length} is past the model's context of {context} "
+                             f"tokens; use --block-length <= {context}")
+        if len(tokenizer) > model_config.vocab_size:
+            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model_config.vocab_size}; "
+                             "use the model's own tokenizer")
+        for split, subset, flag in (("train", data.train_subset, "--train-subset"),
+                                    (opts.eval_split, data.eval_subset, "--eval-subset")):
+            try:
+                blocks = TokenBlocks(tokenize_corpus(data.data_dir, split, tokenizer), opts.block_length, subset)
+            except ValueError as e:
+                raise ValueError(f"--block-length {opts.block_length}, {split} split: {e}") from None
+            if split == "train" and len(blocks) < data.batch_size:
+                raise ValueError(f"{flag}: {len(blocks)} training blocks of {opts.block_length} tokens are fewer than "
+                                 f"one batch (--batch-size {data.batch_size})")
+        check_partition(model_config.num_hidden_layers + 2, config.pipeline, cls.pinned)
+        return opts
+
+    def build_layers(self) -> list[nn.Module]:
+        from transformers.utils import logging as hf_logging
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+        opts = self.config.job
+        config = _model_config(opts, len(self.tokenizer))
+        model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
+        self.vocab = model.config.vocab_size
+        return causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference)
+
+    def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+        opts, d, seed = self.config.job, self.config.data, self.config.train.seed
+        train = TokenBlocks(tokenize_corpus(d.data_dir, "train", self.tokenizer), opts.block_length, d.train_subset)
+        held = TokenBlocks(tokenize_corpus(d.data_dir, opts.eval_split, self.tokenizer), opts.block_length,
+                           d.eval_subset)
+        train_loader = make_dataloader(train, d.batch_size // world_size, shuffle=True, seed=seed,
+                                       num_workers=d.num_workers, rank=rank, world_size=world_size,
+                                       sample_ids=self.config.delta.delta)
+        eval_loader = make_dataloader(held, d.batch_size, shuffle=False, seed=seed, num_workers=d.num_workers)
+        return train_loader, eval_loader
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy: logits float ``(B, L, V)``, targets int64 ``(B, L)``."""
+        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+
+    def eval_outputs(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per block: float64 ``(B, 2)`` = (summed token NLL in nats, tokens) instead of the logits."""
+        nll = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(), reduction="none").view(target.shape)
+        return torch.stack([nll.double().sum(1), torch.full_like(nll[:, 0], target.shape[1], dtype=torch.float64)], 1)
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """``val_loss`` (mean token NLL, nats) and ``val_ppl`` over every held-out block."""
+        loss = float(outputs[:, 0].double().sum() / outputs[:, 1].double().sum())
+        return {"val_loss": loss, "val_ppl": math.exp(loss)}
+
+    def optimizer(self, params: Iterable[nn.Parameter], total_steps: int, steps_per_epoch: int,
+                  momentum_in_codec: bool = False):
+        from transformers import get_cosine_schedule_with_warmup
+
+        a = self.config.job
+        opt = torch.optim.AdamW(decay_groups(params, a.weight_decay), lr=self.config.train.lr, betas=(0.9, 0.95))
+        return opt, get_cosine_schedule_with_warmup(opt, round(a.warmup_ratio * total_steps), total_steps)
