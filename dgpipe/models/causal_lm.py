@@ -72,7 +72,7 @@ LM_PRESETS: dict[str, dict] = {
     "tiny-qwen3": dict(family="qwen3", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2),
     "tiny-gemma3": dict(family="gemma3_text", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2),
     "tiny-gpt2": dict(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4),
-    # the pretraining benchmark on 2 CPU cores: 6 Llama blocks of width 128 (1.18M parameters in the
+    # the pretraining benchmark on 2 CPU cores: 6 Llama blocks of width 128 (1.11M parameters in the
     # blocks, 0.52M in the tied embeddings at a 4,096-token vocabulary)
     "small-llama": dict(family="llama", hidden_size=128, num_layers=6, num_heads=4, num_kv_heads=2),
 }

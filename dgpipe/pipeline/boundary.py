@@ -73,7 +73,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
-from dgpipe.comm.transport import Receiver, Sender
+from dgpipe.comm.transport import DelayLine, Receiver, Sender
 from dgpipe.compression import Codec, CodecSpec, Payload
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import ReferenceCoder, TokenReference, TokenTable, check_tokens
@@ -178,6 +178,8 @@ class Boundary:
         skip_padding: send only the rows a tuple's row mask keeps (module docstring).
         token_reference: code floating ``(B, L, d)`` tensors against a per-token table keyed by the
             value's last tensor, its token ids (module docstring); ``None``: no reference.
+        delay: hold every message this rank sends back by the line's latency
+            (:class:`~dgpipe.comm.transport.DelayLine`, benchmarks only); ``None``: send at once.
     """
 
     def __init__(
@@ -196,8 +198,10 @@ class Boundary:
         id_examples: int | None = None,
         skip_padding: bool = False,
         token_reference: TokenReference | None = None,
+        delay: DelayLine | None = None,
     ) -> None:
         self.name = f"stage{index}->stage{index + 1}"
+        self._delay = delay
         self.token_reference = token_reference
         self._references: dict[int, ReferenceCoder] = {}
         self.skip_padding = bool(skip_padding)
@@ -222,10 +226,11 @@ class Boundary:
 
     def _stream(self, direction: str, sending: bool) -> Sender | Receiver:
         key = "backward" if direction == "backward" else "forward"
-        table, cls = (self._senders, Sender) if sending else (self._receivers, Receiver)
+        table = self._senders if sending else self._receivers
         if key not in table:
             src, dst = (self.dst, self.src) if key == "backward" else (self.src, self.dst)
-            table[key] = cls(dst if sending else src, tag=self._tags[key])
+            tag = self._tags[key]
+            table[key] = Sender(dst, tag=tag, delay=self._delay) if sending else Receiver(src, tag=tag)
         return table[key]
 
     def _codec(self, direction: str, slot: int, pos: int) -> Codec:

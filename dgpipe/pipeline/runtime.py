@@ -31,6 +31,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import Batch, gather
 
 from dgpipe.comm import BandwidthMeter
+from dgpipe.comm.transport import DelayLine
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models.example_dropout import example_ids
@@ -133,6 +134,9 @@ class Pipeline:
             floating ``(B, L, d)`` tensor crosses a boundary as its residual against a per-token table
             both sides build from training messages (:mod:`dgpipe.pipeline.boundary`). Not with
             ``delta`` or ``skip_padding``. The same on every rank.
+        link_delay: seconds every boundary message is held back before it is sent (an emulated one-way
+            link latency, :class:`~dgpipe.comm.transport.DelayLine`; benchmarks on kernels without
+            ``netem``). Default 0: sent at once, no thread.
 
     Raises:
         ValueError: bad placement, ``chunks``, ``timeout``, rank, codec or delta spec.
@@ -156,6 +160,7 @@ class Pipeline:
         example_ids: int | None = None,
         skip_padding: bool = False,
         token_reference: TokenReference | None = None,
+        link_delay: float = 0.0,
     ) -> None:
         stages = list(stages)
         if not stages or any(not isinstance(s, nn.Module) for s in stages):
@@ -189,6 +194,9 @@ class Pipeline:
                 raise ValueError(f"token_reference must be a TokenReference, got {type(token_reference).__name__}")
             if delta is not None or skip_padding:
                 raise ValueError("token_reference codes whole tensors directly: not with delta or skip_padding")
+        if not link_delay >= 0:
+            raise ValueError(f"link_delay must be >= 0 seconds, got {link_delay!r}")
+        delay = DelayLine(link_delay) if link_delay > 0 else None
         acts = codec_factories(act_codec, n_boundaries, "act_codec")
         grads = acts if grad_codec is None else codec_factories(grad_codec, n_boundaries, "grad_codec")
 
@@ -218,7 +226,7 @@ class Pipeline:
                 self._bounds[a.index] = Boundary(
                     a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout,
                     rank=rank, delta=delta, report=delta_report, id_examples=self.id_examples,
-                    skip_padding=skip_padding, token_reference=token_reference,
+                    skip_padding=skip_padding, token_reference=token_reference, delay=delay,
                 )
         self.last_step_totals: dict = self.meter.totals()
         #: Parameters shared by stages on different ranks (tied embeddings), summed after each backward.

@@ -159,8 +159,24 @@ DELTA_SETTINGS: dict[str, list[str]] = {
        for label in ("codebook2_g2", "codebook5lv_gsub1lv5")},
 }
 
+#: The language-model benchmark (docs/lm.md): the 8-bit codecs, the 4-bit codebook, the best settings within
+#: 2.5 bits a value averaged over both directions -- 5 levels forward, the gradients' dominant direction plus
+#: 4 levels backward (2.48 / 2.30 on 4 x 128 x 128 messages; the 5-level residual of the encoder benchmark
+#: needs 2.64 at this width), directly and against the per-token reference -- and the best under 1 bit: the
+#: 1-bit codebook forward, the gradients' 4 dominant directions alone backward (1.14 / 0.64).
+LM_SETTINGS: dict[str, list[str]] = {
+    "none": [],
+    "sortquant8": PIPELINE_SETTINGS["sortquant8"],
+    "quant8": PIPELINE_SETTINGS["quant8"],
+    "codebook4": _codebook(4),
+    "codebook5lv_gsub1lv4": _codebook(None, count=5) + _subspace(1, None, "--grad-codec", count=4),
+    "ref_codebook5lv_gsub1lv4": _codebook(None, count=5) + _subspace(1, None, "--grad-codec", count=4)
+    + ["--token-reference"],
+    "codebook1_gsub4": _codebook(1) + _subspace(4, 0, "--grad-codec"),
+}
+
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
-            "exdrop": EXAMPLE_DROPOUT_SETTINGS}
+            "exdrop": EXAMPLE_DROPOUT_SETTINGS, "lm": LM_SETTINGS}
 
 
 def has_summary(log: Path) -> bool:

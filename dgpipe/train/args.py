@@ -184,6 +184,9 @@ def common_parser(
                    help="torch schedule of --engine torch: GPipe, 1F1B, or a looped one with 2 or more stages per "
                         "rank (interleaved 1F1B, looped BFS, interleaved zero-bubble); zbv is refused (torch's V "
                         "schedules cannot evaluate) (default: 1f1b)")
+    s.add_argument("--link-delay", dest="link_delay_ms", type=float, default=0.0, metavar="MS",
+                   help="benchmarks: hold every boundary message back by MS milliseconds before sending it, an "
+                        "emulated one-way link latency where the kernel has no netem (dgpipe's runtime only)")
     s.add_argument("--world-size", type=int, metavar="W",
                    help="processes (default: 2; under torchrun: its WORLD_SIZE)")
     s.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
@@ -379,6 +382,8 @@ def _torch_schedule(args: argparse.Namespace) -> str | None:
     if args.delta or args.example_dropout:
         raise ValueError(f"{'--delta' if args.delta else '--example-dropout'} needs the examples' ids at every "
                          "boundary, which torch's schedules do not pass: use --engine dgpipe")
+    if args.link_delay_ms:
+        raise ValueError("--link-delay holds back the messages of dgpipe's runtime: use --engine dgpipe")
     if args.skip_padding or args.token_reference:
         raise ValueError(f"{'--skip-padding' if args.skip_padding else '--token-reference'} is dgpipe's runtime "
                          "(its boundaries carry the attention mask and token ids): use --engine dgpipe")
@@ -436,6 +441,8 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
               "client_layers", "stages", "world_size", "timeout")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    if not args.link_delay_ms >= 0:
+        raise ValueError(f"--link-delay must be >= 0 milliseconds, got {args.link_delay_ms}")
     world_size = dist_env(args.world_size, environ).world_size
     derived: dict = {"world_size": world_size, "balance": None, "stages": args.stages}
 
@@ -495,6 +502,8 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
                              "boundaries; use --mode pipeline")
         if args.compare_to:
             raise ValueError("--compare-to compares pipeline boundary settings; drop it in --mode dataparallel")
+        if args.link_delay_ms:
+            raise ValueError("--link-delay holds back pipeline boundary messages; drop it in --mode dataparallel")
         if args.engine != "dgpipe" or args.schedule:
             raise ValueError("--engine/--schedule choose a pipeline runtime; drop them in --mode dataparallel")
         derived.update(compare_to=(), compression=None, dp_compression=grad_compression(args))

@@ -19,6 +19,7 @@ runs the same command across a real shaped link (root).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,49 @@ from .codecs import SETTINGS, setting_label
 from .config import RunConfig
 from .runlog import direction_bits, read_records
 
-__all__ = ["LINK_RATES", "plan", "rows", "format_table"]
+__all__ = ["Link", "LINKS", "LM_LINKS", "critical_messages", "project", "plan", "rows", "format_table"]
 
-#: Link rates of the projection columns, bits per second, by label.
-LINK_RATES = {"100 Mbit/s": 100e6, "10 Mbit/s": 10e6}
+
+@dataclass(frozen=True)
+class Link:
+    """A link of the projection columns.
+
+    Attributes:
+        label: the column's name, e.g. ``"200 Mbit/s + 50 ms"``.
+        rate: bits per second.
+        latency: one-way latency per message, seconds.
+    """
+
+    label: str
+    rate: float
+    latency: float = 0.0
+
+
+#: The classification jobs' projection links (rate only).
+LINKS = (Link("100 Mbit/s", 100e6), Link("10 Mbit/s", 10e6))
+#: The language-model job's: ProtocolNanoGPT's operating point (200 Mbit/s, 50 ms per boundary) and a slow
+#: wide-area link.
+LM_LINKS = (Link("200 Mbit/s + 50 ms", 200e6, 0.05), Link("10 Mbit/s + 50 ms", 10e6, 0.05))
+
+
+def critical_messages(boundaries: int) -> int:
+    """Messages per training step on a GPipe or 1F1B schedule's critical path: ``2 x boundaries``
+    (module docstring)."""
+    return 2 * boundaries
+
+
+def project(train_seconds: float, wire_bytes: int, steps: int, boundaries: int, link: Link) -> float:
+    """Projected training seconds on ``link``: ``train_seconds + 8 x wire_bytes / rate + steps x
+    critical_messages(boundaries) x latency`` (module docstring)."""
+    return train_seconds + 8 * wire_bytes / link.rate + steps * critical_messages(boundaries) * link.latency
+
+
+def _boundaries(config: RunConfig) -> int:
+    """Stage boundaries of a run's partition (0 for data parallelism)."""
+    p = config.pipeline
+    if p.mode != "pipeline":
+        return 0
+    return 2 if p.partition == "client-server" else p.stages - 1
 
 
 def plan(config: RunConfig, log_dir: str | Path) -> list[tuple[str, RunConfig]]:
@@ -53,12 +93,12 @@ def plan(config: RunConfig, log_dir: str | Path) -> list[tuple[str, RunConfig]]:
     return runs
 
 
-def rows(runs: list[tuple[str, RunConfig]]) -> list[dict[str, Any]]:
+def rows(runs: list[tuple[str, RunConfig]], links: tuple[Link, ...] = LINKS) -> list[dict[str, Any]]:
     """One dict per run, from its log, the ``none`` run first: ``setting``, ``metric`` (name), ``value``, ``delta``
-    (value minus the ``none`` run's; None without one), ``forward_bits``/``backward_bits``
-    (measured bits per value), ``wire_bytes`` (training, both directions), ``train_seconds``,
-    ``projected`` (link label -> seconds, see the module docstring), ``top_class``
-    (``[count, n]`` or None) and ``eval_examples``.
+    (value minus the ``none`` run's; None without one), ``metrics`` (every final metric),
+    ``forward_bits``/``backward_bits`` (measured bits per value), ``wire_bytes`` (training, both
+    directions), ``train_seconds``, ``steps``, ``boundaries``, ``projected`` (link label -> seconds of
+    the whole run, :func:`project`) and ``top_class`` (``[count, n]`` or None).
 
     Raises:
         ValueError: a log without a summary record (the run did not finish).
@@ -70,12 +110,13 @@ def rows(runs: list[tuple[str, RunConfig]]) -> list[dict[str, Any]]:
         if summary is None:
             raise ValueError(f"{config.log.log}: no summary record (did the run finish?)")
         bits = direction_bits(records)
-        seconds = summary["train_seconds"]
+        seconds, steps, boundaries = summary["train_seconds"], summary.get("steps", 0), _boundaries(config)
         out.append({
             "setting": label, "metric": summary["metric"], "value": summary["value"],
+            "metrics": summary.get("metrics", {}),
             "forward_bits": bits["forward"], "backward_bits": bits["backward"],
-            "wire_bytes": summary["wire_bytes"], "train_seconds": seconds,
-            "projected": {k: seconds + 8 * summary["wire_bytes"] / rate for k, rate in LINK_RATES.items()},
+            "wire_bytes": summary["wire_bytes"], "train_seconds": seconds, "steps": steps, "boundaries": boundaries,
+            "projected": {k.label: project(seconds, summary["wire_bytes"], steps, boundaries, k) for k in links},
             "top_class": summary.get("top_class"),
         })
     base = next((r["value"] for r in out if r["setting"] == "none"), None)
@@ -96,19 +137,39 @@ def _accuracy_noise(rows_: list[dict[str, Any]]) -> str | None:
             "pairs 3+ seeds on a larger held-out set.")
 
 
+def _loss_cells(r: dict[str, Any], base: float | None) -> tuple[str, ...]:
+    """A loss metric's cells: value, Δ in nats and percent of the ``none`` run's, perplexity."""
+    delta = "--" if r["delta"] is None else f"{r['delta']:+.4f} ({100 * r['delta'] / base:+.2f}%)"
+    ppl = r["metrics"].get(r["metric"].replace("_loss", "_ppl"), math.exp(r["value"]))
+    return f"{r['value']:.4f}", delta, f"{ppl:.2f}"
+
+
 def format_table(rows_: list[dict[str, Any]]) -> str:
     """The comparison as a fixed-width table with its notes (noise, what the projection is);
-    the last column averages the measured bits per value of the two directions."""
+    the last column averages the measured bits per value of the two directions. A loss metric
+    (a language model's ``val_loss``) shows its difference in nats and percent, the perplexity,
+    and the projected seconds per step; an accuracy-like metric its difference in points and the
+    projected seconds of the whole run."""
     metric = rows_[0]["metric"]
-    head = ("setting", metric, "Δ vs none (pt)", "fwd bits/value", "bwd bits/value", "wire MB", "train s",
-            *(f"at {k} (proj.)" for k in LINK_RATES), "bits/value (avg)")
+    loss = metric.endswith("loss")
+    links = list(rows_[0]["projected"])
+    base = next((r["value"] for r in rows_ if r["setting"] == "none"), None)
+    head = ("setting", metric, *(("Δ vs none (nats, %)", metric.replace("_loss", "_ppl")) if loss
+                                 else ("Δ vs none (pt)",)),
+            "fwd bits/value", "bwd bits/value", "wire MB", "train s",
+            *((f"s/step at {k} (proj.)" if loss else f"at {k} (proj.)") for k in links), "bits/value (avg)")
     table = [head]
     for r in rows_:
-        warn = " (one class!)" if r["top_class"] and r["top_class"][0] == r["top_class"][1] else ""
+        if loss:
+            cells = _loss_cells(r, base)
+        else:
+            warn = " (one class!)" if r["top_class"] and r["top_class"][0] == r["top_class"][1] else ""
+            cells = (f"{r['value']:.4f}{warn}", "--" if r["delta"] is None else f"{100 * r['delta']:+.2f}")
+        projected = [s / max(r["steps"], 1) if loss else s for s in r["projected"].values()]
         table.append((
-            r["setting"], f"{r['value']:.4f}{warn}", "--" if r["delta"] is None else f"{100 * r['delta']:+.2f}",
-            f"{r['forward_bits']:.2f}", f"{r['backward_bits']:.2f}", f"{r['wire_bytes'] / 1e6:.1f}",
-            f"{r['train_seconds']:.1f}", *(f"{s:.1f} s" for s in r["projected"].values()),
+            r["setting"], *cells, f"{r['forward_bits']:.2f}", f"{r['backward_bits']:.2f}",
+            f"{r['wire_bytes'] / 1e6:.1f}", f"{r['train_seconds']:.1f}",
+            *(f"{s:.3f} s" if loss else f"{s:.1f} s" for s in projected),
             f"{(r['forward_bits'] + r['backward_bits']) / 2:.2f}",
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
@@ -117,7 +178,13 @@ def format_table(rows_: list[dict[str, Any]]) -> str:
               for row in table]
     noise = _accuracy_noise(rows_)
     lines += [noise] if noise else []
+    if loss:
+        lines.append("One seed: the benchmark (docs/lm.md) pairs 3+ seeds on the same held-out tokens to resolve "
+                     "differences of this size.")
     lines.append("Link columns are projections: training seconds measured here (loopback, where compression cannot "
-                 "change speed) + training wire bytes at that rate, no overlap. To measure on a real shaped link "
-                 "(root): python bandwidth/slow_link.py --rate 100mbit -- <this command>")
+                 "change speed) + training wire bytes at that rate, no overlap"
+                 + (", + the one-way latency once per message on the schedule's critical path (2 per boundary and "
+                    "step)" if any(k.endswith("ms") for k in links) else "")
+                 + ". To measure on a real shaped link (root): python bandwidth/slow_link.py --rate 100mbit -- "
+                   "<this command>")
     return "\n".join(lines)

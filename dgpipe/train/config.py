@@ -48,6 +48,8 @@ class PipelineConfig:
         engine: ``"dgpipe"`` (this package's GPipe runtime) or ``"torch"`` (torch's schedules).
         schedule: torch schedule of the torch engine (``"gpipe"``, ``"1f1b"``,
             ``"interleaved"``, ``"zbv"``), ``None`` with dgpipe's.
+        link_delay_ms: milliseconds every boundary message is held back before it is sent (an emulated
+            one-way latency for benchmarks; 0: none).
     """
 
     mode: str
@@ -65,6 +67,7 @@ class PipelineConfig:
     token_reference: bool
     engine: str
     schedule: str | None
+    link_delay_ms: float
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ class PipelineEngine:
             delta=delta, delta_report=lambda line: print(line, flush=True),
             example_ids=train_examples if d.example_dropout else None, skip_padding=p.skip_padding,
             token_reference=TokenReference(job.vocab) if p.token_reference else None,
+            link_delay=p.link_delay_ms / 1000,
         )
         self.meter = self.pipe.meter
         self.reads_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from dgpipe.models import client_server_split
 from dgpipe.pipeline import split_layers
 
+from .compare import LINKS, Link
 from .config import PipelineConfig, RunConfig
 
 __all__ = ["Job", "metric_key", "decay_groups", "check_partition"]
@@ -81,6 +82,7 @@ class Job:
         classifier: the outputs are class scores (the logs then record how many evaluation examples
             the most predicted class got, a sign of a model that has not learnt the task).
         step_records: write a ``step`` record (loss, learning rate) after every optimizer step.
+        links: the links of ``--compare-to``'s projection columns (:mod:`dgpipe.train.compare`).
         metric: log field of the summary metric (e.g. ``"val_acc"``), set by ``__init__``.
         metric_names: every validation metric's log field, summary metric first.
     """
@@ -90,6 +92,7 @@ class Job:
     deferred_batchnorm: bool = False
     classifier: bool = True
     step_records: bool = False
+    links: tuple[Link, ...] = LINKS
     metric: str
     metric_names: tuple[str, ...]
 

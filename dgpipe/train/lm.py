@@ -31,6 +31,7 @@ from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_
 from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, build_causal_lm, causal_lm_layers, preset_config,
                                      resolve_lm)
 
+from .compare import LM_LINKS
 from .config import RunConfig
 from .job import Job, check_partition, decay_groups
 
@@ -103,6 +104,7 @@ class LMJob(Job):
     pinned = (1, 1)
     classifier = False
     step_records = True
+    links = LM_LINKS
     metric = "val_loss"
     metric_names = ("val_loss", "val_ppl")
 
@@ -136,7 +138,9 @@ class LMJob(Job):
         if opts.weight_decay < 0 or not 0 <= opts.warmup_ratio < 1:
             raise ValueError("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
         if config.delta.example_dropout:
-            raise ValueError("--example-dropout is for the encoders' dropout; the LM presets have none")
+            raise ValueError("--example-dropout is for the nlp job's encoders")
+        if config.pipeline.skip_padding:
+            raise ValueError("--skip-padding: the language model's blocks are packed text, without padding")
         if opts.model_config is not None and opts.model_config not in LM_PRESETS and \
                 not (opts.model_config.endswith(".json") or "/" in opts.model_config):
             raise ValueError(f"--model-config {opts.model_config}: unknown preset; use one of "

@@ -106,7 +106,7 @@ def run(job_cls: type[Job], config: RunConfig) -> None:
         runs = compare.plan(config, tmp)
         env = launch(job_cls, runs)
         if len(runs) > 1 and env.rank == 0:
-            print(compare.format_table(compare.rows(runs)), flush=True)
+            print(compare.format_table(compare.rows(runs, job_cls.links)), flush=True)
 
 
 def launch(job_cls: type[Job], runs: list[tuple[str, RunConfig]], capture: bool = False):

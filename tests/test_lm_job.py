@@ -1,0 +1,190 @@
+"""The language-model job: text corpora packed into blocks, its metric, its CLI's errors and one run.
+
+Data: blocks and their next-token targets against slicing done here, the trained BPE (deterministic,
+cached, lossless on the corpus), the token cache. Metric: the validation loss of the job's reduced
+evaluation outputs equals the mean token cross-entropy computed directly. CLI: every bad input named
+in the job's contract is a one-line error before any process starts. End to end: a tiny Llama
+pretrained for 4 steps on a slice of the real wiki-excerpt corpus, client/server, 8-bit codes vs
+uncompressed (``--compare-to none``): per-step records, evaluations every 2 steps, the summary, the
+table with the loss in nats and percent, the perplexity and the per-step projection with latency.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus, train_bpe
+from dgpipe.train import compare, loop
+from dgpipe.train.runlog import read_records
+from helpers import ROOT, load_cli
+
+WIKI = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
+GPT2 = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2"
+LM = load_cli("test_lm_dgpipe")
+pytestmark = [pytest.mark.usefixtures("no_torchrun"),
+              pytest.mark.skipif(not WIKI.is_dir(), reason=f"real text corpus not found at {WIKI}")]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    """Tokenizers and token streams cached in a temporary folder (the spawned ranks inherit it)."""
+    folder = tmp_path_factory.getbasetemp() / "dgpipe-cache"
+    monkeypatch.setenv("DGPIPE_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The first 40,000 / 8,000 characters of wiki-excerpt's train / valid splits."""
+    root = tmp_path_factory.mktemp("wiki")
+    for split, chars in (("train", 40_000), ("valid", 8_000), ("test", 8_000)):
+        (root / f"{split}.txt").write_text((WIKI / f"{split}.txt").read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    return root
+
+
+def test_blocks_predict_every_next_token_once():
+    ids = torch.arange(23)
+    blocks = TokenBlocks(ids, 5)
+    assert len(blocks) == 4  # (23 - 1) // 5
+    for k in range(4):
+        x, y = blocks[k]
+        assert torch.equal(x, ids[5 * k:5 * k + 5]) and torch.equal(y, ids[5 * k + 1:5 * k + 6])
+    assert len(TokenBlocks(ids, 5, limit=2)) == 2
+    with pytest.raises(IndexError):
+        blocks[4]
+    with pytest.raises(ValueError, match="do not fill one block of 30"):
+        TokenBlocks(ids, 30)
+
+
+def test_bpe_is_deterministic_lossless_and_cached(corpus, cache):
+    text = read_corpus(str(corpus), "train")
+    a, b = train_bpe(text, 600), train_bpe(text, 600)
+    assert a.get_vocab() == b.get_vocab() and len(a) == 600
+    assert a.convert_tokens_to_ids("<|endoftext|>") == 0 == a.pad_token_id
+    sample = text[:2000]
+    assert a.decode(a(sample, add_special_tokens=False)["input_ids"]) == sample  # byte-level: nothing is lost
+    tok = load_tokenizer("bpe:600", str(corpus))
+    assert list((cache / "tokenizers").iterdir()) and tok.get_vocab() == a.get_vocab()
+    ids = tokenize_corpus(str(corpus), "valid", tok)
+    assert tok.decode(ids.tolist()) == read_corpus(str(corpus), "valid")
+    assert torch.equal(tokenize_corpus(str(corpus), "valid", tok), ids)  # from the cache
+    assert len(list((cache / "tokens").iterdir())) == 1
+
+
+@pytest.mark.skipif(not GPT2.is_dir(), reason="GPT-2 tokenizer folder not found")
+def test_gpt2_tokenizer_folder():
+    assert load_tokenizer(str(GPT2))("Hello world")["input_ids"] == [15496, 995]
+
+
+def test_corpus_errors(tmp_path):
+    with pytest.raises(ValueError, match="no .*valid.txt"):
+        (tmp_path / "train.txt").write_text("some text")
+        read_corpus(str(tmp_path), "valid")
+    with pytest.raises(ValueError, match="bpe:N"):
+        load_tokenizer("bpe:lots", str(tmp_path))
+
+
+def test_validation_loss_is_the_mean_token_cross_entropy():
+    from dgpipe.train.lm import LMJob
+
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(6, 9, 13, generator=g), torch.randint(0, 13, (6, 9), generator=g)
+    job = LMJob.__new__(LMJob)
+    reduced = torch.cat([job.eval_outputs(logits[:4], targets[:4]), job.eval_outputs(logits[4:], targets[4:])])
+    metrics = job.metrics(reduced, targets)
+    want = F.cross_entropy(logits.reshape(-1, 13), targets.reshape(-1)).item()
+    assert metrics["val_loss"] == pytest.approx(want, rel=1e-6)
+    assert metrics["val_ppl"] == pytest.approx(math.exp(want), rel=1e-6)
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        LM.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 2, err  # the error, then the pointer to --help
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--data-dir: give a corpus folder"),
+    (["--data-dir", "/nonexistent/corpus", "--model-config", "tiny-llama"], "corpus /nonexistent/corpus: no such folder"),
+    (["--model-config", "tiny-mamba"], "--model-config tiny-mamba: unknown preset"),
+    (["--model-config", "tiny-llama", "--model", "x"], "give --model NAME_OR_PATH"),
+    (["--model", "/tmp/no-such-model.gguf"], "no such GGUF file"),
+    (["--model-config", "tiny-llama", "--block-length", "1"], "--block-length 1 is too short"),
+    (["--model-config", "tiny-llama", "--block-length", "100000"], "do not fill one block of 100000"),
+    (["--model-config", "tiny-llama", "--skip-padding"], "--skip-padding: the language model's blocks are packed"),
+    (["--model-config", "tiny-llama", "--client-layers", "3"], "--client-layers 3"),
+    (["--model-config", "tiny-llama", "--link-delay", "-5"], "--link-delay must be >= 0 milliseconds"),
+    (["--model-config", "tiny-llama", "--eval-every", "0"], "--eval-every must be positive"),
+])
+def test_bad_input_is_one_line_before_any_process(argv, message, corpus, monkeypatch, capsys):
+    monkeypatch.setattr(loop, "run", lambda *a, **k: pytest.fail("a process was started"))
+    if "--data-dir" not in argv and argv:
+        argv = ["--data-dir", str(corpus), *argv]
+    assert message in _error(argv, capsys)
+
+
+def test_gguf_without_the_gguf_package(corpus, monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    assert "which transformers reads with the gguf package: pip install gguf" in _error(
+        ["--data-dir", str(corpus), "--model", str(gguf)], capsys)
+
+
+def test_block_length_past_the_models_context(corpus, tmp_path, capsys):
+    from dgpipe.models.causal_lm import preset_config
+
+    preset_config("tiny-llama", 600, 64).save_pretrained(tmp_path / "cfg")
+    assert "--block-length 128 is past the model's context of 64 tokens" in _error(
+        ["--data-dir", str(corpus), "--model-config", str(tmp_path / "cfg"), "--tokenizer", "bpe:600"], capsys)
+
+
+def test_family_that_is_not_a_decoder(corpus, tmp_path, capsys):
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=700).save_pretrained(tmp_path / "bert")
+    assert "the model's family 'bert' is not supported" in _error(
+        ["--data-dir", str(corpus), "--model-config", str(tmp_path / "bert"), "--tokenizer", "bpe:600"], capsys)
+
+
+def test_pretrain_tiny_llama_compare_to_none(corpus, tmp_path, capfd):
+    log = tmp_path / "runs" / "lm.jsonl"
+    code = LM.main([
+        "--data-dir", str(corpus), "--model-config", "tiny-llama", "--tokenizer", "bpe:600", "--block-length", "32",
+        "--batch-size", "8", "--chunk", "2", "--max-steps", "4", "--eval-every", "2", "--eval-subset", "6",
+        "--num-workers", "0", "--quant", "8", "--compare-to", "none", "--log-file", str(log), "--no-progress",
+    ])
+    assert code == 0
+    out = capfd.readouterr().out
+    records = read_records(log)
+    assert [r["event"] for r in records] == ["step", "step", "eval", "step", "step", "epoch", "summary"]
+    assert [r["step"] for r in records if "step" in r and r["event"] != "summary"] == [1, 2, 2, 3, 4, 4]
+    summary = records[-1]
+    assert summary["metric"] == "val_loss" and summary["steps"] == 4
+    assert summary["metrics"]["val_ppl"] == pytest.approx(math.exp(summary["value"]))
+    assert 4 < summary["value"] < 8  # about log(600) = 6.4 after 4 steps from a random start
+    none = read_records(log.with_name("lm.none.jsonl"))[-1]
+    assert 0.24 < summary["wire_bytes"] / none["wire_bytes"] < 0.27  # 8 of 32 bits, with headers
+    row = next(line for line in out.splitlines() if line.startswith("quant8 "))
+    delta = summary["value"] - none["value"]
+    assert f"{delta:+.4f} ({100 * delta / none['value']:+.2f}%)" in row
+    assert "s/step at 200 Mbit/s + 50 ms (proj.)" in out
+    step = (summary["train_seconds"] + 8 * summary["wire_bytes"] / 200e6) / 4 + 2 * 2 * 0.05
+    assert f"{step:.3f} s" in row  # client/server: 2 boundaries, 2 latencies each per step
+
+
+def test_projection_counts_latency_per_critical_message():
+    link = compare.Link("x", 8e6, 0.01)
+    assert compare.project(10.0, 1_000_000, 5, 3, link) == pytest.approx(10.0 + 1.0 + 5 * 6 * 0.01)
+    assert compare.critical_messages(2) == 4
