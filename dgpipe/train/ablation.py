@@ -302,13 +302,23 @@ def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str 
     return metrics, rows
 
 
+def _scale(metric: str) -> tuple[float, str]:
+    """How a metric's differences are shown: fractions (accuracy, MCC, ...) in points (x100); a loss
+    (nats) or a perplexity as they are."""
+    if metric.endswith("loss"):
+        return 1.0, "nats"
+    if metric.endswith("ppl"):
+        return 1.0, ""
+    return 100.0, "pt"
+
+
 def seeds_table(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> str:
     """Markdown table of a multi-seed run (:func:`seeds_results`): bits per value, and per metric
-    mean +- sd and the paired difference to ``baseline`` (points: x100) with its 95% CI (the
-    ``seeds`` column says how many pairs there are)."""
+    mean +- sd and the paired difference to ``baseline`` (points -- x100 -- for fractions, nats for a
+    loss) with its 95% CI (the ``seeds`` column says how many pairs there are)."""
     metrics, results = seeds_results(out, labels, seeds, baseline)
     head = "| setting | seeds | fwd bits/value | bwd bits/value | " + " | ".join(
-        f"{m} mean ± sd | Δ{m} (pt) [95% CI]" for m in metrics) + " |"
+        f"{m} mean ± sd | Δ{m} ({_scale(m)[1]}) [95% CI]" for m in metrics) + " |"
     rows = [head, "|" + "---|" * (4 + 2 * len(metrics))]
     for r in results:
         cells = [r["label"], str(r["seeds"]), f"{r['forward']:.2f}", f"{r['backward']:.2f}"]
@@ -316,8 +326,9 @@ def seeds_table(out: Path, labels: list[str], seeds: list[int], baseline: str = 
             vals = r["values"][m]
             sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
             cells.append(f"{statistics.fmean(vals):.4f} ± {sd:.4f}")
-            d = r["delta"][m]
-            cells.append("--" if d is None else f"{100 * d[0]:+.2f} [{100 * d[1]:+.2f}, {100 * d[2]:+.2f}]")
+            d, k = r["delta"][m], _scale(m)[0]
+            fmt = "+.2f" if k == 100 else "+.4f"
+            cells.append("--" if d is None else f"{k * d[0]:{fmt}} [{k * d[1]:{fmt}}, {k * d[2]:{fmt}}]")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -377,10 +388,11 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
             d = r["delta"][m]
             if d is None:
                 continue
-            err = [[0.0], [0.0]] if math.isnan(d[1]) else [[100 * (d[0] - d[1])], [100 * (d[2] - d[0])]]
+            k = _scale(m)[0]
+            err = [[0.0], [0.0]] if math.isnan(d[1]) else [[k * (d[0] - d[1])], [k * (d[2] - d[0])]]
             bits = (r["forward"] + r["backward"]) / 2
-            ax.errorbar([bits], [100 * d[0]], yerr=err, fmt="o", capsize=3)
-            ax.annotate(r["label"], (bits, 100 * d[0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.errorbar([bits], [k * d[0]], yerr=err, fmt="o", capsize=3)
+            ax.annotate(r["label"], (bits, k * d[0]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.axhline(0, color="grey", lw=0.8)
         for i, (name, lo, hi) in enumerate(ANCHORS):
             ax.axvspan(lo * 0.98, hi * 1.02, color=f"C{7 + i % 3}", alpha=0.15, lw=0)
@@ -389,7 +401,7 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
         ax.set_xlim(0.5, 9)
         ax.set_xticks([0.5, 1, 2, 3, 4, 6, 8], ["0.5", "1", "2", "3", "4", "6", "8"])
         ax.set_xlabel("bits per value, mean of both directions (measured, all-in)")
-        ax.set_ylabel(f"Δ {m} vs {baseline} (pt, paired 95% CI)")
+        ax.set_ylabel(f"Δ {m} vs {baseline} ({_scale(m)[1] or 'paired'}, paired 95% CI)")
     fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
     fig.tight_layout()
     path = out / "quality.png"

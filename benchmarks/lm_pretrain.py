@@ -1,0 +1,52 @@
+"""The language-model pretraining benchmark (docs/lm.md): a small Llama (the ``small-llama`` preset,
+6 blocks of width 128, a 4,096-token byte-level BPE) pretrained from scratch on wiki-excerpt for 600
+steps of 16 x 128 tokens, 4 linear stages on 4 processes, under every setting of
+``dgpipe.train.ablation.LM_SETTINGS`` and 3 seeds; then the report of :mod:`dgpipe.train.lm_benchmark`
+(``OUT/lm.md``, ``OUT/frontier.png``).
+
+    python benchmarks/lm_pretrain.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
+
+Resumable: a run whose log holds a summary is not run again (the runs go through
+``dgpipe.train.ablation``, which also writes its generic ``table.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dgpipe.train import ablation, lm_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The flags every run shares (the benchmark's command, besides the setting and the seed).
+COMMON = ["--data-dir", str(ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"), "--model-config", "small-llama",
+          "--partition", "linear", "--stages", "4", "--world-size", "4", "--batch-size", "16", "--chunk", "4",
+          "--block-length", "128", "--lr", "2e-3", "--epochs", "2", "--max-steps", "600", "--eval-every", "50",
+          "--eval-subset", "400", "--num-workers", "0"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_pretrain"))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--only", help="comma-separated subset of the settings")
+    p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
+    args = p.parse_args(argv)
+    labels = args.only.split(",") if args.only else list(ablation.LM_SETTINGS)
+    run = ["--job", "lm", "--settings", "lm", "--seeds", args.seeds, "--out", args.out,
+           "--only", ",".join(labels), "--title", "small Llama pretraining, wiki-excerpt, 4 stages"]
+    status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *COMMON])
+    out, seeds = Path(args.out), [int(k) for k in args.seeds.split(",")]
+    rows = lm_benchmark.results(out, labels, seeds)
+    if rows:
+        text = lm_benchmark.table(rows)
+        (out / "lm.md").write_text(text + "\n")
+        print(text)
+        lm_benchmark.plot(rows, out / "frontier.png", "small Llama pretraining, wiki-excerpt, 4 stages: "
+                          f"{len(seeds)} paired seeds")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
