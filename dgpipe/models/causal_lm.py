@@ -287,15 +287,14 @@ class DecoderBlock(nn.Module):
         self.layer_type = types[index] if types else "full_attention"
         self._rotary_by_type = rotary_emb is not None and "layer_type" in inspect.signature(rotary_emb.forward).parameters
         name = "create_sliding_window_causal_mask" if self.layer_type == "sliding_attention" else "create_causal_mask"
-        self._mask_name = name
+        self._mask, self._cache_kw, self._wants_cache_position = _mask_function(name)
 
     def forward(self, inputs):
         hidden, mask, tail = _split_value(inputs, self.carry_ids)
         length = hidden.shape[1]
         positions = torch.arange(length, device=hidden.device).unsqueeze(0)
-        fn, cache_kw, wants_cache_position = _mask_function(self._mask_name)
-        extra = {"cache_position": positions[0]} if wants_cache_position else {}
-        bias = fn(self.config, hidden, mask, **{cache_kw: None}, position_ids=positions, **extra)
+        extra = {"cache_position": positions[0]} if self._wants_cache_position else {}
+        bias = self._mask(self.config, hidden, mask, **{self._cache_kw: None}, position_ids=positions, **extra)
         if self.rotary_emb is None:  # GPT-2: positions were added to the embeddings
             out = self.layer(hidden, None, bias, position_ids=positions)
         else:

@@ -185,8 +185,8 @@ class LMJob(Job):
     def build_layers(self) -> list[nn.Module]:
         from transformers.utils import logging as hf_logging
 
-        if dist.is_initialized() and dist.get_rank() != 0:
-            hf_logging.set_verbosity_error()
+        if dist.is_initialized() and dist.get_rank() != 0 or not self.config.log.progress:
+            hf_logging.set_verbosity_error()  # the load report and progress bars once, from rank 0, or never
             hf_logging.disable_progress_bar()
         opts = self.config.job
         config = _model_config(opts, len(self.tokenizer))

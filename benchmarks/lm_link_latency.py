@@ -1,0 +1,92 @@
+"""The latency-aware projection against runs that really wait (docs/lm.md).
+
+For the small Llama of the pretraining benchmark (``small-llama``, 16 x 128 tokens a step, 4
+micro-batches), uncompressed and at ~2.4 bits a value (``codebook5lv_gsub1lv4``), side by side in one
+run of this script:
+
+1. a run on loopback without delay: its measured compute and wire bytes give the projected step time
+   on each link (:func:`dgpipe.train.compare.project`);
+2. the same command on a link that waits -- client/server across a real ``tc tbf``-shaped link of
+   ``bandwidth/slow_link.py`` (root) with every boundary message held back by the latency
+   (``--link-delay``, as this kernel has no ``netem``), and 4 linear stages on loopback with the latency
+   alone (``slow_link.py`` connects two ranks) --
+
+and prints, per setting and link, the projected and the measured seconds per step and the projection's
+error. Resumable: a run whose log holds a summary is not run again.
+
+    sudo python benchmarks/lm_link_latency.py [--out DIR] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from dgpipe.train.ablation import LM_SETTINGS, has_summary
+from dgpipe.train.compare import Link, project
+from dgpipe.train.runlog import read_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
+#: (label, partition flags, boundaries, links run through slow_link.py (rate shaped) or on loopback)
+LAYOUTS = (
+    ("client-server", ["--partition", "client-server"], 2,
+     (Link("200 Mbit/s + 50 ms", 200e6, 0.05), Link("10 Mbit/s + 50 ms", 10e6, 0.05))),
+    ("4 stages", ["--partition", "linear", "--stages", "4", "--world-size", "4"], 3,
+     (Link("loopback + 50 ms", float("inf"), 0.05), Link("loopback + 20 ms", float("inf"), 0.02))),
+)
+SETTINGS = ("none", "codebook5lv_gsub1lv4")
+
+
+def _rate(link: Link) -> str:
+    return f"{int(link.rate / 1e6)}mbit"
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    if has_summary(log):
+        print(f"[{log.stem}] already done", flush=True)
+        return
+    print(f"[{log.stem}] {' '.join(cmd)}", flush=True)
+    with open(log.with_suffix(".out"), "w") as out:
+        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_link_latency"))
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--data-dir", str(CORPUS), "--model-config", "small-llama", "--batch-size", "16", "--chunk", "4",
+              "--block-length", "128", "--max-steps", str(args.steps), "--eval-subset", "16", "--num-workers", "0",
+              "--no-progress"]
+    lines = ["| layout | setting | link | projected s/step | measured s/step | projection error |", "|---|---|---|---|---|---|"]
+    for layout, flags, boundaries, links in LAYOUTS:
+        for setting in SETTINGS:
+            job = [sys.executable, str(ROOT / "test_lm_dgpipe.py"), *common, *flags, *LM_SETTINGS[setting]]
+            name = f"{layout.replace(' ', '')}_{setting}"
+            _run(job + ["--log-file", str(out / f"{name}_loopback.jsonl")], out / f"{name}_loopback.jsonl")
+            free = read_summary(out / f"{name}_loopback.jsonl")
+            for link in links:
+                tag = link.label.replace(" ", "").replace("/", "").replace("+", "_")
+                log = out / f"{name}_{tag}.jsonl"
+                delayed = job + ["--link-delay", f"{1000 * link.latency:g}", "--log-file", str(log)]
+                shaped = link.rate != float("inf")
+                _run(([sys.executable, str(ROOT / "bandwidth" / "slow_link.py"), "--rate", _rate(link), "--"]
+                      if shaped else []) + delayed, log)
+                measured = read_summary(log)
+                want = project(free["train_seconds"], free["wire_bytes"], free["steps"], boundaries, link) / free["steps"]
+                got = measured["train_seconds"] / measured["steps"]
+                lines.append(f"| {layout} | {setting} | {link.label} | {want:.3f} | {got:.3f} | "
+                             f"{100 * (want - got) / got:+.1f}% |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
