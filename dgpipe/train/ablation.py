@@ -173,6 +173,9 @@ LM_SETTINGS: dict[str, list[str]] = {
     "ref_codebook5lv_gsub1lv4": _codebook(None, count=5) + _subspace(1, None, "--grad-codec", count=4)
     + ["--token-reference"],
     "codebook1_gsub4": _codebook(1) + _subspace(4, 0, "--grad-codec"),
+    # one direction at a time (the other uncompressed): which of the two costs the 2.4-bit setting its loss
+    "codebook5lv_only": _codebook(None, count=5) + ["--grad-codec", "none"],
+    "gsub1lv4_only": _subspace(1, None, "--grad-codec", count=4),
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
