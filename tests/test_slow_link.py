@@ -195,8 +195,11 @@ def test_tcp_transfer_crosses_the_link_at_the_set_rate():
             server.kill()
     assert bytes(echoed) == payload
     wire = nbytes * 8 / rate_bps  # seconds at the rate, payload only
-    for seconds in (up, down):  # both directions shaped; TCP/IP headers add ~4.5%
-        assert 0.95 * wire < seconds < 6 * wire, (up, down, wire)
+    # Lower bounds only (a loaded machine can only add time). The upload is whole before the server
+    # answers; the echo may start while the client has not yet read the answer, so the way down is
+    # bounded together with the way up.
+    assert up > 0.95 * wire, (up, wire)
+    assert up + down > 0.95 * 2 * wire, (up, down, wire)
 
 
 LINGER = textwrap.dedent("""
