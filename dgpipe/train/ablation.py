@@ -311,7 +311,7 @@ def _scale(metric: str) -> tuple[float, str]:
     if metric.endswith("loss"):
         return 1.0, "nats"
     if metric.endswith("ppl"):
-        return 1.0, ""
+        return 1.0, "ppl"
     return 100.0, "pt"
 
 
@@ -404,7 +404,7 @@ def seeds_plot(out: Path, labels: list[str], seeds: list[int], title: str | None
         ax.set_xlim(0.5, 9)
         ax.set_xticks([0.5, 1, 2, 3, 4, 6, 8], ["0.5", "1", "2", "3", "4", "6", "8"])
         ax.set_xlabel("bits per value, mean of both directions (measured, all-in)")
-        ax.set_ylabel(f"Δ {m} vs {baseline} ({_scale(m)[1] or 'paired'}, paired 95% CI)")
+        ax.set_ylabel(f"Δ {m} vs {baseline} ({_scale(m)[1]}, paired 95% CI)")
     fig.suptitle(title or f"{out.name}: {len(seeds)} seeds")
     fig.tight_layout()
     path = out / "quality.png"
