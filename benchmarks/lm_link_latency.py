@@ -1,8 +1,10 @@
-"""The latency-aware projection against runs that really wait (docs/lm.md).
+"""The latency-aware projection against runs that really wait, and the compute per step of every
+setting of the pretraining benchmark measured side by side on a quiet machine (docs/lm.md).
 
 For the small Llama of the pretraining benchmark (``small-llama``, 16 x 128 tokens a step, 4
-micro-batches), uncompressed and at ~2.4 bits a value (``codebook5lv_gsub1lv4``), side by side in one
-run of this script:
+micro-batches): every setting of ``LM_SETTINGS`` on 4 linear stages on loopback (the compute per step
+that ``benchmarks/lm_pretrain.py`` prices T with, ``4stages_<setting>_loopback.jsonl``); and,
+uncompressed and at ~2.4 bits a value (``codebook5lv_gsub1lv4``), in the same run:
 
 1. a run on loopback without delay: its measured compute and wire bytes give the projected step time
    on each link (:func:`dgpipe.train.compare.project`);
@@ -37,7 +39,11 @@ LAYOUTS = (
     ("4 stages", ["--partition", "linear", "--stages", "4", "--world-size", "4"], 3,
      (Link("loopback + 50 ms", float("inf"), 0.05), Link("loopback + 20 ms", float("inf"), 0.02))),
 )
-SETTINGS = ("none", "codebook5lv_gsub1lv4")
+#: The settings whose projection is checked against runs that wait.
+DELAYED = ("none", "codebook5lv_gsub1lv4")
+#: The pretraining benchmark's settings, timed on 4 stages.
+TIMED = ("none", "sortquant8", "quant8", "codebook4", "codebook5lv_gsub1lv4", "ref_codebook5lv_gsub1lv4",
+         "codebook1_gsub4")
 
 
 def _rate(link: Link) -> str:
@@ -65,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
               "--no-progress"]
     lines = ["| layout | setting | link | projected s/step | measured s/step | projection error |", "|---|---|---|---|---|---|"]
     for layout, flags, boundaries, links in LAYOUTS:
-        for setting in SETTINGS:
+        for setting in TIMED if layout == "4 stages" else DELAYED:
             job = [sys.executable, str(ROOT / "test_lm_dgpipe.py"), *common, *flags, *LM_SETTINGS[setting]]
             name = f"{layout.replace(' ', '')}_{setting}"
             _run(job + ["--log-file", str(out / f"{name}_loopback.jsonl")], out / f"{name}_loopback.jsonl")
             free = read_summary(out / f"{name}_loopback.jsonl")
-            for link in links:
+            for link in links if setting in DELAYED else ():
                 tag = link.label.replace(" ", "").replace("/", "").replace("+", "_")
                 log = out / f"{name}_{tag}.jsonl"
                 delayed = job + ["--link-delay", f"{1000 * link.latency:g}", "--log-file", str(log)]

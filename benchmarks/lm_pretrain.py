@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from dgpipe.train import ablation, lm_benchmark
+from dgpipe.train.runlog import read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The flags every run shares (the benchmark's command, besides the setting and the seed).
@@ -32,13 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", help="comma-separated subset of the settings")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
+    p.add_argument("--timing", default=str(ROOT / "benchmarks" / "results" / "lm_link_latency"),
+                   help="folder of benchmarks/lm_link_latency.py, whose 4-stage loopback runs give each setting's "
+                        "compute per step (measured side by side on a quiet machine)")
     args = p.parse_args(argv)
     labels = args.only.split(",") if args.only else list(ablation.LM_SETTINGS)
     run = ["--job", "lm", "--settings", "lm", "--seeds", args.seeds, "--out", args.out,
            "--only", ",".join(labels), "--title", "small Llama pretraining, wiki-excerpt, 4 stages"]
     status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *COMMON])
     out, seeds = Path(args.out), [int(k) for k in args.seeds.split(",")]
-    rows = lm_benchmark.results(out, labels, seeds)
+    timing = Path(args.timing)
+    compute = {}
+    for label in labels:
+        log = timing / f"4stages_{label}_loopback.jsonl"
+        if ablation.has_summary(log):
+            s = read_summary(log)
+            compute[label] = s["train_seconds"] / s["steps"]
+    rows = lm_benchmark.results(out, labels, seeds, compute_seconds=compute)
     if rows:
         text = lm_benchmark.table(rows)
         (out / "lm.md").write_text(text + "\n")

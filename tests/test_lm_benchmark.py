@@ -47,6 +47,10 @@ def test_results_pair_seeds_and_price_the_steps(tmp_path):
     step_c = (100.0 + 8 * 2000 / 1e6 + 200 * 2 * 0.01) / 200
     assert none["T"][link.label] == pytest.approx(200 * step_none)
     assert c["T"][link.label] == pytest.approx((175 + 150) / 2 * step_c)
+    timed = {r["label"]: r for r in lm_benchmark.results(tmp_path, ["none", "c"], [0, 1], links=[link],
+                                                         compute_seconds={"c": 0.25})}
+    assert timed["c"]["step_seconds"] == 0.25 and timed["none"]["step_seconds"] == 0.5
+    assert timed["c"]["T"][link.label] == pytest.approx((175 + 150) / 2 * (step_c - 0.5 + 0.25))
     text = lm_benchmark.table(list(rows.values()))
     assert "| c | 2 |" in text and "ProtocolNanoGPT subspace" in text and "1.62x" in text
 

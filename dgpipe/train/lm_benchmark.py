@@ -13,8 +13,11 @@ uncompressed run of that seed (same initialisation, batches and held-out tokens)
   reaches it within its steps has an unbounded ratio, reported as ``> steps / steps_none``;
 - **bits per value** measured per direction, all-in, and their mean;
 - **T = steps to the target x step time** on each link of :data:`~.compare.LM_LINKS` (the step time
-  projected from the measured compute, bytes and latency, :func:`~.compare.project`), beside the
-  references' T (:data:`REFERENCES`).
+  projected from the compute per step, the bytes and the latency, :func:`~.compare.project`), beside
+  the references' T (:data:`REFERENCES`). The quality runs share the machine with each other and with
+  whatever else runs, so their own step times are not comparable; the compute per step comes from
+  short timing runs of each setting made side by side on a quiet machine where given
+  (``compute_seconds``; ``benchmarks/lm_link_latency.py``), else from the run itself.
 """
 
 from __future__ import annotations
@@ -66,13 +69,14 @@ def _interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: str = "none",
-            links: Sequence[Link] = LM_LINKS) -> list[dict[str, Any]]:
+            links: Sequence[Link] = LM_LINKS, compute_seconds: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """One dict per setting with paired runs in ``out`` (logs ``<label>_seed<k>.jsonl``): ``label``,
     ``seeds`` (pairs), ``forward``/``backward`` (bits per value), ``final`` (mean final val_loss),
     ``delta`` and ``delta_pct`` ((mean, low, high) paired differences, nats and percent), ``ratios``
     (per seed steps-to-target ratio, ``inf`` when not reached), ``ratio`` ((mean, low, high) when every
     seed reached the target, else None), ``steps`` (steps per run), ``step_seconds`` (measured compute
-    per step) and ``T`` (link label -> mean seconds to the target, ``inf`` if not reached)."""
+    per step: ``compute_seconds[label]`` where given, else the run's own) and ``T`` (link label -> mean
+    seconds to the target, ``inf`` if not reached)."""
     def logs(label):
         return {k: read_records(out / f"{label}_seed{k}.jsonl") for k in seeds
                 if has_summary(out / f"{label}_seed{k}.jsonl")}
@@ -94,10 +98,11 @@ def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: st
             pcts.append(100 * (own["value"] - target) / target)
             reached, ref_steps = steps_to_target(curve(runs[k]), target), steps_to_target(curve(base[k]), target)
             ratios.append(math.inf if reached is None else reached / ref_steps)
-            seconds.append(own["train_seconds"] / own["steps"])
+            compute = (compute_seconds or {}).get(label, own["train_seconds"] / own["steps"])
+            seconds.append(compute)
             boundaries = own["args"]["stages"] - 1 if own["args"]["partition"] == "linear" else 2
             for link in links:
-                step_time = project(own["train_seconds"], own["wire_bytes"], own["steps"], boundaries, link) / own["steps"]
+                step_time = project(compute * own["steps"], own["wire_bytes"], own["steps"], boundaries, link) / own["steps"]
                 t_link[link.label].append(math.inf if reached is None else reached * step_time)
         rows.append({
             "label": label, "seeds": len(pairs), "steps": runs[pairs[0]][-1]["steps"],
@@ -126,8 +131,8 @@ def table(rows: list[dict[str, Any]], baseline: str = "none") -> str:
     1.62x), then the references."""
     links = list(rows[0]["T"]) if rows else []
     head = ("| setting | seeds | fwd bits | bwd bits | avg bits | final val_loss | Δ nats [95% CI] | Δ % [95% CI] | "
-            "steps to target (x none) | " + " | ".join(f"T at {k} (s) | speedup" for k in links) + " |")
-    lines = [head, "|" + "---|" * (9 + 2 * len(links))]
+            "steps to target (x none) | compute s/step | " + " | ".join(f"T at {k} (s) | speedup" for k in links) + " |")
+    lines = [head, "|" + "---|" * (10 + 2 * len(links))]
     base = next((r for r in rows if r["label"] == baseline), None)
     for r in rows:
         if r["ratio"] is not None:
@@ -137,7 +142,7 @@ def table(rows: list[dict[str, Any]], baseline: str = "none") -> str:
             ratio = f"not reached in {r['steps']} steps by {r['seeds'] - reached} of {r['seeds']} seeds"
         cells = [r["label"], str(r["seeds"]), f"{r['forward']:.2f}", f"{r['backward']:.2f}",
                  f"{(r['forward'] + r['backward']) / 2:.2f}", f"{r['final']:.4f}", _ci(r["delta"], "+.4f"),
-                 _ci(r["delta_pct"], "+.2f"), ratio]
+                 _ci(r["delta_pct"], "+.2f"), ratio, f"{r['step_seconds']:.3f}"]
         for k in links:
             t = r["T"][k]
             speed = base["T"][k] / t if base and math.isfinite(t) else math.nan
@@ -146,7 +151,7 @@ def table(rows: list[dict[str, Any]], baseline: str = "none") -> str:
     dense = REFERENCES[0]
     for name, bits, steps, seconds in REFERENCES:
         lines.append(f"| {name} (reference, 200 Mbit/s + 50 ms) | | {bits:g} | {bits:g} | {bits:g} | 3.276 (target) | | | "
-                     f"{steps / dense[2]:.2f} | {seconds:,.0f} | {dense[3] / seconds:.2f}x |" + " |" * (2 * len(links) - 2))
+                     f"{steps / dense[2]:.2f} | | {seconds:,.0f} | {dense[3] / seconds:.2f}x |" + " |" * (2 * len(links) - 2))
     return "\n".join(lines)
 
 
