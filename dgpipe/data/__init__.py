@@ -3,7 +3,8 @@
 Modules: :mod:`.cifar` (official format, md5, download), :mod:`.imagefolder` (folders of
 PNG/JPG), :mod:`.transforms` (augmentation in torch ops), :mod:`.vision` (image
 DataLoader), :mod:`.glue` (GLUE TSVs / ``datasets``, tokenising), :mod:`.tokenizer`
-(offline tokenizer), :mod:`.subset` (fixed subsets), :mod:`.loading` (DataLoader recipe:
+(offline tokenizer), :mod:`.text` (text corpora packed into blocks for language models),
+:mod:`.subset` (fixed subsets), :mod:`.loading` (DataLoader recipe:
 batches and augmentation seeds that depend only on seed, epoch, rank and batch index).
 """
 

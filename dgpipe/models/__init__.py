@@ -1,9 +1,11 @@
 """Models as ordered lists of layers that a partition can cut.
 
 :mod:`.mobilenet` (MobileNetV2 for CIFAR), :mod:`.encoder` (BERT/RoBERTa sequence
-classifiers), :mod:`.split` (tuple-passing :class:`Stage`, client/server cut).
+classifiers), :mod:`.causal_lm` (decoder LMs: Llama, Qwen2/Qwen3, Gemma 3, GPT-2), :mod:`.split`
+(tuple-passing :class:`Stage`, client/server cut).
 """
 
+from .causal_lm import build_causal_lm, causal_lm_layers, preset_config
 from .encoder import OFFLINE_PACKAGES, build_encoder, encoder_layers, resolve_model, small_encoder_config
 from .mobilenet import build_mobilenet, mobilenet_layers
 from .split import Stage, client_server_split
@@ -11,11 +13,14 @@ from .split import Stage, client_server_split
 __all__ = [
     "Stage",
     "OFFLINE_PACKAGES",
+    "build_causal_lm",
     "build_encoder",
+    "causal_lm_layers",
     "build_mobilenet",
     "client_server_split",
     "encoder_layers",
     "mobilenet_layers",
+    "preset_config",
     "resolve_model",
     "small_encoder_config",
 ]
