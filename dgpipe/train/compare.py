@@ -64,12 +64,16 @@ def project(train_seconds: float, wire_bytes: int, steps: int, boundaries: int, 
     return train_seconds + 8 * wire_bytes / link.rate + steps * critical_messages(boundaries) * link.latency
 
 
-def _boundaries(config: RunConfig) -> int:
-    """Stage boundaries of a run's partition (0 for data parallelism)."""
-    p = config.pipeline
-    if p.mode != "pipeline":
+def stage_boundaries(mode: str, partition: str, stages: int | None) -> int:
+    """Stage boundaries of a partition: 2 client/server, ``stages - 1`` linear, 0 for data parallelism."""
+    if mode != "pipeline":
         return 0
-    return 2 if p.partition == "client-server" else p.stages - 1
+    return 2 if partition == "client-server" else stages - 1
+
+
+def _boundaries(config: RunConfig) -> int:
+    p = config.pipeline
+    return stage_boundaries(p.mode, p.partition, p.stages)
 
 
 def plan(config: RunConfig, log_dir: str | Path) -> list[tuple[str, RunConfig]]:

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from scipy import stats
 
 from .ablation import ANCHORS, has_summary, paired
-from .compare import LM_LINKS, Link, project
+from .compare import LM_LINKS, Link, project, stage_boundaries
 from .runlog import direction_bits, read_records
 
 __all__ = ["REFERENCES", "curve", "steps_to_target", "results", "table", "plot"]
@@ -100,7 +100,8 @@ def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: st
             ratios.append(math.inf if reached is None else reached / ref_steps)
             compute = (compute_seconds or {}).get(label, own["train_seconds"] / own["steps"])
             seconds.append(compute)
-            boundaries = own["args"]["stages"] - 1 if own["args"]["partition"] == "linear" else 2
+            boundaries = stage_boundaries(own["args"].get("mode", "pipeline"), own["args"]["partition"],
+                                          own["args"]["stages"])
             for link in links:
                 step_time = project(compute * own["steps"], own["wire_bytes"], own["steps"], boundaries, link) / own["steps"]
                 t_link[link.label].append(math.inf if reached is None else reached * step_time)
