@@ -9,7 +9,7 @@ import re
 import pytest
 from torch.distributed.run import get_args_parser
 
-from dgpipe.cli import nlp, probe, vision
+from dgpipe.cli import lm, nlp, probe, vision
 from helpers import load_cli
 
 PARSERS = {"nlp": nlp.build_parser, "vision": vision.build_parser, "probe": probe.build_parser}
@@ -126,8 +126,10 @@ def test_the_log_flag_has_a_spelling_torchrun_leaves_alone(capsys):
 def test_console_scripts_are_the_repository_scripts():
     assert load_cli("test_nlp_dgpipe").main is nlp.main
     assert load_cli("test_vision_dgpipe").main is vision.main
+    assert load_cli("test_lm_dgpipe").main is lm.main
     from importlib.metadata import entry_points
 
     scripts = {e.name: e.value for e in entry_points(group="console_scripts") if e.name.startswith("dgpipe-")}
     assert scripts == {"dgpipe-nlp": "dgpipe.cli.nlp:console", "dgpipe-vision": "dgpipe.cli.vision:console",
-                       "dgpipe-probe": "dgpipe.cli.probe:console", "dgpipe-sweep": "dgpipe.cli.sweep:console"}
+                       "dgpipe-probe": "dgpipe.cli.probe:console", "dgpipe-sweep": "dgpipe.cli.sweep:console",
+                       "dgpipe-lm": "dgpipe.cli.lm:console"}
