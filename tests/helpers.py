@@ -6,6 +6,7 @@
   its outcome per check to a file, and let every test read the outcome of its own check.
 - :func:`message_bytes` / :func:`wire_message`: a transport message's size and bytes,
   computed independently of :mod:`dgpipe.comm.transport`.
+- :data:`needs_rows`: skip a test of the compiled row kernels where they were not built.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from dgpipe.compression.kernels import rows
 from dgpipe.pipeline import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
+
+needs_rows = pytest.mark.skipif(not rows.available(), reason=rows.MISSING)
+"""Marks a test that asserts the compiled row kernels (``kernels.rows``) ran: skipped, with the notice the
+package gives, where the extension was not built (no C compiler when dgpipe was installed)."""
 
 
 def load_cli(name: str) -> ModuleType:

@@ -19,6 +19,7 @@ import torch
 from dgpipe.compression import get_codec
 from dgpipe.compression.kernels import backend, numba_codes, numba_message
 from dgpipe.compression.kernels.bitpack import CHUNK
+from helpers import needs_rows
 
 
 @pytest.fixture
@@ -102,8 +103,10 @@ def test_quant_fused_equals_eager(eager_and_fused, kernels_run, opts):
 
 
 CODEBOOK = [
-    dict(bits=4, levels="normal", group="token", rotate="hadamard", scale_dtype="bfloat16"),
-    dict(bits=2, levels="normal", group="token", rotate="hadamard", scale_dtype="bfloat16"),
+    pytest.param(dict(bits=4, levels="normal", group="token", rotate="hadamard", scale_dtype="bfloat16"),
+                 marks=needs_rows),  # token groups, fixed levels: the row kernels (below)
+    pytest.param(dict(bits=2, levels="normal", group="token", rotate="hadamard", scale_dtype="bfloat16"),
+                 marks=needs_rows),
     dict(bits=3, levels="fit", group="channel", axis=1),
     dict(bits=1, levels="normal"),
     dict(bits=4, levels="fit", group="tile", group_size=100),
@@ -155,6 +158,7 @@ def row_inputs(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+@needs_rows
 @pytest.mark.parametrize("opts", ROWS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_codebook_rows_in_one_pass_equal_the_steps(eager_and_fused, monkeypatch, opts):
     """Token groups with fixed levels: rotation, RMS scale, its rounding, levels and packing in one compiled

@@ -10,6 +10,7 @@ parameter's gradient, per step.
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 
 from dgpipe.compression import Codec, get_codec
 from dgpipe.pipeline import SpawnError, spawn
-from dgpipe.pipelining import CompressedPipelineStage, check_torch_version
+from dgpipe.pipelining import UNTESTED_TORCH_ENV, CompressedPipelineStage, check_torch_version
 from helpers import assert_ranks_ok, message_bytes, spawn_checks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
@@ -149,7 +150,7 @@ def test_compressed_stage_under_torch_schedules(outcomes, check):
     assert_ranks_ok(outcomes[world == 4], check, world)
 
 
-def test_refuses_variable_size_codecs_and_untested_torch():
+def test_refuses_variable_size_codecs_and_warns_on_untested_torch(monkeypatch):
     part = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"payload size depends on the values \(\[\d+, \d+\] bytes"):
         CompressedPipelineStage(part, 0, 2, torch.device("cpu"), act_codec="atomo")
@@ -157,9 +158,15 @@ def test_refuses_variable_size_codecs_and_untested_torch():
         CompressedPipelineStage(part, 0, 2, torch.device("cpu"), act_codec="intpack")
     with pytest.raises(ValueError, match="unknown codec"):
         CompressedPipelineStage(part, 0, 2, torch.device("cpu"), grad_codec="no-such-codec")
-    with pytest.raises(RuntimeError, match=r"tested with torch 2\.13; this is torch 2\.12\.1"):
-        check_torch_version("2.12.1+cu126")
-    check_torch_version("2.13.0+cpu")
+    monkeypatch.delenv(UNTESTED_TORCH_ENV, raising=False)
+    with pytest.warns(RuntimeWarning, match=r"tested with torch 2\.13, 2\.14; this is torch 2\.12\.1.*"
+                                            r"DGPIPE_UNTESTED_TORCH=1"):
+        assert not check_torch_version("2.12.1+cu126")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_torch_version("2.13.0+cpu") and check_torch_version("2.14.1")
+        monkeypatch.setenv(UNTESTED_TORCH_ENV, "1")
+        assert not check_torch_version("2.16.0")
 
 
 class _FailingDecode(Codec):

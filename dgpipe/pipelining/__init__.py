@@ -10,6 +10,6 @@ Usage (2 ranks, one stage each; see ``README.md`` for the whole example)::
     schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
 """
 
-from .stage import TESTED_TORCH, CompressedPipelineStage, check_torch_version
+from .stage import TESTED_TORCH, UNTESTED_TORCH_ENV, CompressedPipelineStage, check_torch_version
 
-__all__ = ["CompressedPipelineStage", "TESTED_TORCH", "check_torch_version"]
+__all__ = ["CompressedPipelineStage", "TESTED_TORCH", "UNTESTED_TORCH_ENV", "check_torch_version"]

@@ -37,12 +37,14 @@ ids, which torch's schedules do not pass).
 This module holds every use of torch's private pipelining API: two private methods are
 wrapped (``_retrieve_recv_activations``, ``_retrieve_recv_grads``) and four public ones
 rewritten; :data:`TESTED_TORCH` names the versions the tests ran against, and another
-version is refused at construction.
+version gets a warning at construction (:func:`check_torch_version`).
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -54,26 +56,33 @@ from dgpipe.comm.transport import pack_message, read_message
 from dgpipe.compression import Codec
 from dgpipe.pipeline.boundary import CodecArg, codec_factory
 
-__all__ = ["TESTED_TORCH", "CompressedPipelineStage", "check_torch_version"]
+__all__ = ["TESTED_TORCH", "UNTESTED_TORCH_ENV", "CompressedPipelineStage", "check_torch_version"]
 
-#: ``major.minor`` versions of torch whose pipelining internals the tests cover.
-TESTED_TORCH = ("2.13",)
+#: ``major.minor`` versions of torch whose pipelining internals the tests cover (``benchmarks/torch_versions.sh``).
+TESTED_TORCH = ("2.13", "2.14")
+
+#: Set to 1 to silence the warning about a torch outside :data:`TESTED_TORCH`.
+UNTESTED_TORCH_ENV = "DGPIPE_UNTESTED_TORCH"
 
 #: Probe inputs of the fixed-rate check: unlike values, one shape.
 _PROBE_SHAPE = (3, 5, 40)
 
 
-def check_torch_version(version: str | None = None) -> None:
-    """Refuse a torch whose pipelining internals were not tested here.
+def check_torch_version(version: str | None = None) -> bool:
+    """Whether ``version`` (default ``torch.__version__``) is a :data:`TESTED_TORCH` release; warns where not.
 
-    Raises:
-        RuntimeError: ``version`` (default ``torch.__version__``) is not a :data:`TESTED_TORCH` release.
+    Warns:
+        RuntimeWarning: naming the tested versions and how to silence it (``DGPIPE_UNTESTED_TORCH=1``) --
+        torch's private pipelining internals may have changed; the run goes on.
     """
     version = torch.__version__ if version is None else version
-    if ".".join(version.split("+")[0].split(".")[:2]) not in TESTED_TORCH:
-        raise RuntimeError(f"CompressedPipelineStage relies on torch.distributed.pipelining internals tested with "
-                           f"torch {', '.join(TESTED_TORCH)}; this is torch {version}. Use a tested version, or "
-                           f"dgpipe's own runtime (dgpipe.pipeline.Pipeline)")
+    tested = ".".join(version.split("+")[0].split(".")[:2]) in TESTED_TORCH
+    if not tested and os.environ.get(UNTESTED_TORCH_ENV) != "1":
+        warnings.warn(f"CompressedPipelineStage relies on torch.distributed.pipelining internals tested with torch "
+                      f"{', '.join(TESTED_TORCH)}; this is torch {version}, so it may fail or differ. Set "
+                      f"{UNTESTED_TORCH_ENV}=1 to go on without this warning, or use dgpipe's own runtime "
+                      "(dgpipe.pipeline.Pipeline)", RuntimeWarning, stacklevel=3)
+    return tested
 
 
 def _fixed_rate(make: Any, direction: str) -> None:

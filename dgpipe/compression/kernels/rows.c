@@ -23,9 +23,10 @@
  * vectors. A value's code is a binary search over the midpoints held in one vector (the second
  * midpoint picked by the first comparison). The decode rebuilds a row in vectors and applies the
  * signs as it writes the row out. Common widths (one block of 16, 32 or 64; 384 in blocks of 128)
- * are compiled as constants. GCC's vector extensions leave the instruction set to the compiler;
- * target_clones builds AVX-512, AVX2 and baseline x86-64 variants and picks one at load time (every
- * helper is always_inline, so that it is compiled inside each variant).
+ * are compiled as constants. GCC's vector extensions (which clang shares) leave the instruction set to
+ * the compiler; target_clones builds AVX-512, AVX2 and baseline x86-64 variants and picks one at load
+ * time (every helper is always_inline, so that it is compiled inside each variant). Builds with GCC 11+
+ * and clang 14+, on x86-64 and aarch64.
  * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
  * Max 1960, Lloyd 1982.
  */
@@ -44,8 +45,13 @@ typedef uint8_t vb __attribute__((vector_size(V)));
 typedef double vd __attribute__((vector_size(4 * V)));
 typedef double vd2 __attribute__((vector_size(8 * V))); /* the 16 float64 of one vf */
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* x86-64: AVX-512, AVX2 and baseline variants, one picked at load time. GCC 11 dispatches on single ISA
+ * names only (no "arch=x86-64-vN"), so its variants are AVX-512F and AVX2 without FMA -- the same bytes
+ * (see above), a little slower. Elsewhere (aarch64: NEON) one build for the target. */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define CLONES
 #endif
@@ -53,9 +59,31 @@ typedef double vd2 __attribute__((vector_size(8 * V))); /* the 16 float64 of one
 static inline INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* Lane permutations in each compiler's spelling. Constant lanes: __builtin_shufflevector (clang, GCC 12+),
+ * __builtin_shuffle with a constant mask vector (GCC 11). Lanes chosen at run time (lookup): GCC's
+ * __builtin_shuffle; clang has no such builtin, so a loop over the lanes that its vectorizer turns into a
+ * permute or a gather. Indices are always in 0 .. V - 1 here. */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(v, mask_type, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE(v, mask_type, ...) __builtin_shuffle(v, (mask_type){__VA_ARGS__})
+#endif
+typedef int64_t vl __attribute__((vector_size(4 * V))); /* lane numbers of a vd */
+
+static inline INLINE vf lookup(vf m, vi idx) {
+#if defined(__clang__)
+    vf r;
+    for (int i = 0; i < V; i++)
+        r[i] = m[idx[i] & (V - 1)];
+    return r;
+#else
+    return __builtin_shuffle(m, idx);
+#endif
+}
+
 /* Stride-h butterflies (h = 1, 2, 4, 8) inside one vector: lane i pairs with lane i ^ h. */
-#define SWAP(v, h) __builtin_shufflevector(v, v, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, \
-                                           8 ^ h, 9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h)
+#define SWAP(v, h) SHUFFLE(v, vi, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, \
+                           8 ^ h, 9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h)
 static const vf SIGN1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
 static const vf SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
 static const vf SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
@@ -185,8 +213,8 @@ static inline INLINE double sum_squares_pow2(const float *y, long w) {
         for (long k = 0; k < m / 2; k++)
             s[k] += s[k + m / 2];
     vd v = s[0];
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3);
+    v += SHUFFLE(v, vl, 4, 5, 6, 7, 4, 5, 6, 7);
+    v += SHUFFLE(v, vl, 2, 3, 2, 3, 2, 3, 2, 3);
     return v[0] + v[1];
 }
 
@@ -251,15 +279,15 @@ static inline INLINE float ceil_meta(float t, int mant, int emin, double top) {
 static inline INLINE vi code_vector(const float *y, vf dv, vf m, int bits) {
     vf q = load(y) / dv;
     int top = 1 << (bits - 1);
-    vi gt = q > __builtin_shuffle(m, (vi){} + (top - 1)), c = gt & ((vi){} + top);
+    vi gt = q > (vf){} + m[top - 1], c = gt & ((vi){} + top);
     if (bits == 1)
         return c;
     /* the second midpoint is one of two: picked by the first comparison, no lookup */
-    vi lo = (vi)__builtin_shuffle(m, (vi){} + (top / 2 - 1)), hi = (vi)__builtin_shuffle(m, (vi){} + (top + top / 2 - 1));
+    vi lo = (vi)((vf){} + m[top / 2 - 1]), hi = (vi)((vf){} + m[top + top / 2 - 1]);
     c |= (q > (vf)((hi & gt) | (lo & ~gt))) & ((vi){} + top / 2);
     for (int k = bits - 3; k >= 0; k--) {
         vi probe = c + ((1 << k) - 1); /* the midpoint halfway through the codes left */
-        c |= (q > __builtin_shuffle(m, probe)) & ((vi){} + (1 << k));
+        c |= (q > lookup(m, probe)) & ((vi){} + (1 << k));
     }
     return c;
 }
@@ -455,7 +483,7 @@ static inline INLINE int encode_width(const float *x, const float *signs, long r
  * Returns 0, 1 if a row holds inf/NaN or its scale overflows the scale dtype, 2 if out of memory.
  * The per-bits bodies are inlined so that the compiler sees the constants of the layout and of the
  * level comparisons. */
-CLONES int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
+CLONES static int encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
                               float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
                               long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
     switch (bits) {
@@ -516,7 +544,7 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
         for (; j + V <= width; j += V) {
             vi idx;
             memcpy(&idx, rc + j, sizeof idx);
-            vf v = __builtin_shuffle(levels, idx) * s;
+            vf v = lookup(levels, idx) * s;
             r[j / V] = signs && block >= V ? short_strides(v) : v;
         }
         for (; j < width; j++)
@@ -551,7 +579,7 @@ static inline INLINE int decode_width(const uint8_t *packed, int bits, const flo
 
 /* Decode rows [r0, r1): out[r * d + k] for k < d. tail: the codes from position `full` on, one byte
  * each. Returns 0, or 2 if out of memory. */
-CLONES int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
+CLONES static int decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                               long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
                               long full, long r0, long r1, float *out) {
     switch (bits) {
@@ -561,4 +589,19 @@ CLONES int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *tabl
     case 4: return decode_width(packed, 4, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
     default: return 3;
     }
+}
+
+/* The exported entry points call the variant picked at load time by name: clang 14 exports a target_clones
+ * function's dispatcher as "<name>.ifunc" only, so the dispatched functions stay internal. */
+int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
+                       float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
+                       long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
+    return encode_rows(x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop, full,
+                       out, scales, tail);
+}
+
+int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
+                       long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
+                       long full, long r0, long r1, float *out) {
+    return decode_rows(packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
 }

@@ -19,8 +19,8 @@ random and adversarial tensors). Rows stay in row-major order: the butterflies o
 to 8 run inside a vector register with lane permutations, the longer ones on whole
 vectors; the level of a value is found by a binary search over the midpoints held in a
 register (``bits`` comparisons, the same count as one comparison per midpoint). The C source
-uses GCC's vector extensions and ``target_clones`` (AVX-512, AVX2 and baseline x86-64
-builds, one picked at load time) and is compiled with ``-ffp-contract=fast``: the only
+uses the vector extensions of GCC and clang and ``target_clones`` (AVX-512, AVX2 and baseline
+x86-64 builds, one picked at load time; GCC 11+, clang 14+, x86-64 and aarch64) and is compiled with ``-ffp-contract=fast``: the only
 products a fused multiply-add can take are exact ones (a value times +-1, a float32 squared in
 float64), so it rounds as the separate operations do (see the head of ``rows.c``).
 
@@ -28,8 +28,9 @@ Threads: the encode splits the code stream into runs of whole chunks (:func:`.ba
 the last run also takes the ``n % CHUNK`` tail, which the caller packs), a row that straddles
 two runs is rotated by both; the decode splits the rows. The calls release the GIL (ctypes).
 
-Where the extension was not built (no C compiler at install time) or the input holds inf/NaN,
-the functions return None and the caller runs the reference steps (which raise the error).
+Where the extension was not built (no C compiler at install time), the first use says so once
+(:data:`MISSING`, a ``RuntimeWarning``); then, and where the input holds inf/NaN, the functions
+return None and the caller runs the reference steps (which raise the error).
 
 Reference: the Hadamard rotation as in QuaRot (Ashkboos et al., 2024); the fast
 Walsh-Hadamard transform (Fino and Algazi, 1976); Lloyd-Max levels (Max 1960, Lloyd 1982);
@@ -41,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -49,7 +51,7 @@ from . import backend
 from .backend import parts
 from .bitpack import CHUNK, packed_nbytes
 
-__all__ = ["MAX_BITS", "META_DTYPES", "available", "applies", "encode_rows", "decode_rows"]
+__all__ = ["MAX_BITS", "META_DTYPES", "MISSING", "available", "applies", "decode_rows", "encode_rows", "open_library"]
 
 MAX_BITS = 4
 """Widest code of the kernels (16 levels: the midpoints fit one vector register)."""
@@ -61,19 +63,32 @@ _EXTENSION = __name__.rsplit(".", 1)[0] + "._rows"
 _lib: dict = {}
 
 
+def open_library(path: str) -> ctypes.CDLL:
+    """The kernels of the shared library at ``path`` (built from ``rows.c``), with their ctypes signatures.
+
+    Raises:
+        OSError: ``path`` is not a loadable library.
+    """
+    lib = ctypes.CDLL(path)
+    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.dgpipe_encode_rows.argtypes = [P, P, L, L, L, L, ctypes.c_float, P, I, I, I, ctypes.c_double, L, L, L, P, P, P]
+    lib.dgpipe_decode_rows.argtypes = [P, I, P, P, L, L, L, ctypes.c_float, P, P, L, L, L, P]
+    lib.dgpipe_encode_rows.restype = lib.dgpipe_decode_rows.restype = I
+    return lib
+
+
+MISSING = ("dgpipe: the compiled row kernels (extension dgpipe.compression.kernels._rows) were not built when "
+           "dgpipe was installed, most likely for want of a C compiler; the codebook codec's token groups run "
+           "the step-by-step path instead (same bytes, slower). Install gcc or clang and reinstall dgpipe to "
+           "build them.")
+"""The notice, given once per process, where the extension is missing."""
+
+
 def _load():
     """The compiled library (ctypes), or None where the extension was not built."""
     if "lib" not in _lib:
         spec = importlib.util.find_spec(_EXTENSION)
-        lib = None
-        if spec is not None and spec.origin:
-            lib = ctypes.CDLL(spec.origin)
-            P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-            lib.dgpipe_encode_rows.argtypes = [P, P, L, L, L, L, ctypes.c_float, P, I, I, I, ctypes.c_double,
-                                               L, L, L, P, P, P]
-            lib.dgpipe_decode_rows.argtypes = [P, I, P, P, L, L, L, ctypes.c_float, P, P, L, L, L, P]
-            lib.dgpipe_encode_rows.restype = lib.dgpipe_decode_rows.restype = I
-        _lib["lib"] = lib
+        _lib["lib"] = open_library(spec.origin) if spec is not None and spec.origin else None
     return _lib["lib"]
 
 
@@ -95,10 +110,15 @@ def applies(bits: int, t: torch.Tensor, meta_dtype: torch.dtype = torch.float32)
     """Whether the kernels take codes of ``bits`` bits on ``t``'s device with scales in ``meta_dtype``:
     kernels on, the extension built, a CPU tensor that the Triton kernels do not take
     (:func:`.backend.triton_takes`: the tests' interpreter mode), ``bits <= MAX_BITS``, a dtype of
-    :data:`META_DTYPES`. Any size: one compiled call costs less than the dozen torch calls of the
+    :data:`META_DTYPES` (where all else holds but the extension is missing: :data:`MISSING`, once). Any size: one compiled call costs less than the dozen torch calls of the
     steps even on a small message."""
-    return (backend.enabled() and t.is_cpu and bits <= MAX_BITS and meta_dtype in META_DTYPES
-            and not backend.triton_takes(t) and available())
+    if not (backend.enabled() and t.is_cpu and bits <= MAX_BITS and meta_dtype in META_DTYPES
+            and not backend.triton_takes(t)):
+        return False
+    if not available() and not _lib.get("told"):
+        _lib["told"] = True
+        warnings.warn(MISSING, RuntimeWarning, stacklevel=2)
+    return available()
 
 
 def _encode(*args) -> None:

@@ -1,0 +1,95 @@
+"""The row kernels (``dgpipe/compression/kernels/rows.c``) built by each C compiler found here, timed side by
+side in one run against the installed build, with the bytes checked against it.
+
+Each compiler of :data:`COMPILERS` that is on ``PATH`` builds the extension with ``setup.py``'s own flags
+(:func:`build_rows`: ``python setup.py build_ext`` with ``CC`` set, into a temporary folder); every
+library then runs the codebook codec's one-pass encode + decode (token groups, Hadamard rotation,
+bfloat16 scales; 2 and 4 bits) on a MiniLM micro-batch (16x64x384) and the 25.7 MB tensor, interleaved
+with the installed build and a clone of the tensor (``codec_speed.timed``: medians). Prints a markdown
+table: ms per round trip, the ratio to the installed build, and whether the payload and the decoded
+tensor are bit-identical to the installed build's.
+
+    python benchmarks/rows_compilers.py [--reps 15]     (Debian: apt-get install gcc-11 clang-14)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from codec_speed import ONE_PASS_TENSORS, one_pass_data, roundtrip, same_payload, timed
+from dgpipe.compression import get_codec
+from dgpipe.compression.kernels import rows
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The compilers tried, oldest supported first (GCC 11+ and clang 14+ are the project's floor).
+COMPILERS = ("gcc-11", "gcc-12", "gcc-13", "gcc-14", "clang-14", "clang-15", "clang-16", "clang-17", "clang-18",
+             "clang-19")
+
+
+def build_rows(cc: str, out: Path) -> Path:
+    """Build the row kernels with compiler ``cc`` and ``setup.py``'s flags into ``out``; the library's path.
+
+    Raises:
+        RuntimeError: the build failed or wrote no library (the message ends with the compiler's output).
+    """
+    env = {**os.environ, "CC": cc}
+    env.pop("LDSHARED", None)  # linked by the same compiler
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out / "lib"),
+                           "--build-temp", str(out / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
+    found = sorted((out / "lib").rglob("_rows*"))
+    if proc.returncode or not found:
+        raise RuntimeError(f"{cc} did not build rows.c:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return found[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=15, help="timed rounds (medians)")
+    args = parser.parse_args()
+    if not rows.available():
+        print(rows.MISSING)
+        return 1
+    installed = rows._load()
+    libs = {"installed": installed}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cc in COMPILERS:
+            if shutil.which(cc):
+                print(f"building with {cc} ...", flush=True)
+                libs[cc] = rows.open_library(str(build_rows(cc, Path(tmp) / cc)))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; compilers: {', '.join(list(libs)[1:])}")
+    print("| tensor | codec | library | ms, encode + decode | x installed | x a clone | same bytes |")
+    print("|---|---|---|---|---|---|---|")
+    tensors = {k: v for k, v in ONE_PASS_TENSORS.items() if "MobileNet" not in k}
+    for label, (shape, kind) in tensors.items():
+        x = one_pass_data(shape, kind)
+        for bits in (2, 4):
+            codec = get_codec("codebook", bits=bits, group="token", rotate="hadamard", scale_dtype="bfloat16")
+
+            def run(lib, c=codec):
+                rows._lib["lib"] = lib
+                try:
+                    return roundtrip(c, x)
+                finally:
+                    rows._lib["lib"] = installed
+
+            fns = {"clone": x.clone, **{name: (lambda lib=lib: run(lib)) for name, lib in libs.items()}}
+            measured = timed(fns, args.reps, inner=1)
+            clone, (base, (p0, y0)) = measured["clone"][0], measured["installed"]
+            for name in libs:
+                t, (p, y) = measured[name]
+                same = same_payload(p, p0) and torch.equal(y, y0)
+                print(f"| {label} | codebook {bits}, token, Hadamard, bf16 scales | {name} | {t * 1e3:.3f} "
+                      f"| {t / base:.2f} | {t / clone:.1f} | {'yes' if same else 'NO'} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
