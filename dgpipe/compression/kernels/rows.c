@@ -60,9 +60,7 @@ static inline INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); re
 static inline INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* Lane permutations in each compiler's spelling. Constant lanes: __builtin_shufflevector (clang, GCC 12+),
- * __builtin_shuffle with a constant mask vector (GCC 11). Lanes chosen at run time (lookup): GCC's
- * __builtin_shuffle; clang has no such builtin, so a loop over the lanes that its vectorizer turns into a
- * permute or a gather. Indices are always in 0 .. V - 1 here. */
+ * __builtin_shuffle with a constant mask vector (GCC 11). Lanes chosen at run time: lookup (below). */
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE(v, mask_type, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #else
@@ -70,13 +68,17 @@ static inline INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 #endif
 typedef int64_t vl __attribute__((vector_size(4 * V))); /* lane numbers of a vd */
 
-static inline INLINE vf lookup(vf m, vi idx) {
+/* Lane idx[i] of m for each lane i, where idx[i] < n. GCC: a permute with run-time lanes. clang has no
+ * such builtin: a select per candidate lane, which it vectorises on every instruction set (a loop over the
+ * lanes would be scalar; on GCC the selects cost up to 2x the permute at 4 bits). */
+static inline INLINE vf lookup(vf m, vi idx, int n) {
 #if defined(__clang__)
-    vf r;
-    for (int i = 0; i < V; i++)
-        r[i] = m[idx[i] & (V - 1)];
-    return r;
+    vi r = (vi){};
+    for (int k = 0; k < n; k++)
+        r |= (idx == k) & (vi)((vf){} + m[k]);
+    return (vf)r;
 #else
+    (void)n;
     return __builtin_shuffle(m, idx);
 #endif
 }
@@ -287,7 +289,7 @@ static inline INLINE vi code_vector(const float *y, vf dv, vf m, int bits) {
     c |= (q > (vf)((hi & gt) | (lo & ~gt))) & ((vi){} + top / 2);
     for (int k = bits - 3; k >= 0; k--) {
         vi probe = c + ((1 << k) - 1); /* the midpoint halfway through the codes left */
-        c |= (q > lookup(m, probe)) & ((vi){} + (1 << k));
+        c |= (q > lookup(m, probe, (1 << bits) - 1)) & ((vi){} + (1 << k));
     }
     return c;
 }
@@ -544,7 +546,7 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
         for (; j + V <= width; j += V) {
             vi idx;
             memcpy(&idx, rc + j, sizeof idx);
-            vf v = lookup(levels, idx) * s;
+            vf v = lookup(levels, idx, 1 << bits) * s;
             r[j / V] = signs && block >= V ? short_strides(v) : v;
         }
         for (; j < width; j++)
