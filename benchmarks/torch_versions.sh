@@ -5,8 +5,9 @@
 #
 #   bash benchmarks/torch_versions.sh OUT VERSION...      e.g. benchmarks/results/torch_versions/2026-11-26 2.14.1
 #
-# TORCH_INDEX: the index torch comes from (default PyTorch's CPU wheels; unset it with TORCH_INDEX= for PyPI's
-# default, CUDA, wheels). VENVS: where the venvs go (default /tmp/dgpipe-torch-venvs). The tests of
+# TORCH_INDEX: an index to take torch from (e.g. https://download.pytorch.org/whl/cpu for CPU wheels; default:
+# pip's configured indexes, where PyPI serves the CUDA wheels). VENVS: where the venvs go (default
+# /tmp/dgpipe-torch-venvs). The tests of
 # CompressedPipelineStage check torch's private pipelining internals: a version whose suite passes here
 # belongs in dgpipe.pipelining.stage.TESTED_TORCH.
 set -euo pipefail
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: torch_versions.sh OUT VERSION...}
 shift
 [ $# -gt 0 ] || { echo "usage: torch_versions.sh OUT VERSION..." >&2; exit 2; }
-INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+INDEX=${TORCH_INDEX:-}
 VENVS=${VENVS:-/tmp/dgpipe-torch-venvs}
 mkdir -p "$OUT" "$VENVS"
 status=0
@@ -22,8 +23,7 @@ for version in "$@"; do
     venv=$VENVS/torch-$version
     log=$OUT/torch-$version.log
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -q ${INDEX:+--index-url "$INDEX" --extra-index-url https://pypi.org/simple} \
-        "torch==$version"
+    "$venv/bin/python" -m pip install -q ${INDEX:+--extra-index-url "$INDEX"} "torch==$version"
     "$venv/bin/python" -m pip install -q -e ".[test]"
     {
         echo "\$ python -m pytest -q   # $(date -u +%F), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'), $(nproc) cores"

@@ -7,11 +7,13 @@
 - :func:`message_bytes` / :func:`wire_message`: a transport message's size and bytes,
   computed independently of :mod:`dgpipe.comm.transport`.
 - :data:`needs_rows`: skip a test of the compiled row kernels where they were not built.
+- :func:`default_sigint`: a child's ``preexec_fn`` that gives it the default Ctrl-C handling.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -26,6 +28,13 @@ from dgpipe.compression.kernels import rows
 from dgpipe.pipeline import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
+
+def default_sigint() -> None:
+    """Restore SIGINT's default disposition in a child about to exec (``subprocess.Popen(preexec_fn=...)``):
+    a suite started in the background (``&``, ``nohup``) inherits SIGINT ignored, and Python then leaves it
+    ignored, so a test that sends SIGINT to a child would wait in vain."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 
 needs_rows = pytest.mark.skipif(not rows.available(), reason=rows.MISSING)
 """Marks a test that asserts the compiled row kernels (``kernels.rows``) ran: skipped, with the notice the

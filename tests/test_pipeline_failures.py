@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.pipeline import Pipeline, SpawnError, free_port, spawn
+from helpers import default_sigint
 
 
 class Boom(nn.Module):
@@ -144,7 +145,7 @@ def test_stopping_the_launcher_ends_every_rank(tmp_path, how):
     script = tmp_path / "parent.py"
     script.write_text(CTRL_C_PARENT)
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+                              stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)  # fmt: skip
     pids = []
     try:
         deadline = time.monotonic() + 90

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dgpipe.comm.slow_link import SlowLink, parse_delay, parse_rate
+from helpers import default_sigint
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "bandwidth" / "slow_link.py"
@@ -216,7 +217,7 @@ LINGER = textwrap.dedent("""
 def test_signal_tears_down(sig):
     name = f"dgsg{os.getpid()}{int(sig)}"[:14]
     proc = subprocess.Popen([sys.executable, "-c", LINGER, name], stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=default_sigint)
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert netns_exists(name)
