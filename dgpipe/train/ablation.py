@@ -173,6 +173,11 @@ LM_SETTINGS: dict[str, list[str]] = {
     "ref_codebook5lv_gsub1lv4": _codebook(None, count=5) + _subspace(1, None, "--grad-codec", count=4)
     + ["--token-reference"],
     "codebook1_gsub4": _codebook(1) + _subspace(4, 0, "--grad-codec"),
+    # 5 levels both ways (2.48 bits), the gradients rounded to the nearest level or stochastically (unbiased
+    # inside the outer levels)
+    "codebook5lv_gcb5lv": _codebook(None, count=5) + _codebook(None, "--grad-codec", count=5),
+    "codebook5lv_gcb5lv_sr": _codebook(None, count=5) + _codebook(None, "--grad-codec", count=5)
+    + ["--grad-codec-opt", "stochastic=true"],
     # one direction at a time (the other uncompressed): which of the two costs the 2.4-bit setting its loss
     "codebook5lv_only": _codebook(None, count=5) + ["--grad-codec", "none"],
     "gsub1lv4_only": _subspace(1, None, "--grad-codec", count=4),
