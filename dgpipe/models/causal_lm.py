@@ -251,6 +251,14 @@ class CausalEmbeddings(nn.Module):
             hidden = self.dropout(hidden)
         return _join(hidden, mask, (input_ids,) if self.carry_ids else ())
 
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Generation: ``input_ids`` int64 ``(B, L)`` at ``positions`` int64 ``(B, L)`` (GPT-2 adds their
+        learned embeddings; the rotary families take positions in the blocks) -> ``hidden`` ``(B, L, H)``."""
+        hidden = self.embed_tokens(input_ids)
+        if self.positions is not None:
+            hidden = hidden + self.positions(positions)
+        return self.dropout(hidden) if self.dropout is not None else hidden
+
 
 def _mask_function(name: str):
     """``create_causal_mask`` or ``create_sliding_window_causal_mask`` and how to call it: the
@@ -288,6 +296,10 @@ class DecoderBlock(nn.Module):
         self._rotary_by_type = rotary_emb is not None and "layer_type" in inspect.signature(rotary_emb.forward).parameters
         name = "create_sliding_window_causal_mask" if self.layer_type == "sliding_attention" else "create_causal_mask"
         self._mask, self._cache_kw, self._wants_cache_position = _mask_function(name)
+        attention = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+        self.layer_idx = getattr(attention, "layer_idx", index)
+        self._mask_takes_layer = "layer_idx" in inspect.signature(self._mask).parameters
+        self._layer_cache_kw = "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
 
     def forward(self, inputs):
         hidden, mask, tail = _split_value(inputs, self.carry_ids)
@@ -303,6 +315,28 @@ class DecoderBlock(nn.Module):
             out = self.layer(hidden, attention_mask=bias, position_embeddings=rotary, position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
         return _join(out, mask, tail)
+
+    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Generation with a KV cache: ``hidden`` ``(B, L, H)`` of the new tokens at ``positions`` int64
+        ``(B, L)``, ``mask`` int64 ``(B, past + L)`` over the cached and new tokens (1 = token) or None (no
+        padding), ``cache`` a ``transformers`` cache that holds this block's layer (it is updated) ->
+        the block's output ``(B, L, H)``. The causal mask is built for this block's layer of the cache
+        (its past length), as the model's forward builds it for its first layer."""
+        past = cache.get_seq_length(self.layer_idx)
+        extra = {"cache_position": torch.arange(past, past + hidden.shape[1], device=hidden.device)} \
+            if self._wants_cache_position else {}
+        if self._mask_takes_layer:
+            extra["layer_idx"] = self.layer_idx
+        bias = self._mask(self.config, hidden, mask, **{self._cache_kw: cache}, position_ids=positions, **extra)
+        cache_kw = {self._layer_cache_kw: cache}
+        if self.rotary_emb is None:
+            out = self.layer(hidden, attention_mask=bias, use_cache=True, **cache_kw)
+        else:
+            rotary = (self.rotary_emb(hidden, positions, self.layer_type) if self._rotary_by_type
+                      else self.rotary_emb(hidden, positions))
+            out = self.layer(hidden, attention_mask=bias, position_embeddings=rotary, position_ids=positions,
+                             use_cache=True, **cache_kw)
+        return out[0] if isinstance(out, tuple) else out
 
 
 class CausalLMHead(nn.Module):

@@ -1,0 +1,366 @@
+"""Split generation for decoder LMs: a client holds the embeddings, the first and last blocks and the head,
+a server the blocks between, and text is generated through the link, each side with a KV cache.
+
+The layers are those of :func:`dgpipe.models.causal_lm.causal_lm_layers` (shared with the model), cut as
+``client_server_split`` cuts them for training: the client runs ``[embeddings, blocks[:k]]``, the server
+``blocks[k:N-k]``, the client ``[blocks[N-k:], head]``. Generation is a prefill of the prompts (a batch,
+left-padded, with their attention mask) and then one token per step; every step sends one message each
+way: the client's hidden states ``(B, L, H)`` to the server (L = the prompt length at prefill, 1 after),
+the server's back. Each direction has its own codec (any of :func:`dgpipe.compression.get_codec`'s, as in
+training: ``act_codec`` client -> server, ``return_codec`` server -> client); the prompt's padding mask goes
+once, losslessly (``intpack``), at prefill; the server keeps its own copy, grown by one column a step, and
+derives the positions from it exactly as the client does. Each block keeps its keys and values in its
+stage's ``transformers.DynamicCache``.
+
+What the unsplit ``model.generate`` computes, step for step: positions ``cumsum(mask) - 1`` (0 at pads)
+and one more per step; no mask at all when the prompts have no padding; greedy decoding or sampling with
+temperature, top-k and top-p applied in that order to the last position's logits (as ``transformers``'
+logits warpers do) and ``torch.multinomial`` on the softmax; rows that produced EOS go on with the pad
+token until every row has or the token budget is spent. With a lossless codec (``none``) the tokens are
+the unsplit model's, and sampling with the same seed draws the same tokens (tested).
+
+The wire: every message is a :class:`dgpipe.comm.transport.Sender` message whose meta is integers
+(:data:`PREFILL`, :data:`DECODE`, :data:`END`, :data:`HIDDEN`, the past length, the batch size and the
+step's length), checked on arrival -- nothing is unpickled; a message whose meta, shape or dtype does not
+fit the stream is refused with a ``ValueError`` naming the peer. A dead or stalled peer raises the
+transport's ``TransportError`` within ``timeout``. The :class:`~dgpipe.comm.BandwidthMeter` records each
+direction (``client->server`` / ``server->client``, direction ``"generate"``).
+
+Reference: split inference of decoder LMs over a network as in Petals (Borzunov et al., "Petals:
+Collaborative Inference and Fine-tuning of Large Models", ACL 2023 demo), which sends 16-bit hidden states.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dgpipe.comm import BandwidthMeter
+from dgpipe.comm.transport import Receiver, Sender
+from dgpipe.compression import Codec, Payload, get_codec
+from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
+from dgpipe.pipeline.boundary import CodecArg, codec_factory
+
+__all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "serve", "generate", "split_layers",
+           "PREFILL", "DECODE", "END", "HIDDEN"]
+
+PREFILL, DECODE, END, HIDDEN = 1, 2, 3, 4
+"""Message kinds (the first meta value): the client's prefill and one-token steps and its goodbye; the
+server's hidden states."""
+TAG = 7000
+"""Tag of the generation streams (client -> server on ``TAG``, back on ``TAG + 1``)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked from the last position's logits.
+
+    Attributes:
+        do_sample: False: greedy (argmax); True: sample from the softmax after the warpers below.
+        temperature: logits divided by it (> 0; 1.0: unchanged).
+        top_k: keep the k most likely tokens (0: all).
+        top_p: keep the smallest set of tokens whose probabilities sum to at least ``top_p`` (1.0: all).
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling: temperature > 0, top_k >= 0 and 0 < top_p <= 1, got {self}")
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Next token ids int64 ``(B,)`` from float ``logits`` ``(B, vocab)``."""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        )
+
+        scores = logits.float()
+        if self.temperature != 1.0:
+            scores = TemperatureLogitsWarper(self.temperature)(None, scores)
+        if self.top_k:
+            scores = TopKLogitsWarper(self.top_k)(None, scores)
+        if self.top_p < 1.0:
+            scores = TopPLogitsWarper(self.top_p)(None, scores)
+        return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
+
+
+def split_layers(layers: list[nn.Module], client_blocks: int = 1) -> tuple[list[nn.Module], list[nn.Module],
+                                                                           list[nn.Module]]:
+    """``(client front, server, client back)`` of ``causal_lm_layers(model)``: the embeddings and the first
+    ``client_blocks`` blocks; the middle blocks; the last ``client_blocks`` blocks and the head.
+
+    Raises:
+        ValueError: not a causal LM's layers, or ``client_blocks`` leaves the server no block.
+    """
+    if len(layers) < 3 or not isinstance(layers[0], CausalEmbeddings) or not isinstance(layers[-1], CausalLMHead):
+        raise ValueError("split generation takes the layers of dgpipe.models.causal_lm.causal_lm_layers")
+    blocks = layers[1:-1]
+    if client_blocks < 0 or len(blocks) - 2 * client_blocks < 1:
+        raise ValueError(f"--client-layers {client_blocks}: the server needs at least one of the {len(blocks)} blocks")
+    return layers[: 1 + client_blocks], blocks[client_blocks: len(blocks) - client_blocks], \
+        blocks[len(blocks) - client_blocks:] + [layers[-1]]
+
+
+class StageBlocks:
+    """A stage's decoder blocks with their KV cache: ``hidden`` ``(B, L, H)`` -> ``(B, L, H)`` per step.
+
+    Args:
+        blocks: consecutive :class:`~dgpipe.models.causal_lm.DecoderBlock` layers.
+        config: the model config (sizes the cache).
+    """
+
+    def __init__(self, blocks: list[nn.Module], config) -> None:
+        if not all(isinstance(b, DecoderBlock) for b in blocks):
+            raise ValueError("a stage of split generation holds DecoderBlock layers only")
+        self.blocks, self.config = blocks, config
+        self.cache = None
+
+    def reset(self) -> None:
+        """Drop the cache (a new batch of prompts)."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.config)
+
+    @property
+    def past(self) -> int:
+        """Tokens in the cache (0 when it holds none or the stage has no block)."""
+        if self.cache is None or not self.blocks:
+            return 0
+        return int(self.cache.get_seq_length(self.blocks[0].layer_idx))
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            hidden = block.step(hidden, mask, positions, self.cache)
+        return hidden
+
+
+class _Tracker:
+    """The padding mask and positions of a generation, as ``transformers``' ``generate`` keeps them."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = None if bool((mask == 1).all()) else mask.long()
+        self.length = mask.shape[1]
+        if self.mask is None:
+            self.positions = torch.arange(self.length, device=mask.device).unsqueeze(0).expand(mask.shape[0], -1)
+        else:
+            self.positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
+
+    def advance(self) -> None:
+        """One more token per row."""
+        self.positions = self.positions[:, -1:] + 1
+        self.length += 1
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
+
+
+def _coded(codec: Codec, t: torch.Tensor) -> tuple[Payload, float]:
+    start = time.perf_counter()
+    payload = codec.encode(t)
+    return payload, time.perf_counter() - start
+
+
+class LocalServer:
+    """The server's stage in the client's process: the same codecs both ways (encode, decode), no transport;
+    for tests and single-machine use. ``act_codec``/``return_codec``: as for :func:`generate`."""
+
+    def __init__(self, blocks: StageBlocks, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
+                 meter: BandwidthMeter | None = None) -> None:
+        self.stage = blocks
+        self.act, self.back = codec_factory(act_codec)(), codec_factory(return_codec or act_codec)()
+        self.meter = meter
+        self.tracker: _Tracker | None = None
+
+    def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
+        if prompt_mask is not None:
+            self.stage.reset()
+            self.tracker = _Tracker(prompt_mask)
+        else:
+            self.tracker.advance()
+        for codec, name in ((self.act, "client->server"), (self.back, "server->client")):
+            payload, seconds = _coded(codec, hidden)
+            if self.meter is not None:
+                self.meter.record_send(name, "generate", raw_bytes=hidden.numel() * hidden.element_size(),
+                                       wire_bytes=payload.nbytes, encode_seconds=seconds)
+            hidden = codec.decode(payload)
+            if name == "client->server":
+                hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
+        return hidden
+
+    def close(self) -> None:
+        """Nothing to end in process."""
+
+
+class RemoteServer:
+    """The client's end of the link to a server process (:func:`serve`) at global rank ``peer``."""
+
+    def __init__(self, peer: int = 1, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
+                 meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None) -> None:
+        self.send_stream, self.recv_stream = Sender(peer, group, TAG), Receiver(peer, group, TAG + 1)
+        self.codec, self.mask_codec = codec_factory(act_codec)(), get_codec("intpack")
+        self.back = codec_factory(return_codec or act_codec)()
+        self.meter, self.timeout, self.peer = meter, timeout, peer
+        self.past, self.batch = 0, 0
+
+    def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
+        b, length = hidden.shape[:2]
+        if prompt_mask is not None:
+            self.past, self.batch = 0, b
+        payload, seconds = _coded(self.codec, hidden)
+        payloads = [payload] + ([self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else [])
+        kind = PREFILL if prompt_mask is not None else DECODE
+        self.send_stream.send(payloads, [kind, self.past, b, length], "client->server").wait(self.timeout)
+        if self.meter is not None:
+            self.meter.record_send("client->server", "generate", raw_bytes=hidden.numel() * hidden.element_size(),
+                                   wire_bytes=sum(p.nbytes for p in payloads), encode_seconds=seconds)
+        start = time.perf_counter()
+        back, meta = self.recv_stream.recv("cpu", self.timeout)
+        waited = time.perf_counter() - start
+        if meta != [HIDDEN, self.past, b, length] or len(back) != 1:
+            raise ValueError(f"server (rank {self.peer}) answered {meta} with {len(back)} payloads to a "
+                             f"{['', 'prefill', 'decode'][kind]} of {b}x{length} tokens at past {self.past}")
+        out = self.back.decode(back[0])
+        if out.shape != hidden.shape or not out.is_floating_point():
+            raise ValueError(f"server (rank {self.peer}) sent hidden states {tuple(out.shape)} {out.dtype} for "
+                             f"{tuple(hidden.shape)}")
+        if self.meter is not None:
+            self.meter.record_recv("server->client", "generate", recv_bytes=back[0].nbytes, recv_seconds=waited)
+        self.past += length
+        return out.to(hidden.dtype)
+
+    def close(self) -> None:
+        """Tell the server this client is done (it returns from :func:`serve`)."""
+        self.send_stream.send([], [END, self.past, 0, 0], "client->server").wait(self.timeout)
+
+
+def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
+          meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None) -> int:
+    """Run the server's stage for the client at global rank ``peer`` until it sends :data:`END`; returns
+    the number of steps served. Codecs: the client's (``act_codec`` decodes what it sends, ``return_codec``,
+    default ``act_codec``, codes the answers).
+
+    Raises:
+        ValueError: a message whose meta, payload count, shapes or dtypes do not fit (names the peer).
+        TransportError: the client died or sent nothing within ``timeout`` seconds.
+    """
+    recv_stream, send_stream = Receiver(peer, group, TAG), Sender(peer, group, TAG + 1)
+    act, back, mask_codec = codec_factory(act_codec)(), codec_factory(return_codec or act_codec)(), get_codec("intpack")
+    hidden_size = blocks.config.hidden_size
+    tracker: _Tracker | None = None
+    past, batch, steps = 0, 0, 0
+    pending = None
+    while True:
+        start = time.perf_counter()
+        payloads, meta = recv_stream.recv("cpu", timeout)
+        waited = time.perf_counter() - start
+        if pending is not None:
+            pending.wait(timeout)
+        if len(meta) != 4 or meta[0] not in (PREFILL, DECODE, END):
+            raise ValueError(f"client (rank {peer}) sent meta {meta}: want [kind in 1..3, past, batch, length]")
+        kind, their_past, b, length = meta
+        if kind == END:
+            return steps
+        want = 2 if kind == PREFILL else 1
+        if len(payloads) != want or (kind == DECODE and (tracker is None or their_past != past or b != batch
+                                                          or length != 1)):
+            raise ValueError(f"client (rank {peer}) sent {len(payloads)} payloads with meta {meta}; the server "
+                             f"holds {past} tokens of a batch of {batch}")
+        hidden = act.decode(payloads[0])
+        if hidden.shape != (b, length, hidden_size) or not hidden.is_floating_point():
+            raise ValueError(f"client (rank {peer}) sent hidden states {tuple(hidden.shape)} {hidden.dtype}, want "
+                             f"({b}, {length}, {hidden_size}) floating")
+        if kind == PREFILL:
+            mask = mask_codec.decode(payloads[1])
+            if mask.shape != (b, length) or bool(((mask != 0) & (mask != 1)).any()) or their_past != 0:
+                raise ValueError(f"client (rank {peer}) sent a prompt mask {tuple(mask.shape)} (want ({b}, {length})"
+                                 " of 0/1) or a prefill at past {their_past}")
+            blocks.reset()
+            tracker, past, batch = _Tracker(mask), 0, b
+        else:
+            tracker.advance()
+        if meter is not None:
+            meter.record_recv("client->server", "generate", recv_bytes=sum(p.nbytes for p in payloads),
+                              recv_seconds=waited)
+        out = blocks(hidden, tracker.mask, tracker.positions)
+        payload, seconds = _coded(back, out)
+        pending = send_stream.send([payload], [HIDDEN, past, b, length], "server->client")
+        if meter is not None:
+            meter.record_send("server->client", "generate", raw_bytes=out.numel() * out.element_size(),
+                              wire_bytes=payload.nbytes, encode_seconds=seconds)
+        past += length
+        steps += 1
+
+
+class ClientStages:
+    """The client's layers of a split LM: the embeddings and first blocks (``front``), the last blocks and
+    the head (``back``), each block run with the client's KV cache (:class:`StageBlocks`)."""
+
+    def __init__(self, front: list[nn.Module], back: list[nn.Module], config) -> None:
+        self.embeddings, self.head = front[0], back[-1]
+        self.first, self.last = StageBlocks(front[1:], config), StageBlocks(back[:-1], config)
+
+
+@torch.no_grad()
+def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+             input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
+             sampling: Sampling = Sampling(), eos_token_id: int | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None, max_length: int | None = None) -> torch.Tensor:
+    """Generate through the link: prefill, then one token per step until every row produced
+    ``eos_token_id`` or ``max_new_tokens`` were generated.
+
+    Args:
+        client: the client's layers.
+        server: :class:`LocalServer` or :class:`RemoteServer` (called with the front's hidden states and,
+            at prefill, the prompt mask; returns the server's hidden states).
+        input_ids: int64 ``(B, L)`` prompts, left-padded.
+        attention_mask: int ``(B, L)``, 1 = token (default: all ones).
+        sampling: greedy or sampling (:class:`Sampling`); ``generator``: its random numbers (default: torch's
+            global generator, as ``model.generate`` uses).
+        eos_token_id / pad_token_id: stop token, and the token finished rows continue with (default EOS).
+        max_length: the model's context; prompts plus new tokens past it are refused before anything is sent.
+
+    Returns:
+        int64 ``(B, L + n)``: the prompts followed by the ``n <= max_new_tokens`` generated tokens.
+
+    Raises:
+        ValueError: bad shapes, ``max_new_tokens < 1``, or a generation past ``max_length``.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids: int64 (batch, length >= 1), got {tuple(input_ids.shape)} {input_ids.dtype}")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_length is not None and input_ids.shape[1] + max_new_tokens > max_length:
+        raise ValueError(f"a prompt of {input_ids.shape[1]} tokens plus {max_new_tokens} new ones is past the "
+                         f"model's context of {max_length} tokens")
+    pad = eos_token_id if pad_token_id is None else pad_token_id
+    tracker = _Tracker(mask)
+    client.first.reset()
+    client.last.reset()
+    out, ids, prompt_mask = input_ids, input_ids, mask
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        hidden = client.first(client.embeddings.step(ids, tracker.positions), tracker.mask, tracker.positions)
+        hidden = server(hidden, prompt_mask)
+        hidden = client.last(hidden, tracker.mask, tracker.positions)
+        token = sampling.pick(client.head(hidden[:, -1:])[:, -1], generator)
+        if eos_token_id is not None:
+            token = torch.where(done, torch.full_like(token, pad), token)
+            done |= token == eos_token_id
+        out = torch.cat([out, token[:, None]], 1)
+        if eos_token_id is not None and bool(done.all()):
+            break
+        ids, prompt_mask = token[:, None], None
+        tracker.advance()
+    return out

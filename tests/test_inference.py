@@ -1,0 +1,171 @@
+"""Split generation (dgpipe.inference): greedy and seeded sampling through the link equal the unsplit
+``model.generate`` token for token (tiny Llama, Qwen2, Qwen3, Gemma 3, GPT-2 configs, a left-padded batch);
+two processes on gloo give the same tokens and put exactly the payloads' bytes on the wire; bad input and
+lying messages are refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dgpipe.comm import BandwidthMeter
+from dgpipe.comm.transport import TransportError
+from dgpipe.compression import get_codec
+from dgpipe.inference import (
+    DECODE, ClientStages, LocalServer, RemoteServer, Sampling, StageBlocks, generate, serve, split_layers,
+)
+from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
+from helpers import assert_ranks_ok, spawn_checks
+
+FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gpt2")
+VOCAB, NEW = 97, 10
+
+
+def tiny(name: str):
+    torch.manual_seed(0)
+    return build_causal_lm(preset_config(name, vocab_size=VOCAB, max_length=64)).eval()
+
+
+def prompts():
+    """3 prompts of 2..7 tokens, left-padded with 0."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5], mask[1, :1] = 0, 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def split(model, client_blocks: int = 1):
+    front, middle, back = split_layers(causal_lm_layers(model), client_blocks)
+    return ClientStages(front, back, model.config), StageBlocks(middle, model.config)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_and_seeded_sampling_equal_the_unsplit_generate(name):
+    model = tiny(name)
+    client, middle = split(model)
+    ids, mask = prompts()
+    eos = 2
+    for sampling in (Sampling(), Sampling(True, 0.8, 20, 0.9), Sampling(True)):
+        torch.manual_seed(5)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=sampling.do_sample,
+                              temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p,
+                              eos_token_id=eos, pad_token_id=0)
+        torch.manual_seed(5)
+        got = generate(client, LocalServer(middle), ids, mask, NEW, sampling, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(got, want), f"{sampling}:\n{got[:, 7:]}\n{want[:, 7:]}"
+    # no padding at all: transformers drops the mask; so does the split path
+    want = model.generate(ids[1:2, 1:], max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(client, LocalServer(middle), ids[1:2, 1:], None, NEW), want)
+
+
+def test_more_client_blocks_and_a_lossy_link():
+    """Two blocks on each side of the client; an 8-bit link changes numbers but keeps shapes, and the meter
+    records each direction's payload bytes."""
+    model = tiny("tiny-llama")
+    client, middle = split(model, 1)
+    ids, mask = prompts()
+    exact = generate(client, LocalServer(middle), ids, mask, NEW)
+    meter = BandwidthMeter()
+    lossy = generate(client, LocalServer(middle, ("quant", {"bits": 8}), meter=meter), ids, mask, NEW)
+    assert lossy.shape == exact.shape and torch.equal(lossy[:, :7], ids)
+    sent = {(r["name"]): r for r in meter.records()}
+    h = model.config.hidden_size
+    codec = get_codec("quant", bits=8)
+    want = codec.encode(torch.randn(3, 7, h)).nbytes + (NEW - 1) * codec.encode(torch.randn(3, 1, h)).nbytes
+    assert sent["client->server"]["wire_bytes"] == sent["server->client"]["wire_bytes"] == want
+    with pytest.raises(ValueError, match="server needs at least one"):
+        split(model, 2)
+
+
+def test_bad_input_is_refused_before_anything_is_sent():
+    model = tiny("tiny-llama")
+    client, middle = split(model)
+    ids, mask = prompts()
+
+    def never(*_):
+        raise AssertionError("sent")
+
+    with pytest.raises(ValueError, match="past the model's context of 12 tokens"):
+        generate(client, never, ids, mask, 6, max_length=12)
+    with pytest.raises(ValueError, match="does not match"):
+        generate(client, never, ids, mask[:, 1:], 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(client, never, ids, mask, 0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(True, top_p=0.0)
+
+
+# -- two processes: rank 0 the client, rank 1 the server --------------------------------------------------
+
+
+def _both(rank: int, codec: tuple, steps: int) -> None:
+    model = tiny("tiny-qwen3")
+    client, middle = split(model)
+    ids, mask = prompts()
+    meter = BandwidthMeter()
+    if rank == 1:
+        assert serve(middle, 0, codec, meter=meter, timeout=30) == steps
+        return
+    server = RemoteServer(1, codec, meter=meter, timeout=30)
+    got = generate(client, server, ids, mask, steps)
+    server.close()
+    want = generate(client, LocalServer(split(model)[1], codec), ids, mask, steps)
+    assert torch.equal(got, want)
+    sent = {r["name"]: r for r in meter.records()}
+    h = model.config.hidden_size
+    c = get_codec(codec[0], **codec[1])
+    prefill = c.encode(torch.randn(3, 7, h)).nbytes + get_codec("intpack").encode(mask).nbytes
+    assert sent["client->server"]["wire_bytes"] == prefill + (steps - 1) * c.encode(torch.randn(3, 1, h)).nbytes
+    assert sent["server->client"]["recv_bytes"] == c.encode(torch.randn(3, 7, h)).nbytes + \
+        (steps - 1) * c.encode(torch.randn(3, 1, h)).nbytes
+
+
+def check_lossless_two_processes(rank: int) -> None:
+    _both(rank, ("none", {}), 6)
+
+
+def check_eight_bit_two_processes(rank: int) -> None:
+    _both(rank, ("quant", {"bits": 8}), 4)
+
+
+def check_lying_client_is_refused(rank: int) -> None:
+    """A decode step before any prefill is refused by the server with a named error."""
+    model = tiny("tiny-llama")
+    _, middle = split(model)
+    if rank == 1:
+        with pytest.raises(ValueError, match=r"client \(rank 0\) sent 1 payloads with meta \[2, 0, 3, 1\]"):
+            serve(middle, 0, timeout=30)
+        return
+    from dgpipe.comm.transport import Sender
+
+    Sender(1, None, 7000).send([get_codec("none").encode(torch.zeros(3, 1, 64))], [DECODE, 0, 3, 1]).wait(30)
+
+
+def check_silent_server_ends_the_client(rank: int) -> None:
+    """A server that never answers: the client's generate raises a TransportError naming rank 1 within its
+    timeout (last: the unanswered message stays behind)."""
+    if rank == 0:
+        client, _ = split(tiny("tiny-llama"))
+        ids, mask = prompts()
+        with pytest.raises(TransportError, match="rank 1"):
+            generate(client, RemoteServer(1, timeout=3), ids, mask, 2)
+    else:
+        time.sleep(6)  # alive, silent, past the client's timeout
+
+
+CHECKS = [check_lossless_two_processes, check_eight_bit_two_processes, check_lying_client_is_refused,
+          check_silent_server_ends_the_client]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn_checks({c.__name__: c for c in CHECKS}, 2, tmp_path_factory.mktemp("generate"),
+                        barrier_after_last=False)  # the last check leaves the group timed out
+
+
+@pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
+def test_two_processes(two_ranks, name):
+    assert_ranks_ok(two_ranks, name, 2)
