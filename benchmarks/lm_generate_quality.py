@@ -1,0 +1,103 @@
+"""Split inference quality through a coded link: SmolLM2-135M-Instruct (offline GGUF), client/server with one
+block at each end on the client, the server in process (the codecs applied both ways exactly as between
+processes), on held-out Shakespeare.
+
+Per codec setting and prompt set (3 disjoint sets of ``--blocks`` held-out blocks of ``--length`` tokens,
+the seeds of the table):
+
+- held-out perplexity: the blocks scored through the link as a prefill (the KV-cache path of
+  :func:`dgpipe.inference.score`), exp of the mean next-token NLL, paired with the lossless link's;
+- greedy top-1 agreement: the first half of each block is a prompt; the lossless link's greedy continuation of
+  ``--new`` tokens is scored, teacher-forced, through the coded link, and the share of positions whose argmax
+  is the lossless token is reported;
+- bits per value each way, all-in (payload bytes x 8 / values), from the meter.
+
+Prints a markdown table (mean over the prompt sets and the 95% t-interval of the perplexity change).
+
+    python benchmarks/lm_generate_quality.py [--blocks 8] [--length 64] [--new 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from dgpipe.comm import BandwidthMeter
+from dgpipe.data.text import tokenize_corpus
+from dgpipe.inference import ClientStages, LocalServer, StageBlocks, generate, score, split_layers
+from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "data" / "text" / "shakespeare"
+#: label -> (client -> server codec, server -> client codec), as ``(name, options)``
+SETTINGS = {
+    "none": (("none", {}), ("none", {})),
+    "quant8": (("quant", {"bits": 8}), ("quant", {"bits": 8})),
+    "codebook4": (("codebook", {"bits": 4, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
+    "codebook5lv": (("codebook", {"count": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
+    "codebook2": (("codebook", {"bits": 2, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
+}
+
+
+def t95(n: int) -> float:
+    """Two-sided 95% Student t quantile for n - 1 degrees of freedom (n <= 6 tabulated, else 1.96)."""
+    return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}.get(n, 1.96)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=8, help="held-out blocks per prompt set")
+    p.add_argument("--length", type=int, default=64, help="tokens per block")
+    p.add_argument("--new", type=int, default=16, help="greedy tokens per prompt (agreement)")
+    p.add_argument("--sets", type=int, default=3, help="prompt sets (disjoint)")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    source = resolve_lm("smollm2-135m-instruct")
+    model = build_causal_lm(source).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    ids = tokenize_corpus(str(CORPUS), "valid", tokenizer)
+    n = args.blocks * args.length
+    front, middle, back = split_layers(causal_lm_layers(model), 1)
+    client, stage = ClientStages(front, back, model.config), StageBlocks(middle, model.config)
+    results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in SETTINGS}
+    for s in range(args.sets):
+        blocks = ids[s * n: (s + 1) * n].reshape(args.blocks, args.length)
+        prompts = blocks[:, : args.length // 2]
+        reference = generate(client, LocalServer(stage), prompts, None, args.new)
+        for label, (act, ret) in SETTINGS.items():
+            meter = BandwidthMeter()
+            server = LocalServer(stage, act, ret, meter)
+            logits = score(client, server, blocks)
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                    blocks[:, 1:].reshape(-1))
+            forced = score(client, LocalServer(stage, act, ret), reference)
+            start = prompts.shape[1] - 1
+            agree = (forced[:, start:-1].argmax(-1) == reference[:, start + 1:]).float().mean()
+            rec = {r["name"]: r for r in meter.records()}
+            bits = [32 * rec[k]["wire_bytes"] / rec[k]["raw_bytes"] for k in ("client->server", "server->client")]
+            results[label].append((math.exp(float(nll)), float(agree), *bits))
+            print(f"set {s} {label}: ppl {math.exp(float(nll)):.3f} agreement {float(agree):.4f} bits "
+                  f"{bits[0]:.2f}/{bits[1]:.2f}", file=sys.stderr, flush=True)
+    base = [r[0] for r in results["none"]]
+    print(f"SmolLM2-135M-Instruct, client/server (1 block each end on the client), Shakespeare valid: {args.sets} "
+          f"prompt sets x {args.blocks} blocks of {args.length} tokens; agreement over {args.new} greedy tokens")
+    print("| setting | bits c->s / s->c (avg) | held-out ppl | Δ ppl % [95% CI] | greedy top-1 agreement |")
+    print("|---|---|---|---|---|")
+    for label, rows in results.items():
+        d = [100 * (r[0] / b - 1) for r, b in zip(rows, base)]
+        half = t95(len(d)) * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        c2s, s2c = statistics.mean(r[2] for r in rows), statistics.mean(r[3] for r in rows)
+        print(f"| {label} | {c2s:.2f} / {s2c:.2f} ({(c2s + s2c) / 2:.2f}) | {statistics.mean(r[0] for r in rows):.3f} "
+              f"| {statistics.mean(d):+.2f} [{statistics.mean(d) - half:+.2f}, {statistics.mean(d) + half:+.2f}] "
+              f"| {statistics.mean(r[1] for r in rows):.4f} (min {min(r[1] for r in rows):.4f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
