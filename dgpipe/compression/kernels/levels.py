@@ -140,9 +140,9 @@ def level_rows(x: torch.Tensor, rotation, levels: torch.Tensor, bits: int,
 
     Returns:
         ``(packed, scales)``: uint8 ``(ceil(rows * width * bits / 8),)`` and ``meta_dtype``
-        ``(rows,)``; None where it does not apply (not CPU, kernels off, more than
-        :data:`.numba_codes.MAX_LEVEL_BITS` bits, Numba unavailable) or the input holds
-        inf/NaN or a scale overflows ``meta_dtype`` (the steps then raise the error).
+        ``(rows,)``; None where it does not apply (:func:`.rows.applies`: not CPU, kernels off, more than
+        :data:`.rows.MAX_BITS` bits, another scale dtype, the compiled extension not built) or the input
+        holds inf/NaN or a scale overflows ``meta_dtype`` (the steps then raise the error).
     """
     if not x.is_contiguous():
         return None
