@@ -31,6 +31,7 @@ from dgpipe.comm import BandwidthMeter
 from dgpipe.data.text import tokenize_corpus
 from dgpipe.inference import ClientStages, LocalServer, StageBlocks, generate, score, split_layers
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
+from dgpipe.train.lm_benchmark import mean_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "text" / "shakespeare"
@@ -42,11 +43,6 @@ SETTINGS = {
     "codebook5lv": (("codebook", {"count": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
     "codebook2": (("codebook", {"bits": 2, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
 }
-
-
-def t95(n: int) -> float:
-    """Two-sided 95% Student t quantile for n - 1 degrees of freedom (n <= 6 tabulated, else 1.96)."""
-    return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}.get(n, 1.96)
 
 
 def main() -> int:
@@ -90,11 +86,10 @@ def main() -> int:
     print("| setting | bits c->s / s->c (avg) | held-out ppl | Δ ppl % [95% CI] | greedy top-1 agreement |")
     print("|---|---|---|---|---|")
     for label, rows in results.items():
-        d = [100 * (r[0] / b - 1) for r, b in zip(rows, base)]
-        half = t95(len(d)) * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        mean, low, high = mean_interval([100 * (r[0] / b - 1) for r, b in zip(rows, base)])
         c2s, s2c = statistics.mean(r[2] for r in rows), statistics.mean(r[3] for r in rows)
         print(f"| {label} | {c2s:.2f} / {s2c:.2f} ({(c2s + s2c) / 2:.2f}) | {statistics.mean(r[0] for r in rows):.3f} "
-              f"| {statistics.mean(d):+.2f} [{statistics.mean(d) - half:+.2f}, {statistics.mean(d) + half:+.2f}] "
+              f"| {mean:+.2f} [{low:+.2f}, {high:+.2f}] "
               f"| {statistics.mean(r[1] for r in rows):.4f} (min {min(r[1] for r in rows):.4f}) |")
     return 0
 

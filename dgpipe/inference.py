@@ -131,13 +131,6 @@ class StageBlocks:
 
         self.cache = DynamicCache(config=self.config)
 
-    @property
-    def past(self) -> int:
-        """Tokens in the cache (0 when it holds none or the stage has no block)."""
-        if self.cache is None or not self.blocks:
-            return 0
-        return int(self.cache.get_seq_length(self.blocks[0].layer_idx))
-
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -187,15 +180,17 @@ class LocalServer:
             self.tracker = _Tracker(prompt_mask)
         else:
             self.tracker.advance()
-        for codec, name in ((self.act, "client->server"), (self.back, "server->client")):
-            payload, seconds = _coded(codec, hidden)
-            if self.meter is not None:
-                self.meter.record_send(name, "generate", raw_bytes=hidden.numel() * hidden.element_size(),
-                                       wire_bytes=payload.nbytes, encode_seconds=seconds)
-            hidden = codec.decode(payload)
-            if name == "client->server":
-                hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
-        return hidden
+        hidden = self._hop(self.act, hidden, "client->server")
+        hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
+        return self._hop(self.back, hidden, "server->client")
+
+    def _hop(self, codec: Codec, hidden: torch.Tensor, name: str) -> torch.Tensor:
+        """``hidden`` through ``codec`` (encode, meter, decode)."""
+        payload, seconds = _coded(codec, hidden)
+        if self.meter is not None:
+            self.meter.record_send(name, "generate", raw_bytes=hidden.numel() * hidden.element_size(),
+                                   wire_bytes=payload.nbytes, encode_seconds=seconds)
+        return codec.decode(payload)
 
     def close(self) -> None:
         """Nothing to end in process."""
@@ -210,12 +205,12 @@ class RemoteServer:
         self.codec, self.mask_codec = codec_factory(act_codec)(), get_codec("intpack")
         self.back = codec_factory(return_codec or act_codec)()
         self.meter, self.timeout, self.peer = meter, timeout, peer
-        self.past, self.batch = 0, 0
+        self.past = 0
 
     def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
         b, length = hidden.shape[:2]
         if prompt_mask is not None:
-            self.past, self.batch = 0, b
+            self.past = 0
         payload, seconds = _coded(self.codec, hidden)
         payloads = [payload] + ([self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else [])
         kind = PREFILL if prompt_mask is not None else DECODE
@@ -310,6 +305,14 @@ class ClientStages:
         self.first, self.last = StageBlocks(front[1:], config), StageBlocks(back[:-1], config)
 
 
+def _through(client: ClientStages, server: Callable, ids: torch.Tensor, tracker: _Tracker,
+             prompt_mask: torch.Tensor | None) -> torch.Tensor:
+    """The client's front, the server (``prompt_mask`` at prefill, None after) and the client's back blocks on
+    the new tokens ``ids`` ``(B, L)``: the last block's hidden states ``(B, L, H)``."""
+    hidden = client.first(client.embeddings.step(ids, tracker.positions), tracker.mask, tracker.positions)
+    return client.last(server(hidden, prompt_mask), tracker.mask, tracker.positions)
+
+
 @torch.no_grad()
 def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
              input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
@@ -360,9 +363,7 @@ def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor 
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
         start = time.perf_counter()
-        hidden = client.first(client.embeddings.step(ids, tracker.positions), tracker.mask, tracker.positions)
-        hidden = server(hidden, prompt_mask)
-        hidden = client.last(hidden, tracker.mask, tracker.positions)
+        hidden = _through(client, server, ids, tracker, prompt_mask)
         token = sampling.pick(client.head(hidden[:, -1:])[:, -1], generator)
         if stops is not None:
             token = torch.where(done, torch.full_like(token, pad), token)
@@ -387,6 +388,4 @@ def score(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | N
     tracker = _Tracker(mask)
     client.first.reset()
     client.last.reset()
-    hidden = client.first(client.embeddings.step(input_ids, tracker.positions), tracker.mask, tracker.positions)
-    hidden = client.last(server(hidden, mask), tracker.mask, tracker.positions)
-    return client.head(hidden)
+    return client.head(_through(client, server, input_ids, tracker, mask))

@@ -33,7 +33,7 @@ from .ablation import ANCHORS, has_summary, paired
 from .compare import LM_LINKS, Link, project, stage_boundaries
 from .runlog import direction_bits, read_records
 
-__all__ = ["REFERENCES", "curve", "steps_to_target", "results", "table", "plot"]
+__all__ = ["REFERENCES", "curve", "steps_to_target", "mean_interval", "results", "table", "plot"]
 
 #: ProtocolNanoGPT (Pluralis; arXiv 2506.01260): 203M GPT, 8 stages, 200 Mbit/s + 50 ms per boundary,
 #: FineWeb to a validation loss of 3.276: (label, bits per value each way, steps to target, T in seconds).
@@ -60,7 +60,9 @@ def steps_to_target(points: Sequence[tuple[int, float]], target: float) -> float
     return None
 
 
-def _interval(values: list[float]) -> tuple[float, float, float]:
+def mean_interval(values: list[float]) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the mean of ``values`` and its two-sided 95% Student-t interval (nan bounds for
+    fewer than 2 values)."""
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, math.nan, math.nan
@@ -112,7 +114,7 @@ def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: st
             "final": statistics.fmean(finals),
             "delta": None if label == baseline else paired(deltas, [0.0] * len(deltas)),
             "delta_pct": None if label == baseline else paired(pcts, [0.0] * len(pcts)),
-            "ratios": ratios, "ratio": _interval(ratios) if all(math.isfinite(r) for r in ratios) else None,
+            "ratios": ratios, "ratio": mean_interval(ratios) if all(math.isfinite(r) for r in ratios) else None,
             "step_seconds": statistics.fmean(seconds),
             "T": {k: statistics.fmean(v) for k, v in t_link.items()},
         })
