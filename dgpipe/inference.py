@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -165,12 +165,15 @@ def _coded(codec: Codec, t: torch.Tensor) -> tuple[Payload, float]:
 
 class LocalServer:
     """The server's stage in the client's process: the same codecs both ways (encode, decode), no transport;
-    for tests and single-machine use. ``act_codec``/``return_codec``: as for :func:`generate`."""
+    for tests and single-machine use. ``act_codec``/``return_codec``: as for :func:`generate`. The meter
+    records the payload bytes a :class:`RemoteServer` sends and receives (the prompt mask included), not the
+    transport's framing."""
 
     def __init__(self, blocks: StageBlocks, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
                  meter: BandwidthMeter | None = None) -> None:
         self.stage = blocks
         self.act, self.back = codec_factory(act_codec)(), codec_factory(return_codec or act_codec)()
+        self.mask_codec = get_codec("intpack")
         self.meter = meter
         self.tracker: _Tracker | None = None
 
@@ -180,16 +183,18 @@ class LocalServer:
             self.tracker = _Tracker(prompt_mask)
         else:
             self.tracker.advance()
-        hidden = self._hop(self.act, hidden, "client->server")
+        mask = [self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else []
+        hidden = self._hop(self.act, hidden, "client->server", mask)
         hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
         return self._hop(self.back, hidden, "server->client")
 
-    def _hop(self, codec: Codec, hidden: torch.Tensor, name: str) -> torch.Tensor:
-        """``hidden`` through ``codec`` (encode, meter, decode)."""
+    def _hop(self, codec: Codec, hidden: torch.Tensor, name: str, extra: Sequence[Payload] = ()) -> torch.Tensor:
+        """``hidden`` through ``codec`` (encode, meter with the ``extra`` payloads a message to a server process
+        carries beside it -- the prompt mask at prefill --, decode)."""
         payload, seconds = _coded(codec, hidden)
         if self.meter is not None:
             self.meter.record_send(name, "generate", raw_bytes=hidden.numel() * hidden.element_size(),
-                                   wire_bytes=payload.nbytes, encode_seconds=seconds)
+                                   wire_bytes=payload.nbytes + sum(p.nbytes for p in extra), encode_seconds=seconds)
         return codec.decode(payload)
 
     def close(self) -> None:
