@@ -1,6 +1,7 @@
 """Helpers shared by the test modules (no ``test_`` prefix: pytest does not collect it).
 
-- :func:`load_cli`: import a script of the repository root (a main-job CLI) by path.
+- :func:`load_cli`: import a script of the repository root (a main-job CLI) by path;
+  :func:`load_benchmark`: a script of ``benchmarks/``.
 - :func:`spawn_checks` / :func:`assert_ranks_ok`: run named checks on every rank of one
   spawned gloo world (one process-group start for a whole module), each rank writing
   its outcome per check to a file, and let every test read the outcome of its own check.
@@ -28,6 +29,20 @@ from dgpipe.compression.kernels import rows
 from dgpipe.pipeline import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` as the module ``name`` (a script, not a module of the package; it may
+    import its neighbours in ``benchmarks/``). Importing a benchmark starts nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
 
 def default_sigint() -> None:
     """Restore SIGINT's default disposition in a child about to exec (``subprocess.Popen(preexec_fn=...)``):

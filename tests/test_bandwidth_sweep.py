@@ -1,28 +1,18 @@
 """The compression sweep's table (dgpipe/train/sweep.py) from synthetic run logs, its argument
 handling (nothing is spawned), and the ideal model of benchmarks/slow_link_speedup.py."""
 
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, load_cli
+from helpers import ROOT, load_benchmark, load_cli
 
 from dgpipe.train.runlog import boundary_record, epoch_record, summary_record
 from dgpipe.train.codecs import SETTINGS
 from dgpipe.train.sweep import add_sweep_flags, format_table, prepare_runs, table_rows
 from dgpipe.train.vision import VisionJob
-
-
-def _load_benchmark():
-    """benchmarks/slow_link_speedup.py as a module (importing it starts nothing)."""
-    spec = importlib.util.spec_from_file_location("slow_link_speedup", ROOT / "benchmarks" / "slow_link_speedup.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["slow_link_speedup"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _log(samples_per_s: float, epochs: list[list[tuple]]) -> list[dict]:
@@ -126,7 +116,7 @@ def test_prepare_runs_rejects_flags_before_any_process(vision_parser, extra, mes
 
 # -- the ideal model of benchmarks/slow_link_speedup.py -------------------------------------
 
-SPEEDUP = _load_benchmark()
+SPEEDUP = load_benchmark("slow_link_speedup")
 
 
 def _flow_shop(times: list[float], jobs: int) -> float:
@@ -158,20 +148,7 @@ def test_ideal_speedup_is_the_byte_ratio_on_a_link_bound_run():
 
 # -- benchmarks/ddp_slow_link.py: the epoch-2 measurement and its table -----------------------
 
-def _load_link_benchmark(name: str):
-    """``benchmarks/<name>.py``, loaded from its file (a script, not a module of the package; it imports
-    its neighbour slow_link_runs)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
-
-
-DDP = _load_link_benchmark("ddp_slow_link")
+DDP = load_benchmark("ddp_slow_link")
 
 
 def _ddp_log(path: Path, epoch2_samples_per_s: float, wire_per_step: int, steps: int = 5) -> Path:
@@ -262,7 +239,7 @@ def test_sweep_entry_point_hands_the_job_its_flags(vision_parser, capsys):
 
 # -- benchmarks/nlp_slow_link.py: the last epoch's bytes per link direction, the ideal epoch --------------------
 
-NLP_LINK = _load_link_benchmark("nlp_slow_link")
+NLP_LINK = load_benchmark("nlp_slow_link")
 
 
 def test_nlp_slow_link_sums_each_link_direction_of_the_last_epoch(tmp_path):

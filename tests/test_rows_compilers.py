@@ -9,11 +9,9 @@ qemu-user``); the default compiler's build is the installed extension, which ``t
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,22 +22,10 @@ from dgpipe.compression import get_codec
 from dgpipe.compression.kernels import backend, rows
 from dgpipe.compression.kernels.bitpack import CHUNK
 from dgpipe.compression.steps.levels import normal_levels
-from helpers import ROOT, needs_rows
+from helpers import ROOT, load_benchmark, needs_rows
 from test_fused import eager_and_fused, row_inputs  # noqa: F401  (eager_and_fused: a fixture)
 
 COMPILERS = ("gcc-11", "clang-14")
-
-
-def build_rows(cc: str, out: Path) -> Path:
-    """``benchmarks/rows_compilers.py``'s :func:`build_rows` (a script, loaded from its file)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("rows_compilers", ROOT / "benchmarks" / "rows_compilers.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module.build_rows(cc, out)
 
 
 @pytest.fixture(scope="module", params=COMPILERS)
@@ -48,7 +34,7 @@ def built(request, tmp_path_factory) -> Path:
     cc = request.param
     if shutil.which(cc) is None:
         pytest.skip(f"{cc} is not installed")
-    return build_rows(cc, tmp_path_factory.mktemp(cc))
+    return load_benchmark("rows_compilers").build_rows(cc, tmp_path_factory.mktemp(cc))
 
 
 @pytest.mark.parametrize("bits", (1, 2, 3, 4))
