@@ -180,9 +180,40 @@ def test_bad_task_and_partition_that_does_not_fit(cifar, glue, capsys):
     assert "--tokenizer offline has a vocabulary of its own" in err
 
 
-def test_resume_needs_a_checkpoint(tmp_path, cifar, capsys):
-    err = _error(VISION, ["--data-dir", str(cifar), "--resume", str(tmp_path)], capsys)
-    assert f"--resume {tmp_path}: no checkpoint there ({tmp_path / 'meta.json'} not found)" in err
+def test_checkpoint_flags_are_checked(tmp_path, cifar, capsys):
+    common = ["--data-dir", str(cifar), "--width-mult", "0.25"]
+    err = _error(VISION, [*common, "--resume", str(tmp_path)], capsys)
+    assert f"--resume {tmp_path}: no checkpoint there (no step-* folder)" in err
+    assert "--save-every needs --save DIR" in _error(VISION, [*common, "--save-every", "10"], capsys)
+    err = _error(VISION, [*common, "--save", str(tmp_path), "--save-every", "0"], capsys)
+    assert "--save-every must be positive, got 0" in err
+    err = _error(VISION, [*common, "--save", str(tmp_path), "--keep-checkpoints", "1"], capsys)
+    assert "--keep-checkpoints must be >= 2, got 1" in err
+    assert "--resume auto continues from --save's directory" in _error(VISION, [*common, "--resume", "auto"], capsys)
+
+
+def test_resume_refuses_other_settings(tmp_path, cifar, capsys):
+    """A checkpoint is resumed only by a run with its settings: the world size, the partition, the
+    codec (and every other setting that changes what is computed) are compared before any process
+    starts, the difference named; where files go and timeouts may change."""
+    from dgpipe.train import checkpoint
+
+    save = tmp_path / "ckpt"
+    common = ["--data-dir", str(cifar), "--width-mult", "0.25", "--save", str(save), "--resume", "auto"]
+    config = loop.parse_config(vision.VisionJob, VISION.build_parser(), [*common, "--quant", "8"], environ={})
+    writer = checkpoint.Writer(save, 0, keep=2)
+    writer.save(40, {"x": 1}, {"world_size": 2, "mode": "pipeline", "epoch": 1, "args": config.to_json()})
+    # the same settings, another timeout and log: accepted
+    loop.parse_config(vision.VisionJob, VISION.build_parser(), [*common, "--quant", "8", "--timeout", "9",
+                                                                "--log", str(tmp_path / "x.jsonl")], environ={})
+    err = _error(VISION, [*common, "--quant", "4", "--partition", "linear"], capsys)
+    assert "--resume auto: the checkpoint of step 40 in" in err
+    assert 'was saved with other settings: compression {"forward": {"name": "quant", "options": {"bits": 8}}' in err
+    assert 'partition "client-server" -> "linear", quant 8 -> 4, stages null -> 2; resume with the saved' in err
+    writer.save(50, {"x": 1}, {"world_size": 1, "mode": "pipeline", "epoch": 1, "args": config.to_json()})
+    writer.wait()
+    err = _error(VISION, [*common, "--quant", "8"], capsys)
+    assert "the checkpoint was saved by 1 processes in pipeline mode; resume with --world-size 1" in err
 
 
 def test_torchrun_world_size():

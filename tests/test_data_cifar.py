@@ -377,3 +377,8 @@ def test_training_batches_depend_only_on_seed_and_epoch(tmp_path):
         assert torch.equal(labels, dataset.labels[idx])
         want = transform(dataset.images[idx], torch.Generator().manual_seed(batch_seed(3, 1, 0, b)))
         assert torch.equal(images, want)
+    # a run resumed inside the epoch starts at batch 1: the batch (and its augmentation) is the same
+    resumed = make_loader("cifar10", tmp_path, "train", batch_size=8, seed=3, num_workers=1)
+    resumed.batch_sampler.set_epoch(1, start=1)
+    tail = list(resumed)
+    assert len(tail) == 1 and torch.equal(tail[0][0], second[1][0]) and torch.equal(tail[0][1], second[1][1])

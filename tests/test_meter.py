@@ -125,3 +125,17 @@ def outcomes(tmp_path_factory):
 )
 def test_meter_across_ranks(outcomes, check):
     assert_ranks_ok(outcomes, check, 2)
+
+
+def test_meter_state_restores_the_sums():
+    """A checkpoint carries the meter's sums of the epoch so far; a malformed state is refused."""
+    meter = BandwidthMeter()
+    meter.record_send("0->1", "forward", raw_bytes=400, wire_bytes=100, frame_bytes=8, encode_seconds=0.5)
+    meter.record_recv("0->1", "backward", recv_bytes=96, recv_seconds=0.25)
+    restored = BandwidthMeter()
+    restored.load_state_dict(meter.state_dict())
+    assert restored.records() == meter.records()
+    restored.record_send("0->1", "forward", raw_bytes=400, wire_bytes=100)
+    assert restored.totals("forward")["wire_bytes"] == 200 and restored.totals("forward")["count"] == 2
+    with pytest.raises(ValueError, match="is not a boundary record"):
+        restored.load_state_dict({"no separator": dict.fromkeys(meter.records()[0], 0.0)})

@@ -5,6 +5,7 @@ which keeps these tests fast); the torchrun-style test starts plain processes th
 rendezvous through env:// with no supervisor at all.
 """
 
+import datetime
 import os
 import signal
 import subprocess
@@ -192,3 +193,24 @@ def _torch_in_a_daemon_thread(rank, world_size, marker):
 def test_a_rank_that_finished_is_not_failed_by_interpreter_teardown(tmp_path):
     spawn(_torch_in_a_daemon_thread, 2, (str(tmp_path / "atexit"),), timeout=60, start_method="spawn")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit.0", "atexit.1"]  # atexit handlers still ran
+
+
+def test_restarts_across_machines_need_a_store_per_round(monkeypatch):
+    """Under torchrun --max-restarts with the agent's shared store, ranks on several machines cannot
+    agree on a key prefix per round: init_distributed names torchrun's switch instead of letting a
+    restarted rank read a dead predecessor's address; on one machine, or without restarts, or with
+    the switch set, env:// as usual."""
+    from dgpipe.pipeline import launch
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3",
+           "TORCHELASTIC_RESTART_COUNT": "0"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"):
+        launch.init_distributed("gloo", timeout=5)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert launch._restart_store(datetime.timedelta(seconds=5)) is None
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert launch._restart_store(datetime.timedelta(seconds=5)) is None

@@ -82,23 +82,50 @@ def test_readable_summary_and_table():
 
 
 def test_checkpoint_roundtrip_and_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"no checkpoint there \(.*meta.json not found\)"):
-        checkpoint.read_meta(tmp_path / "ckpt")
-    state = {"stages": {"1": {"weight": torch.arange(6.0).view(2, 3)}}, "epoch": 2, "step": 40,
+    """Files written in the background, the newest two kept, the index checked; a truncated or
+    corrupt rank file is refused by its SHA-256."""
+    directory = tmp_path / "ckpt"
+    state = {"stages": {"1": {"weight": torch.arange(6.0).view(2, 3)}}, "progress": {"step": 40},
              "optimizer": torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9).state_dict()}
-    checkpoint.save_rank(tmp_path / "ckpt", 1, state)
-    checkpoint.write_meta(tmp_path / "ckpt", world_size=2, mode="pipeline", epoch=2, step=40, args={"lr": 0.1})
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "rank1.pt"]  # no temp files left
-    meta = checkpoint.read_meta(tmp_path / "ckpt")
-    assert (meta["world_size"], meta["mode"], meta["epoch"], meta["step"]) == (2, "pipeline", 2, 40)
-    loaded = checkpoint.load_rank(tmp_path / "ckpt", 1)
-    assert torch.equal(loaded["stages"]["1"]["weight"], state["stages"]["1"]["weight"])
+    writer = checkpoint.Writer(directory, 1, keep=2)
+    writer.save(40, state)
+    state["stages"]["1"]["weight"] += 1  # training goes on: the checkpoint holds the values at save()
+    writer.save(80, state, {"world_size": 2, "mode": "pipeline", "epoch": 2, "args": {"lr": 0.1}})
+    writer.save(120, state)
+    writer.wait()
+    assert checkpoint.steps(directory) == [80, 120]  # the oldest deleted
+    assert sorted(p.name for p in checkpoint.step_dir(directory, 80).iterdir()) == ["meta.json", "rank1.json",
+                                                                                    "rank1.pt"]  # no temp files
+    meta = checkpoint.latest_meta(directory)
+    assert (meta["world_size"], meta["mode"], meta["epoch"], meta["step"]) == (2, "pipeline", 2, 80)
+    loaded = checkpoint.load_rank(checkpoint.step_dir(directory, 80), 1)
+    assert torch.equal(loaded["stages"]["1"]["weight"], torch.arange(6.0).view(2, 3) + 1)
     assert loaded["optimizer"]["param_groups"][0]["momentum"] == 0.9
-    with pytest.raises(FileNotFoundError, match="rank 0"):
-        checkpoint.load_rank(tmp_path / "ckpt", 0)
-    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps({"format": 1, "world_size": "2"}))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="rank 0 not found or incomplete"):
+        checkpoint.load_rank(checkpoint.step_dir(directory, 80), 0)
+    newest = checkpoint.step_dir(directory, 120) / "rank1.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[:-1])
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=rf"{len(data) - 1} bytes that do not match its record "
+                       rf"\({len(data)} bytes, sha256 [0-9a-f]{{12}}\.\.\.\): truncated or corrupt"):
+        checkpoint.load_rank(checkpoint.step_dir(directory, 120), 1)
+    newest.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])  # one bit flipped
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="truncated or corrupt"):
+        checkpoint.load_rank(checkpoint.step_dir(directory, 120), 1)
+    checkpoint.discard_after(directory, 1, 80)
+    assert not (checkpoint.step_dir(directory, 120) / "rank1.pt").exists()
+    (checkpoint.step_dir(directory, 80) / "meta.json").write_text(json.dumps({"format": 2, "world_size": "2"}))
     with pytest.raises(ValueError, match="'world_size' missing or not int"):
-        checkpoint.read_meta(tmp_path / "ckpt")
+        checkpoint.read_meta(checkpoint.step_dir(directory, 80))
+    assert checkpoint.latest_meta(directory) is None
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        checkpoint.Writer(directory, 0, keep=0)
+
+
+def test_checkpoint_config_difference():
+    saved = {"lr": 0.1, "quant": 8, "log": "a.jsonl", "timeout": 300.0, "stages": None}
+    assert checkpoint.config_difference(saved, saved | {"log": "b.jsonl", "timeout": 9.0}) is None
+    assert checkpoint.config_difference(saved, saved | {"quant": 4, "stages": 3}) == "quant 8 -> 4, stages null -> 3"
 
 
 def test_plot_ablation_points_and_png(tmp_path, capsys):

@@ -150,6 +150,24 @@ class BandwidthMeter:
         """Forget everything recorded (e.g. at the start of an epoch)."""
         self._data.clear()
 
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        """The sums recorded so far, ``{"<name><US><direction>": {field: value}}`` (for a checkpoint)."""
+        return {n + _KEY_SEP + d: dict(e) for (n, d), e in self._data.items()}
+
+    def load_state_dict(self, state: dict[str, dict[str, float]]) -> None:
+        """Replace the sums with :meth:`state_dict` output.
+
+        Raises:
+            ValueError: a key without the separator, or a field set other than :data:`FIELDS`.
+        """
+        data = {}
+        for key, fields in state.items():
+            name, sep, direction = key.partition(_KEY_SEP)
+            if not sep or set(fields) != set(FIELDS):
+                raise ValueError(f"meter state entry {key!r} is not a boundary record")
+            data[(name, direction)] = {f: float(fields[f]) for f in FIELDS}
+        self._data = data
+
     def gather(self, dst: int = 0, group: dist.ProcessGroup | None = None) -> "BandwidthMeter | None":
         """Merge every rank's records on global rank ``dst``; a collective (call on all ranks).
 

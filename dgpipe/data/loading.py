@@ -5,8 +5,8 @@ its examples come from :class:`EpochBatchSampler` (torch's ``DistributedSampler`
 into batches, reshuffled per epoch by ``set_epoch``), and random augmentation draws from
 the per-batch seed :func:`batch_seed` that the sampler hands along with the indices.
 Nothing depends on how many worker processes ran, whether they were kept alive across
-epochs, or on earlier epochs -- so a run resumed at an epoch boundary sees exactly the
-batches of an uninterrupted one.
+epochs, or on earlier epochs -- so a run resumed at an epoch boundary, or inside an epoch
+(``set_epoch(epoch, start)``), sees exactly the batches of an uninterrupted one.
 
 With ``sample_ids=True`` a loader yields ``(inputs, targets, ids)``: ``ids`` int64
 ``(B,)`` are the examples' indices in the loader's dataset (:class:`WithSampleIds`), what
@@ -50,7 +50,8 @@ class EpochBatchSampler(BatchSampler):
             for batch ``b``, so that a dataset can hand the seed of its batch to the collate
             function (see :class:`dgpipe.data.vision.AugmentCollate`); else plain indices.
 
-    Call :meth:`set_epoch` before each epoch, as with ``DistributedSampler``.
+    Call :meth:`set_epoch` before each epoch, as with ``DistributedSampler``; its ``start``
+    resumes an epoch in the middle (batch ``b`` keeps its indices and seed).
     """
 
     def __init__(
@@ -67,15 +68,18 @@ class EpochBatchSampler(BatchSampler):
     ) -> None:
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         super().__init__(sampler, batch_size, drop_last)
-        self.seed, self.rank, self.batch_seeds, self.epoch = seed, rank, batch_seeds, 0
+        self.seed, self.rank, self.batch_seeds, self.epoch, self.start = seed, rank, batch_seeds, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the order and batch seeds of ``epoch`` (0-based) for the next iteration."""
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the order and batch seeds of ``epoch`` (0-based) for the next iteration, which
+        yields the epoch's batches from index ``start`` on (a run resumed inside an epoch)."""
+        self.epoch, self.start = epoch, start
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list]:
         for b, indices in enumerate(super().__iter__()):
+            if b < self.start:
+                continue
             if self.batch_seeds:
                 s = batch_seed(self.seed, self.epoch, self.rank, b)
                 indices = [(i, s) for i in indices]

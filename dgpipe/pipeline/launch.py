@@ -135,8 +135,39 @@ def init_distributed(backend: str = "auto", timeout: float = 300.0) -> tuple[int
         raise ValueError(f"environment variables {missing} are not set; launch with torchrun, or use dgpipe's spawn()")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+    wait = datetime.timedelta(seconds=timeout)
+    restart_store = _restart_store(wait)
+    if restart_store is None:
+        dist.init_process_group(backend, init_method="env://", timeout=wait)
+    else:
+        dist.init_process_group(backend, store=restart_store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store of a torchrun worker group that may be restarted (``--max-restarts``), or None (env://).
+
+    torchrun's agent keeps one TCP store for all its restarts and hands it to the workers, whose
+    process groups find each other under the same keys in every round: a restarted rank can read a
+    dead predecessor's address and fail to connect (pytorch/pytorch#135712). On one machine every
+    rank's ``TORCHELASTIC_RESTART_COUNT`` is the same agent's, so each round gets its own key prefix
+    here. Across machines the counts can differ: there torchrun must be told not to share its
+    store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 then hosts a new one every round).
+
+    Raises:
+        ValueError: restarts across machines with the shared store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS",
+                                                                                          "0")) == 0:
+        return None
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ["WORLD_SIZE"]:
+        raise ValueError("torchrun --max-restarts across machines: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                         "torchrun's environment on every machine (a shared store hands restarted ranks stale "
+                         "addresses, pytorch/pytorch#135712)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dgpipe/restart{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
 def raise_on_sigterm() -> Callable[[], None]:

@@ -26,7 +26,7 @@ import torch
 
 from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DEFAULT_MAX_BYTES
 
-from .checkpoint import read_meta
+from . import checkpoint
 from .codecs import SETTINGS, BoundaryCompression, boundary_compression, grad_compression, setting_label
 from .config import PipelineConfig, RunConfig
 
@@ -208,8 +208,17 @@ def common_parser(
                         "setting's log is PATH with .<setting> before the suffix. Under torchrun spell it "
                         "--log-file (torchrun takes --log for its own --log-dir)")
     o.add_argument("--bandwidth", action="store_true", help="print the per-boundary meter table each epoch")
-    o.add_argument("--save", metavar="DIR", help="checkpoint directory written after every epoch")
-    o.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory written by --save")
+    o.add_argument("--save", metavar="DIR",
+                   help="checkpoint directory: every rank's state after every epoch (and every --save-every steps)")
+    o.add_argument("--save-every", type=int, metavar="STEPS",
+                   help="also checkpoint every STEPS optimizer steps (written in the background)")
+    o.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="step checkpoints kept in --save DIR, newest first (>= 2, so that one survives a "
+                        "checkpoint cut short)")
+    o.add_argument("--resume", metavar="DIR|auto",
+                   help="continue from the newest complete checkpoint in DIR (written by --save); auto: in --save's "
+                        "DIR if there is one, else start fresh -- the same command relaunched (e.g. by torchrun "
+                        "--max-restarts) continues where it stopped")
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="tqdm progress bars on rank 0")
     return p
@@ -424,6 +433,44 @@ def _compare_to(args: argparse.Namespace, compression: BoundaryCompression) -> t
     return labels
 
 
+def _check_checkpoint_flags(args: argparse.Namespace) -> None:
+    """``--save-every``, ``--keep-checkpoints`` and ``--resume`` make sense together."""
+    if args.save_every is not None and args.save is None:
+        raise ValueError("--save-every needs --save DIR (where the checkpoints go)")
+    if args.keep_checkpoints < 2:
+        raise ValueError(f"--keep-checkpoints must be >= 2, got {args.keep_checkpoints}: a checkpoint cut short "
+                         "by a crash must leave the one before it")
+    if args.resume == "auto" and args.save is None:
+        raise ValueError("--resume auto continues from --save's directory; add --save DIR")
+    if args.resume not in (None, "auto") and not checkpoint.steps(args.resume):
+        raise ValueError(f"--resume {args.resume}: no checkpoint there (no step-* folder); pass a directory "
+                         "written by --save, or --resume auto to start fresh when there is none")
+
+
+def check_resume(config: RunConfig) -> None:
+    """The checkpoint a run resumes (rank 0's newest, where this machine has one) was saved by a run
+    with the same settings (:func:`~dgpipe.train.checkpoint.config_difference`); call with the final
+    config (job options resolved).
+
+    Raises:
+        ValueError: another world size or mode, or other settings (named, saved -> now).
+    """
+    resume = config.log.resume
+    if resume is None:
+        return
+    directory = config.log.save if resume == "auto" else resume
+    meta = checkpoint.latest_meta(directory)
+    if meta is None:
+        return
+    if meta["world_size"] != config.pipeline.world_size or meta["mode"] != config.pipeline.mode:
+        raise ValueError(f"--resume {resume}: the checkpoint was saved by {meta['world_size']} processes in "
+                         f"{meta['mode']} mode; resume with --world-size {meta['world_size']} --mode {meta['mode']}")
+    diff = checkpoint.config_difference(meta["args"], config.to_json())
+    if diff is not None:
+        raise ValueError(f"--resume {resume}: the checkpoint of step {meta['step']} in {directory} was saved "
+                         f"with other settings: {diff}; resume with the saved settings")
+
+
 def run_config(args: argparse.Namespace, job_options: type, environ: dict | None = None) -> RunConfig:
     """Check the parsed flags, derive what they mean, and freeze them into a :class:`RunConfig`,
     before any process starts. ``args`` is read, not changed.
@@ -438,11 +485,12 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
         ValueError: the first problem found, with the flag to change.
     """
     _positive(args, "batch_size", "chunk", "epochs", "lr", "max_steps", "eval_every", "train_subset", "eval_subset",
-              "client_layers", "stages", "world_size", "timeout")
+              "client_layers", "stages", "world_size", "timeout", "save_every")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
     if not args.link_delay_ms >= 0:
         raise ValueError(f"--link-delay must be >= 0 milliseconds, got {args.link_delay_ms}")
+    _check_checkpoint_flags(args)
     world_size = dist_env(args.world_size, environ).world_size
     derived: dict = {"world_size": world_size, "balance": None, "stages": args.stages}
 
@@ -520,12 +568,6 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
         if _shared_gpu(pipeline, environ):
             raise ValueError("NCCL cannot run two ranks on one GPU; use --backend gloo, or give each rank its own "
                              "device, e.g. --devices cpu,cuda:0 (CPU client, GPU server)")
-    if args.resume is not None:
-        meta = read_meta(args.resume)
-        if meta["world_size"] != world_size or meta["mode"] != args.mode:
-            raise ValueError(f"--resume {args.resume} was saved by {meta['world_size']} processes in "
-                             f"{meta['mode']} mode; resume with --world-size {meta['world_size']} "
-                             f"--mode {meta['mode']}")
     for flag, path in (("--log", args.log), ("--save", args.save)):
         if path is not None:
             parent = Path(path).resolve().parent

@@ -166,13 +166,17 @@ class LogConfig:
     Attributes:
         log: JSON-lines log path, or ``None``.
         bandwidth: print the per-boundary meter table each epoch.
-        save, resume: checkpoint folders, or ``None``.
+        save: checkpoint directory, or ``None``; ``save_every``: also checkpoint every so many
+            steps (``None``: per epoch only); ``keep_checkpoints``: how many are kept.
+        resume: checkpoint directory to continue from, ``"auto"`` (``save``'s, if it holds one), or ``None``.
         progress: tqdm bars on rank 0.
     """
 
     log: str | None
     bandwidth: bool
     save: str | None
+    save_every: int | None
+    keep_checkpoints: int
     resume: str | None
     progress: bool
 

@@ -13,13 +13,15 @@ runs :func:`worker`:
 2. per epoch: train for ``len(train loader)`` steps (fewer with ``--max-steps``), with
    a tqdm bar on rank 0 (loss, samples/s); evaluate; gather the traffic meter on rank
    0; rank 0 writes an ``epoch`` record (:mod:`dgpipe.train.runlog`) and prints a line
-   (and the per-boundary table with ``--bandwidth``); every rank saves its checkpoint
-   file with ``--save``;
+   (and the per-boundary table with ``--bandwidth``); every rank checkpoints with ``--save``
+   (:mod:`dgpipe.train.checkpoint`: after every epoch, and every ``--save-every`` steps);
 3. rank 0 writes the ``summary`` record and prints it.
 
 The batches of an epoch -- order and augmentation -- depend only on ``--seed`` and the
-epoch (:mod:`dgpipe.data.loading`), and the checkpoint holds the torch RNG state (dropout),
-so a resumed run (``--resume``) trains exactly as an uninterrupted one.
+epoch (:mod:`dgpipe.data.loading`), and a checkpoint holds the RNG states, the codec and meter
+state and where the run stands inside its epoch, so a run resumed from any checkpoint
+(``--resume DIR``, or ``--resume auto`` under torchrun's restarts) trains exactly as an
+uninterrupted one; rank 0 then appends a ``resume`` record to the log.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 import tempfile
@@ -40,10 +43,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from dgpipe.comm import wire_device
+from dgpipe.data.loading import EpochBatchSampler
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from . import checkpoint, runlog
-from .args import dist_env, placement_backend, rank_device, run_config
+from .args import check_resume, dist_env, placement_backend, rank_device, run_config
 from .config import RunConfig
 from .engine import make_engine, reads_data
 from .job import Job
@@ -68,7 +72,9 @@ def parse_config(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequ
     try:
         flags = {k: v for k, v in vars(parser.parse_args(argv)).items() if k not in own}
         config = run_config(argparse.Namespace(**flags), job_cls.options, environ)
-        return dataclasses.replace(config, job=job_cls.check(config))
+        config = dataclasses.replace(config, job=job_cls.check(config))
+        check_resume(config)
+        return config
     except ValueError as e:
         parser.error(str(e))
 
@@ -168,15 +174,21 @@ def _broadcast(values: list[float], src: int) -> list[float]:
     return buf.tolist()
 
 
-def _start_epoch(loader: DataLoader | None, epoch: int) -> None:
-    """Select the epoch's batches: order and augmentation draws are a function of the
-    loader's seed and ``epoch`` (:class:`dgpipe.data.EpochBatchSampler`, or a
-    ``DistributedSampler`` in a job's own loader)."""
+def _start_epoch(loader: DataLoader | None, epoch: int, start: int = 0):
+    """The iterator over ``epoch``'s batches from batch ``start`` on (None without a loader): order
+    and augmentation draws are a function of the loader's seed and ``epoch``
+    (:class:`dgpipe.data.EpochBatchSampler`, or a ``DistributedSampler`` in a job's own loader,
+    whose first ``start`` batches are then loaded and dropped)."""
     if loader is None:
-        return
-    for part in (loader.batch_sampler, loader.sampler):
+        return None
+    sampler = loader.batch_sampler
+    if isinstance(sampler, EpochBatchSampler):
+        sampler.set_epoch(epoch, start)
+        return iter(loader)
+    for part in (sampler, loader.sampler):
         if hasattr(part, "set_epoch"):
             part.set_epoch(epoch)
+    return itertools.islice(iter(loader), start, None)
 
 
 #: Meter fields logged with each boundary entry besides :data:`~dgpipe.train.runlog.BOUNDARY_FIELDS`:
@@ -229,29 +241,60 @@ def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> tuple[
     return dict(zip(job.metric_names, values)), (int(count), int(n)) if n >= 0 else None
 
 
-def _train_epoch(engine, optimizer, scheduler, loader: DataLoader | None, steps: int, batch_size: int, desc: str,
-                 progress: bool, after_step=None) -> tuple[float, float]:
-    """``steps`` optimizer steps; returns (sum of the step losses, seconds of training).
+@dataclasses.dataclass
+class _Progress:
+    """Where a run stands -- saved in every checkpoint, so that a resumed run continues its sums.
 
-    ``after_step(i, loss, lr)``, if given, runs after the ``i``-th step (1-based) of the epoch and
-    returns the seconds it took (an evaluation), which do not count as training time."""
-    batches = iter(loader) if engine.reads_data else None
-    bar = tqdm(total=steps, desc=desc, disable=not progress, unit="step", dynamic_ncols=True)
-    loss_sum, start, paused = 0.0, time.perf_counter(), 0.0
-    for i in range(steps):
+    Attributes:
+        epoch: the epoch being trained (0-based); ``epoch_step``: its steps done.
+        step: optimizer steps done in the run.
+        loss_sum: sum of this epoch's step losses; ``recent``: the losses since the last ``eval`` record.
+        train_seconds, samples: training time (s) and examples of the run so far.
+        raw_bytes, wire_bytes: the run's training traffic over all boundaries in finished epochs.
+    """
+
+    epoch: int = 0
+    epoch_step: int = 0
+    step: int = 0
+    loss_sum: float = 0.0
+    recent: list[float] = dataclasses.field(default_factory=list)
+    train_seconds: float = 0.0
+    samples: float = 0.0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+
+
+def _train_epoch(engine, optimizer, scheduler, batches, progress: _Progress, steps: int, batch_size: int, desc: str,
+                 show: bool, after_step=None) -> tuple[int, float]:
+    """Train the current epoch of ``progress`` up to its ``steps``-th step, advancing ``progress``;
+    returns the steps trained and their seconds.
+
+    ``after_step(loss, lr)``, if given, runs after every step and returns the seconds it took that are
+    not training time (an evaluation)."""
+    bar = tqdm(total=steps, initial=progress.epoch_step, desc=desc, disable=not show, unit="step",
+               dynamic_ncols=True)
+    done, seconds = 0, 0.0
+    while progress.epoch_step < steps:
+        start = time.perf_counter()
         inputs, targets, *ids = next(batches) if batches is not None else (None, None)
         optimizer.zero_grad(set_to_none=True)
         loss = engine.train_step(inputs, targets, ids[0] if ids else None)
         optimizer.step()
         scheduler.step()
-        loss_sum += loss
-        if after_step is not None:
-            paused += after_step(i + 1, loss, scheduler.get_last_lr()[0])
+        progress.loss_sum += loss
+        progress.recent.append(loss)
+        progress.epoch_step += 1
+        progress.step += 1
+        progress.samples += batch_size
+        done += 1
+        paused = after_step(loss, scheduler.get_last_lr()[0]) if after_step is not None else 0.0
+        step_seconds = time.perf_counter() - start - paused
+        progress.train_seconds += step_seconds
+        seconds += step_seconds
         bar.update(1)
-        elapsed = time.perf_counter() - start - paused
-        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{(i + 1) * batch_size / elapsed:.1f}")
+        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{done * batch_size / seconds:.1f}")
     bar.close()
-    return loss_sum, time.perf_counter() - start - paused
+    return done, seconds
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -268,33 +311,79 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-def _step_hook(engine, job: Job, eval_loader: DataLoader | None, eval_steps: int, log: runlog.JsonlLog, epoch: int,
-               first_step: int, steps: int, eval_every: int | None):
-    """The ``after_step`` of :func:`_train_epoch` for one epoch that starts after ``first_step`` steps:
-    a ``step`` record per step for a job with ``step_records``, and with ``eval_every`` an evaluation
-    and an ``eval`` record every ``eval_every`` steps of the run (not at the epoch's last step, which
-    the epoch's own evaluation covers). None when there is nothing to do."""
-    if not job.step_records and not eval_every:
+def _step_hook(engine, job: Job, eval_loader: DataLoader | None, eval_steps: int, log: runlog.JsonlLog,
+               progress: _Progress, steps: int, eval_every: int | None, save_every: int | None, save):
+    """The ``after_step`` of :func:`_train_epoch` for an epoch of ``steps`` steps: a ``step`` record
+    per step for a job with ``step_records``; with ``eval_every`` an evaluation and an ``eval`` record
+    every ``eval_every`` steps of the run, and with ``save_every`` a checkpoint (``save()``) every
+    ``save_every`` steps -- neither at the epoch's last step, which the epoch's own evaluation and
+    checkpoint cover. None when there is nothing to do."""
+    if not job.step_records and not eval_every and not save_every:
         return None
-    recent: list[float] = []
 
-    def after_step(i: int, loss: float, lr: float) -> float:
-        step = first_step + i
-        recent.append(loss)
+    def after_step(loss: float, lr: float) -> float:
+        step, last = progress.step, progress.epoch_step == steps
         if job.step_records:
-            log.write({"event": "step", "step": step, "epoch": epoch + 1, "loss": float(loss), "lr": float(lr)})
-        if not eval_every or step % eval_every or i == steps:
-            return 0.0
-        start = time.perf_counter()
-        metrics, _ = _evaluate(engine, job, eval_loader, eval_steps)
-        log.write({"event": "eval", "step": step, "epoch": epoch + 1, "train_loss": sum(recent) / len(recent),
-                   **metrics})
-        if dist.get_rank() == 0:
-            tqdm.write(f"step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        recent.clear()
-        return time.perf_counter() - start
+            log.write({"event": "step", "step": step, "epoch": progress.epoch + 1, "loss": float(loss),
+                       "lr": float(lr)})
+        paused = 0.0
+        if eval_every and not step % eval_every and not last:
+            start = time.perf_counter()
+            metrics, _ = _evaluate(engine, job, eval_loader, eval_steps)
+            log.write({"event": "eval", "step": step, "epoch": progress.epoch + 1,
+                       "train_loss": sum(progress.recent) / len(progress.recent), **metrics})
+            if dist.get_rank() == 0:
+                tqdm.write(f"step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            progress.recent.clear()
+            paused = time.perf_counter() - start
+        if save_every and not step % save_every and not last:
+            save()
+        return paused
 
     return after_step
+
+
+def _checkpoint_state(engine, optimizer, scheduler, device: torch.device, progress: _Progress) -> dict[str, Any]:
+    """Everything a rank needs to continue exactly (see :mod:`dgpipe.train.checkpoint`)."""
+    return {"engine": engine.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "rng": _rng_state(device), "meter": engine.meter.state_dict(), "progress": dataclasses.asdict(progress)}
+
+
+def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimizer, scheduler) -> _Progress | None:
+    """Load the newest checkpoint every rank can read (``--resume DIR``, or ``--save``'s with
+    ``--resume auto``); returns where it left the run, or None when there is none (``auto``: a
+    fresh start).
+
+    Raises:
+        ValueError: ``--resume DIR`` and no checkpoint complete on every rank.
+    """
+    resume = config.log.resume
+    if resume is None:
+        return None
+    directory = config.log.save if resume == "auto" else resume
+    found = checkpoint.agree(directory, rank, wire_device(), map_location=device)
+    if found is None:
+        if resume == "auto":
+            return None
+        raise ValueError(f"--resume {resume}: no checkpoint there that every rank can load")
+    step, state = found
+    checkpoint.discard_after(directory, rank, step)
+    engine.load_state_dict(state["engine"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"], device)
+    engine.meter.load_state_dict(state["meter"])
+    return _Progress(**state["progress"])
+
+
+def _repeated_steps(path: str | None, step: int) -> int | None:
+    """Steps the log shows past ``step`` (work an interrupted attempt did after its last checkpoint,
+    which the resumed run repeats): the largest ``step`` of its records minus ``step``; None without
+    a log."""
+    if path is None or not Path(path).is_file():
+        return None
+    done = [r["step"] for r in runlog.read_records(path) if isinstance(r.get("step"), int)]
+    return max(0, max(done, default=step) - step)
 
 
 def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, local_rank: int,
@@ -321,39 +410,43 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         total_steps = min(total_steps, train.max_steps)
     optimizer, scheduler = job.optimizer(engine.parameters(), total_steps, steps_per_epoch, engine.momentum_in_codec)
 
-    start_epoch, step = 0, 0
-    if log_cfg.resume:
-        state = checkpoint.load_rank(log_cfg.resume, rank, map_location=device)
-        engine.load_state_dict(state["engine"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"], device)
-        start_epoch, step = state["epoch"], state["step"]
-
+    resumed = _resume(config, rank, device, engine, optimizer, scheduler)
+    progress = resumed or _Progress()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     lead = rank == 0
-    log = runlog.JsonlLog(log_cfg.log if lead else None, append=bool(log_cfg.resume))
+    repeated = _repeated_steps(log_cfg.log, progress.step) if lead and (resumed or restart) else None
+    log = runlog.JsonlLog(log_cfg.log if lead else None, append=bool(log_cfg.resume or restart))
+    writer = checkpoint.Writer(log_cfg.save, rank, log_cfg.keep_checkpoints) if log_cfg.save else None
+
+    def save() -> None:
+        meta = {"world_size": world_size, "mode": pipe.mode, "epoch": progress.epoch,
+                "args": config.to_json()} if lead else None
+        writer.save(progress.step, _checkpoint_state(engine, optimizer, scheduler, device, progress), meta)
+
     if lead:
+        if resumed or restart:
+            record = {"event": "resume", "step": progress.step, "epoch": progress.epoch + 1, "restart": restart,
+                      "repeated_steps": repeated}
+            log.write(record)
+            print(f"resumed at step {progress.step} (epoch {progress.epoch + 1}, restart {restart}"
+                  + (f", {repeated} steps repeated" if repeated is not None else "") + ")", flush=True)
         print(f"dgpipe {pipe.mode}: {engine.describe()}; "
               + (f"codec {config.codec.compression}; " if config.codec.compression else "")
               + f"{steps_per_epoch} steps/epoch of {config.data.batch_size} examples", flush=True)
-    train_seconds = samples = 0.0
-    raw_total = wire_total = 0
     metrics: dict[str, float] = {}
     top: tuple[int, int] | None = None
-    for epoch in range(start_epoch, train.epochs):
-        if step >= total_steps:
-            break
-        engine.meter.reset()
+    while progress.epoch < train.epochs and progress.step < total_steps:
+        epoch = progress.epoch
+        if progress.epoch_step == 0:
+            engine.meter.reset()
         engine.set_epoch(epoch)
-        _start_epoch(train_loader, epoch)
-        n = min(steps_per_epoch, total_steps - step)
-        after_step = _step_hook(engine, job, eval_loader, eval_steps, log, epoch, step, n, train.eval_every)
-        loss_sum, seconds = _train_epoch(engine, optimizer, scheduler, train_loader, n, config.data.batch_size,
-                                         f"epoch {epoch + 1}/{train.epochs}", lead and log_cfg.progress, after_step)
-        step += n
-        train_seconds += seconds
-        samples += n * config.data.batch_size
-        train_loss = engine.mean_loss(loss_sum, n)
+        batches = _start_epoch(train_loader, epoch, progress.epoch_step) if engine.reads_data else None
+        n = min(steps_per_epoch, total_steps - progress.step + progress.epoch_step)
+        after_step = _step_hook(engine, job, eval_loader, eval_steps, log, progress, n, train.eval_every,
+                                log_cfg.save_every if writer else None, save)
+        done, seconds = _train_epoch(engine, optimizer, scheduler, batches, progress, n, config.data.batch_size,
+                                     f"epoch {epoch + 1}/{train.epochs}", lead and log_cfg.progress, after_step)
+        train_loss = engine.mean_loss(progress.loss_sum, n)
         delta_stats = engine.delta_stats()
         merged = engine.meter.gather(dst=0)
         metrics, top = _evaluate(engine, job, eval_loader, eval_steps)
@@ -361,11 +454,12 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         if lead:
             # training traffic (evaluations inside the epoch are left out), then this evaluation's
             boundaries = [b for b in _boundaries(merged, delta_stats) if b["direction"] not in EVAL_DIRECTIONS]
-            raw_total += sum(b["raw_bytes"] for b in boundaries)
-            wire_total += sum(b["wire_bytes"] for b in boundaries)
+            progress.raw_bytes += sum(b["raw_bytes"] for b in boundaries)
+            progress.wire_bytes += sum(b["wire_bytes"] for b in boundaries)
             boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]
-            record = runlog.epoch_record(epoch + 1, train_loss, metrics, n * config.data.batch_size / seconds, boundaries,
-                                         steps=n, step=step, lr=scheduler.get_last_lr()[0])
+            rate = done * config.data.batch_size / seconds if seconds else 0.0
+            record = runlog.epoch_record(epoch + 1, train_loss, metrics, rate, boundaries, steps=n, step=progress.step,
+                                         lr=scheduler.get_last_lr()[0])
             log.write(record)
             print(runlog.format_epoch(record, job.metric), flush=True)
             for name, st in delta_stats.items():
@@ -374,20 +468,18 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
                           f"reconstruction error {st['delta_error_rel']:.4g}", flush=True)
             if log_cfg.bandwidth:
                 print(runlog.format_boundaries(boundaries), flush=True)
-        if log_cfg.save:
-            checkpoint.save_rank(log_cfg.save, rank, {
-                "engine": engine.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": _rng_state(device), "epoch": epoch + 1, "step": step,
-            })
-            dist.barrier()
-            if lead:
-                checkpoint.write_meta(log_cfg.save, world_size=world_size, mode=pipe.mode, epoch=epoch + 1, step=step,
-                                      args=config.to_json())
+        progress.epoch, progress.epoch_step, progress.loss_sum = epoch + 1, 0, 0.0
+        progress.recent.clear()
+        if writer is not None:
+            save()
+    if writer is not None:
+        writer.wait()
     if lead:
         summary = runlog.summary_record(
-            job.metric, metrics.get(job.metric, float("nan")), samples / train_seconds if train_seconds else 0.0,
-            raw_total, wire_total, time.time() - launch_time, config.to_json(), metrics=metrics, steps=step,
-            train_seconds=train_seconds, top_class=list(top) if top else None,
+            job.metric, metrics.get(job.metric, float("nan")),
+            progress.samples / progress.train_seconds if progress.train_seconds else 0.0,
+            progress.raw_bytes, progress.wire_bytes, time.time() - launch_time, config.to_json(), metrics=metrics,
+            steps=progress.step, train_seconds=progress.train_seconds, top_class=list(top) if top else None,
         )
         log.write(summary)
         log.close()
