@@ -159,3 +159,65 @@ def test_a_header_declaring_a_huge_tensor_is_refused_before_decoding():
     assert parse_header(payload.header).shape == (3, 40 * 10**6)
     with pytest.raises(ValueError, match="declare tensors of 480000000 bytes, more than 4096x"):
         _receive(wire_message([payload], []), MIN_CAPACITY)
+
+
+class _NeverDecodes(type(get_codec("quant", bits=8))):
+    """The receiver's 8-bit codec: reaching its decode means a refused frame was decoded."""
+
+    def __init__(self) -> None:
+        super().__init__(bits=8)
+
+    def decode(self, payload):
+        raise AssertionError("a refused frame was decoded")
+
+
+def _lying_boundary(rank: int, world_size: int, lie: str) -> None:
+    """Rank 0 sends one forward message whose lanes lie (``lie``); rank 1 receives it."""
+    from dgpipe.comm import BandwidthMeter
+    from dgpipe.compression.wrappers.reference import TokenReference
+    from dgpipe.pipeline.boundary import Boundary
+
+    rows = lie == "rows"
+    codec = (lambda: get_codec("quant", bits=8)) if rank == 0 else _NeverDecodes
+    boundary = Boundary(0, 0, 1, codec, codec, BandwidthMeter(), torch.device("cpu"), 60.0, rank=rank, report=None,
+                        skip_padding=rows, token_reference=None if rows else TokenReference(50))
+    if rank == 1:
+        boundary.recv_forward(0, "forward")
+        raise AssertionError("the lying message was accepted")
+    honest = boundary._send
+
+    def lying(direction, message, tensors, ids=None, keep=None, tokens=None):
+        if lie == "rows":  # one row fewer than the row mask keeps
+            keep = keep.clone()
+            keep[tuple(keep.nonzero()[0])] = False
+        elif lie == "ids":  # the token ids sent are out of the vocabulary (the sender coded with its own)
+            tensors[message.token_ids] = tensors[message.token_ids] + 50
+        else:  # token ids of another length than the hidden states
+            tensors[message.token_ids] = tensors[message.token_ids][:, :-1]
+        return honest(direction, message, tensors, ids, keep, tokens)
+
+    boundary._send = lying
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    second = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]) if rows else torch.randint(0, 50, (2, 5), generator=g)
+    boundary.send_forward(0, (x, second), 1, "forward")
+    time.sleep(60)  # until the launcher ends this rank, once rank 1 has refused the message
+
+
+@pytest.mark.parametrize("lie, error", [
+    ("rows", r"tensor 0 declares \(6, 8\) rows for a row mask that keeps 7"),
+    ("ids", r"token ids: token ids in \[\d+, \d+\], outside \[0, 50\)"),
+    ("length", r"tensor 0 declares shape \(2, 5, 8\) for token ids \(2, 4\)"),
+])
+def test_lying_row_masks_and_token_ids_are_refused_before_decoding(lie, error):
+    """dgpipe's runtime, two ranks: a forward message whose row mask keeps more rows than were sent,
+    or whose token ids lie outside the vocabulary or do not fit the hidden states, is refused by the
+    receiving rank before any tensor is decoded, naming the boundary and the sender; the launcher
+    ends both ranks."""
+    from dgpipe.pipeline import SpawnError, spawn
+
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: stage0->stage1 forward, micro-batch 0: "
+                                         r"corrupt payload from rank 0: " + error):
+        spawn(_lying_boundary, 2, args=(lie,), timeout=120, start_method="fork")
+    assert time.monotonic() - start < 60  # the refusal, not a timeout, ended the ranks

@@ -189,9 +189,62 @@ def test_a_rank_that_fails_mid_schedule_ends_every_rank_with_its_error():
     """Rank 1 fails decoding its first activation while rank 0 waits for its gradient: the
     launcher ends both and names rank 1 and its error, well before the process-group timeout."""
     start = time.monotonic()
-    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: decoder broke on purpose"):
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: stage 1: corrupt forward message from rank 0 "
+                                         r"\(micro-batch 0\): decoder broke on purpose"):
         spawn(_one_failing_rank, 2, timeout=300, start_method="fork")
     assert time.monotonic() - start < 300  # the peer's failure, not the process group's timeout, ended it
+
+
+QUANT8 = type(get_codec("quant", bits=8))
+
+
+class _Lying(QUANT8):
+    """8-bit payloads whose header lies in one field (``lie``), at the honest message's size."""
+
+    lie = ""
+
+    def __init__(self) -> None:
+        super().__init__(bits=8)
+
+    def encode(self, x):
+        payload = super().encode(x)
+        header = payload.header.clone()  # [MAGIC, codec id, dtype code, ndim, *shape, ...]
+        if self.lie == "codec":
+            header[1] = get_codec("sortquant").codec_id
+        elif self.lie == "dtype":
+            header[2] = int(get_codec("none").encode(torch.zeros(1, dtype=torch.float16)).header[2])
+        else:  # the same number of values in another shape
+            header[4], header[5] = header[4] * 2, header[5] // 2
+        return type(payload)(header, payload.tensors)
+
+
+class _NeverDecodes(QUANT8):
+    """The receiving side's 8-bit codec: reaching its decode means a refused frame was decoded."""
+
+    def __init__(self) -> None:
+        super().__init__(bits=8)
+
+    def decode(self, payload):
+        raise AssertionError("a refused frame was decoded")
+
+
+def _lying_sender(rank: int, world_size: int, lie: str) -> None:
+    lying = type("Lying", (_Lying,), {"lie": lie})
+    _train(rank, world_size, "1f1b", act_codec=lying if rank == 0 else _NeverDecodes, grad_codec="none")
+
+
+@pytest.mark.parametrize("lie, field", [
+    ("shape", r"its header declares a torch.float32 \(4, 16\) tensor, torch's buffer is torch.float32 \(2, 32\)"),
+    ("dtype", r"its header declares a torch.float16 \(2, 32\) tensor, torch's buffer is torch.float32 \(2, 32\)"),
+    ("codec", r"corrupt header: .*codec"),
+])
+def test_a_lying_frame_is_refused_before_it_is_decoded(lie, field):
+    """Rank 0's stage sends activations whose header lies about their shape, dtype or codec inside the
+    fixed-size buffer torch receives into: rank 1 refuses the first one without decoding it, naming the
+    stage, the peer and the field, and the launcher ends both ranks."""
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: stage 1: corrupt forward message from rank 0 "
+                                         r"\(micro-batch 0\): " + field):
+        spawn(_lying_sender, 2, args=(lie,), timeout=300, start_method="fork")
 
 
 def _one_stalled_rank(rank: int, world_size: int) -> None:

@@ -74,7 +74,7 @@ import torch
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import DelayLine, Receiver, Sender
-from dgpipe.compression import Codec, CodecSpec, Payload
+from dgpipe.compression import Codec, CodecSpec, Payload, parse_header
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import ReferenceCoder, TokenReference, TokenTable, check_tokens
 
@@ -146,6 +146,19 @@ def _as_tensors(value, where: str) -> tuple[bool, list[torch.Tensor]]:
     if not 1 <= len(tensors) <= MAX_BOUNDARY_TENSORS:
         raise ValueError(f"{where} has {len(tensors)} tensors; a boundary carries 1..{MAX_BOUNDARY_TENSORS}")
     return atomic, tensors
+
+
+def _check_declared(pos: int, shape: tuple[int, ...], keep: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
+    """Before a received tensor is decoded: the ``shape`` its header declares fits the message's
+    row mask (``keep``: one row per kept entry) and token ids (``tokens``: ``(B, L, ...)``).
+
+    Raises:
+        ValueError: another number of rows, or another ``(B, L)``, than they imply.
+    """
+    if keep is not None and (not shape or shape[0] != int(keep.sum())):
+        raise ValueError(f"tensor {pos} declares {shape} rows for a row mask that keeps {int(keep.sum())}")
+    if tokens is not None and shape[:2] != tuple(tokens.shape):
+        raise ValueError(f"tensor {pos} declares shape {shape} for token ids {tuple(tokens.shape)}")
 
 
 def _row_mask(tensors: list[torch.Tensor]) -> int | None:
@@ -481,6 +494,9 @@ class Boundary:
                 if pos in (message.row_mask, message.token_ids):
                     continue
                 kind = message.kind(pos)
+                _check_declared(pos, parse_header(payload.header).shape,
+                                keep if message.rows(pos) and not kind & DELTA else None,
+                                tokens if message.referenced(pos) else None)
                 lane = self._lane(direction, slot, pos, kind, message.referenced(pos))
                 if message.rows(pos) and kind & DELTA:  # the delta lane restores the rows itself
                     tensors[pos] = lane.decode(payload, rows_ctx)

@@ -15,7 +15,10 @@ rewrites each one that carries a floating-point tensor:
   from the same metadata): every codec here must be *fixed-rate* -- its payload's size a
   function of the shape and dtype, not of the values. The stage checks this when it is built
   (two unlike inputs must give payloads of one size) and at every send;
-- before torch reads a received buffer, the message is validated and decoded into it.
+- before torch reads a received buffer, the message is validated -- its framing, and its header
+  against the codec this stage expects and the shape and dtype of torch's buffer -- and only
+  then decoded into it; a lying or corrupt message is refused with a ``ValueError`` that names
+  the peer (and the launcher ends every rank).
 
 Integer and boolean tensors (token ids, attention masks) travel as torch sends them (metered
 at their own size).
@@ -53,7 +56,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.transport import pack_message, read_message
-from dgpipe.compression import Codec
+from dgpipe.compression import Codec, parse_header
 from dgpipe.pipeline.boundary import CodecArg, codec_factory
 
 __all__ = ["TESTED_TORCH", "UNTESTED_TORCH_ENV", "CompressedPipelineStage", "check_torch_version"]
@@ -208,18 +211,30 @@ class CompressedPipelineStage(PipelineStage):
         return out
 
     def _decode_pending(self, direction: str, chunk: int) -> None:
-        """Decode the received messages of ``(direction, chunk)`` into torch's receive buffers."""
+        """Decode the received messages of ``(direction, chunk)`` into torch's receive buffers, each
+        after its header is checked against what this stage expects: its codec, and the shape and
+        dtype of torch's buffer. A refused message is not decoded.
+
+        Raises:
+            ValueError: a corrupt or lying message (names the stage, the direction, the peer and the field).
+        """
         for buf, target, name, peer, position in self._pending.pop((direction, chunk), []):
             start = time.perf_counter()
 
             def truncated(n: int, _peer: int = peer) -> torch.Tensor:
-                raise ValueError(f"corrupt message from rank {_peer}: {n} bytes more than its fixed size")
+                raise ValueError(f"{n} bytes more than its fixed size")
 
-            (payload,), _, _ = read_message(buf, truncated, peer, buf.numel(), target.device)
-            value = self._codec(direction, chunk, position).decode(payload)
-            if value.shape != target.shape:
-                raise ValueError(f"stage {self.stage_index}: rank {peer} sent a {direction} tensor of shape "
-                                 f"{tuple(value.shape)}, expected {tuple(target.shape)}")
+            codec = self._codec(direction, chunk, position)
+            try:
+                (payload,), _, _ = read_message(buf, truncated, peer, buf.numel(), target.device)
+                header = parse_header(payload.header, codec.codec_id)
+                if header.shape != tuple(target.shape) or header.dtype != target.dtype:
+                    raise ValueError(f"its header declares a {header.dtype} {header.shape} tensor, torch's buffer "
+                                     f"is {target.dtype} {tuple(target.shape)}")
+                value = codec.decode(payload)
+            except ValueError as e:
+                raise ValueError(f"stage {self.stage_index}: corrupt {direction} message from rank {peer} "
+                                 f"(micro-batch {chunk}): {e}") from None
             with torch.no_grad():
                 target.copy_(value)
             self.meter.record_recv(name, self._label(direction), recv_bytes=payload.nbytes, recv_seconds=0.0,
