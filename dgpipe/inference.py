@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from dgpipe.comm import BandwidthMeter
-from dgpipe.comm.transport import Receiver, Sender
+from dgpipe.comm.transport import DelayLine, Receiver, Sender
 from dgpipe.compression import Codec, Payload, get_codec
 from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
 from dgpipe.pipeline.boundary import CodecArg, codec_factory
@@ -202,11 +202,18 @@ class LocalServer:
 
 
 class RemoteServer:
-    """The client's end of the link to a server process (:func:`serve`) at global rank ``peer``."""
+    """The client's end of the link to a server process (:func:`serve`) at global rank ``peer``.
+
+    ``delay``: a :class:`~dgpipe.comm.transport.DelayLine` that holds every message to the server back by
+    its latency (benchmarks on kernels without ``netem``; ``None``: send at once). The meter records per
+    direction the payload bytes (``wire_bytes``), the transport's framing around them (``frame_bytes``:
+    the message's meta and size fields) and the codec's seconds.
+    """
 
     def __init__(self, peer: int = 1, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
-                 meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None) -> None:
-        self.send_stream, self.recv_stream = Sender(peer, group, TAG), Receiver(peer, group, TAG + 1)
+                 meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
+                 delay: DelayLine | None = None) -> None:
+        self.send_stream, self.recv_stream = Sender(peer, group, TAG, delay), Receiver(peer, group, TAG + 1)
         self.codec, self.mask_codec = codec_factory(act_codec)(), get_codec("intpack")
         self.back = codec_factory(return_codec or act_codec)()
         self.meter, self.timeout, self.peer = meter, timeout, peer
@@ -219,22 +226,27 @@ class RemoteServer:
         payload, seconds = _coded(self.codec, hidden)
         payloads = [payload] + ([self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else [])
         kind = PREFILL if prompt_mask is not None else DECODE
-        self.send_stream.send(payloads, [kind, self.past, b, length], "client->server").wait(self.timeout)
+        work = self.send_stream.send(payloads, [kind, self.past, b, length], "client->server")
+        work.wait(self.timeout)
         if self.meter is not None:
+            wire = sum(p.nbytes for p in payloads)
             self.meter.record_send("client->server", "generate", raw_bytes=hidden.numel() * hidden.element_size(),
-                                   wire_bytes=sum(p.nbytes for p in payloads), encode_seconds=seconds)
+                                   wire_bytes=wire, frame_bytes=work.nbytes - wire, encode_seconds=seconds)
         start = time.perf_counter()
         back, meta = self.recv_stream.recv("cpu", self.timeout)
         waited = time.perf_counter() - start
         if meta != [HIDDEN, self.past, b, length] or len(back) != 1:
             raise ValueError(f"server (rank {self.peer}) answered {meta} with {len(back)} payloads to a "
                              f"{['', 'prefill', 'decode'][kind]} of {b}x{length} tokens at past {self.past}")
+        start = time.perf_counter()
         out = self.back.decode(back[0])
+        decoded = time.perf_counter() - start
         if out.shape != hidden.shape or not out.is_floating_point():
             raise ValueError(f"server (rank {self.peer}) sent hidden states {tuple(out.shape)} {out.dtype} for "
                              f"{tuple(hidden.shape)}")
         if self.meter is not None:
-            self.meter.record_recv("server->client", "generate", recv_bytes=back[0].nbytes, recv_seconds=waited)
+            self.meter.record_recv("server->client", "generate", recv_bytes=back[0].nbytes, recv_seconds=waited,
+                                   decode_seconds=decoded)
         self.past += length
         return out.to(hidden.dtype)
 
@@ -244,16 +256,18 @@ class RemoteServer:
 
 
 def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
-          meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None) -> int:
+          meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
+          delay: DelayLine | None = None) -> int:
     """Run the server's stage for the client at global rank ``peer`` until it sends :data:`END`; returns
     the number of steps served. Codecs: the client's (``act_codec`` decodes what it sends, ``return_codec``,
-    default ``act_codec``, codes the answers).
+    default ``act_codec``, codes the answers). ``delay``: hold every answer back by its latency
+    (benchmarks; as :class:`RemoteServer`'s).
 
     Raises:
         ValueError: a message whose meta, payload count, shapes or dtypes do not fit (names the peer).
         TransportError: the client died or sent nothing within ``timeout`` seconds.
     """
-    recv_stream, send_stream = Receiver(peer, group, TAG), Sender(peer, group, TAG + 1)
+    recv_stream, send_stream = Receiver(peer, group, TAG), Sender(peer, group, TAG + 1, delay)
     act, back, mask_codec = codec_factory(act_codec)(), codec_factory(return_codec or act_codec)(), get_codec("intpack")
     hidden_size = blocks.config.hidden_size
     tracker: _Tracker | None = None
@@ -275,7 +289,9 @@ def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", retu
                                                           or length != 1)):
             raise ValueError(f"client (rank {peer}) sent {len(payloads)} payloads with meta {meta}; the server "
                              f"holds {past} tokens of a batch of {batch}")
+        start = time.perf_counter()
         hidden = act.decode(payloads[0])
+        decoded = time.perf_counter() - start
         if hidden.shape != (b, length, hidden_size) or not hidden.is_floating_point():
             raise ValueError(f"client (rank {peer}) sent hidden states {tuple(hidden.shape)} {hidden.dtype}, want "
                              f"({b}, {length}, {hidden_size}) floating")
@@ -283,20 +299,21 @@ def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", retu
             mask = mask_codec.decode(payloads[1])
             if mask.shape != (b, length) or bool(((mask != 0) & (mask != 1)).any()) or their_past != 0:
                 raise ValueError(f"client (rank {peer}) sent a prompt mask {tuple(mask.shape)} (want ({b}, {length})"
-                                 " of 0/1) or a prefill at past {their_past}")
+                                 f" of 0/1) or a prefill at past {their_past}")
             blocks.reset()
             tracker, past, batch = _Tracker(mask), 0, b
         else:
             tracker.advance()
         if meter is not None:
             meter.record_recv("client->server", "generate", recv_bytes=sum(p.nbytes for p in payloads),
-                              recv_seconds=waited)
+                              recv_seconds=waited, decode_seconds=decoded)
         out = blocks(hidden, tracker.mask, tracker.positions)
         payload, seconds = _coded(back, out)
         pending = send_stream.send([payload], [HIDDEN, past, b, length], "server->client")
         if meter is not None:
             meter.record_send("server->client", "generate", raw_bytes=out.numel() * out.element_size(),
-                              wire_bytes=payload.nbytes, encode_seconds=seconds)
+                              wire_bytes=payload.nbytes, frame_bytes=pending.nbytes - payload.nbytes,
+                              encode_seconds=seconds)
         past += length
         steps += 1
 

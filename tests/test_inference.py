@@ -5,6 +5,7 @@ lying messages are refused."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -215,3 +216,34 @@ def test_cli_generates_and_refuses_bad_input(capsys):
         with pytest.raises(SystemExit) as e:
             lm.main(["generate", *bad])
         assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lm.main([*argv, "--link-delay", "20"])  # in one process there is no link to delay
+    assert "--link-delay takes milliseconds >= 0 and delays messages between two processes" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("no_torchrun")
+def test_cli_two_processes_with_a_link_delay_log_their_timings_and_bytes(tmp_path):
+    """Client and server processes with every message held back 50 ms: each step waits at least the two
+    latencies, and the log holds every step's seconds and, per direction, the payload bytes (as the codec
+    counts them), the framing around them and the codec's seconds."""
+    from dgpipe.cli import lm
+    from dgpipe.compression import get_codec
+
+    tokenizer = str(ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2")
+    if not Path(tokenizer).is_dir():
+        pytest.skip(f"needs {tokenizer}")
+    log = tmp_path / "gen.json"
+    assert lm.main(["generate", "--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "Hello there",
+                    "--max-new-tokens", "3", "--codec", "quant", "--codec-opt", "bits=8", "--link-delay", "50",
+                    "--log-file", str(log)]) == 0
+    record = json.loads(log.read_text())
+    assert record["event"] == "generate" and record["batch"] == 1 and record["new_tokens"] == 3
+    assert len(record["step_seconds"]) == 3 and min(record["step_seconds"]) >= 0.1
+    assert record["time_to_first_token"] == record["step_seconds"][0]
+    sent = next(m for m in record["meter"] if m["name"] == "client->server")
+    hidden = 64  # tiny-llama's width
+    length = record["prompt_length"]
+    payloads = [get_codec("quant", bits=8).encode(torch.zeros(1, n, hidden)).nbytes for n in (length, 1, 1)]
+    mask = get_codec("intpack").encode(torch.ones(1, length, dtype=torch.long)).nbytes
+    assert sent["count"] == 3 and sent["wire_bytes"] == sum(payloads) + mask
+    assert sent["frame_bytes"] > 0 and sent["encode_seconds"] > 0

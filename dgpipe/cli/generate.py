@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -53,6 +54,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, choices=[1, 2], default=2,
                    help="2: client and server processes (default); 1: the server in the client's process")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds a side waits for the other")
+    c.add_argument("--link-delay", dest="link_delay_ms", type=float, default=0.0, metavar="MS",
+                   help="benchmarks: hold every message back by MS milliseconds before it is sent, an emulated "
+                        "one-way latency where the kernel has no netem (--world-size 2 or torchrun)")
+    p.add_argument("--log-file", type=Path, metavar="PATH",
+                   help="also write the timings and the traffic as one JSON record to PATH")
     return p
 
 
@@ -75,6 +81,9 @@ def _config(args: argparse.Namespace):
         raise ValueError("give --prompt TEXT or --prompts-file FILE")
     if args.max_new_tokens < 1 or args.client_layers < 0:
         raise ValueError("--max-new-tokens must be >= 1 and --client-layers >= 0")
+    if not args.link_delay_ms >= 0 or (args.link_delay_ms and args.world_size == 1 and "RANK" not in os.environ):
+        raise ValueError("--link-delay takes milliseconds >= 0 and delays messages between two processes "
+                         "(--world-size 2)")
     act = CodecSpec(args.codec, parse_options(args.codec_opt, "--codec-opt"))
     back = act if args.return_codec is None else CodecSpec(args.return_codec,
                                                            parse_options(args.return_codec_opt, "--return-codec-opt"))
@@ -109,6 +118,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     import torch
 
     from dgpipe.comm import BandwidthMeter
+    from dgpipe.comm.transport import DelayLine
     from dgpipe.inference import ClientStages, LocalServer, RemoteServer, StageBlocks, generate, serve, split_layers
     from dgpipe.models.causal_lm import causal_lm_layers
 
@@ -116,12 +126,13 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     model, tokenizer = _load(args)
     front, middle, last = split_layers(causal_lm_layers(model), args.client_layers)
     meter = BandwidthMeter()
+    delay = DelayLine(args.link_delay_ms / 1000) if args.link_delay_ms else None
     if rank == 1:
-        serve(StageBlocks(middle, model.config), 0, act, back, meter=meter, timeout=args.timeout)
+        serve(StageBlocks(middle, model.config), 0, act, back, meter=meter, timeout=args.timeout, delay=delay)
         return
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     server = LocalServer(StageBlocks(middle, model.config), act, back, meter) if world_size == 1 else \
-        RemoteServer(1, act, back, meter, args.timeout)
+        RemoteServer(1, act, back, meter, args.timeout, delay=delay)
     generator = torch.Generator().manual_seed(args.seed)
     steps: list[float] = []
     try:
@@ -140,6 +151,12 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
         sent = rec["wire_bytes"] or rec["recv_bytes"]
         print(f"{rec['name']}: {rec['count'] or rec['recv_count']} messages, {sent / 1e3:.1f} kB on the wire"
               + (f" ({32 * sent / rec['raw_bytes']:.2f} bits/value of float32)" if rec["raw_bytes"] else ""))
+    if args.log_file is not None:
+        record = {"event": "generate", "batch": len(prompts), "prompt_length": int(batch["input_ids"].shape[1]),
+                  "new_tokens": int(new.shape[1]), "step_seconds": steps, "time_to_first_token": steps[0],
+                  "tokens_per_s": n / sum(steps), "link_delay_ms": args.link_delay_ms, "meter": meter.records()}
+        args.log_file.parent.mkdir(parents=True, exist_ok=True)
+        args.log_file.write_text(json.dumps(record) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -45,7 +45,7 @@ _OWN_FLAGS = {
     "sortquant": "--sortquant", "quant": "--quant", "split": "--split", "codec": "--codec",
     "codec_opt": "--codec-opt", "grad_quant": "--grad-quant", "grad_split": "--grad-split",
     "grad_codec": "--grad-codec", "grad_codec_opt": "--grad-codec-opt", "log": "--log", "save": "--save",
-    "resume": "--resume",
+    "save_every": "--save-every", "resume": "--resume",
 }
 
 
