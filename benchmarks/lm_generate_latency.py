@@ -7,7 +7,8 @@ message back, ``--link-delay``, as this kernel has no ``netem``) -- one pair of 
 once and generates, for each codec setting (uncompressed float32, 8-bit per-token ``quant``, 4-bit
 ``codebook`` with Hadamard rotation) and each batch x prompt length (1 x 32, 1 x 512, 16 x 32, 16 x 512
 tokens of wiki-excerpt's test split), ``--new-tokens`` tokens greedily (no stop token: every step runs).
-Rank 0 writes one JSON line per generation (``<link>.jsonl``); the table (``table.md``) puts each beside
+Each is run ``--repeats`` times after an untimed warm-up per codec (its first call compiles); medians
+are reported. Rank 0 writes one JSON line per setting (``<link>.jsonl``); the table (``table.md``) puts each beside
 its ideal::
 
     ideal TTFT  = loopback TTFT + (prefill message bytes both ways) / rate + 2 x latency
@@ -15,7 +16,8 @@ its ideal::
 
 with the message bytes as the transport frames them (payloads, headers, meta; the prompt mask at
 prefill). It also lists the per-message overhead: the bytes of a one-token message that are not codes
-(payload header and framing) and the codec's microseconds per row (encode + decode on the client).
+(payload header and framing), and the client's codec milliseconds per step (encoding its message and
+decoding the answer, averaged over the steps, prefill included; the server spends about as much).
 Resumable: a link whose log is complete is not run again.
 
     sudo python benchmarks/lm_generate_latency.py --out benchmarks/results/lm_generate_latency/DATE
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -70,7 +73,7 @@ def message_bytes(spec: tuple[str, dict], shape: tuple[int, ...], prefill: bool)
     return pack_message(payloads, [0, 0, 0, 0])[1], codes
 
 
-def worker(out: Path, delay_ms: float, new_tokens: int, shapes: list[tuple[int, int]]) -> None:
+def worker(out: Path, delay_ms: float, new_tokens: int, shapes: list[tuple[int, int]], repeats: int) -> None:
     """One rank (torchrun-style environment): load the model, then every codec x shape in order."""
     import torch
 
@@ -87,26 +90,42 @@ def worker(out: Path, delay_ms: float, new_tokens: int, shapes: list[tuple[int, 
     model, tokenizer = _load(args)
     front, middle, last = split_layers(causal_lm_layers(model), 1)
     delay = DelayLine(delay_ms / 1000) if delay_ms else None
+    client = ClientStages(front, last, model.config)
+
+    def session(spec, batch: int, length: int, tokens: int, meter: BandwidthMeter) -> list[float]:
+        """One generation (client) or its service (server); the client's step seconds."""
+        if rank == 1:
+            serve(StageBlocks(middle, model.config), 0, spec, meter=meter, timeout=600, delay=delay)
+            return []
+        ids, mask = prompts(tokenizer, batch, length)
+        server = RemoteServer(1, spec, meter=meter, timeout=600, delay=delay)
+        steps: list[float] = []
+        try:
+            generate(client, server, ids, mask, tokens, timings=steps)
+        finally:
+            server.close()
+        return steps
+
     records = []
     for label, spec in CODECS.items():
+        session(spec, 1, 64, 2, BandwidthMeter())  # warm-up: the compiled kernels' first calls (JIT), untimed
         for batch, length in shapes:
-            meter = BandwidthMeter()
-            if rank == 1:
-                serve(StageBlocks(middle, model.config), 0, spec, meter=meter, timeout=600, delay=delay)
-                continue
-            ids, mask = prompts(tokenizer, batch, length)
-            server = RemoteServer(1, spec, meter=meter, timeout=600, delay=delay)
-            steps: list[float] = []
-            try:
-                generate(ClientStages(front, last, model.config), server, ids, mask, new_tokens, timings=steps)
-            finally:
-                server.close()
-            records.append({"codec": label, "batch": batch, "length": length, "delay_ms": delay_ms,
-                            "step_seconds": steps, "meter": meter.records()})
-            print(f"{label} {batch}x{length}: TTFT {steps[0]:.3f} s, step {sum(steps[1:]) / len(steps[1:]):.4f} s",
-                  flush=True)
+            runs, meter = [], BandwidthMeter()
+            for _ in range(repeats):
+                runs.append(session(spec, batch, length, new_tokens, meter))
+            if rank == 0:
+                records.append({"codec": label, "batch": batch, "length": length, "delay_ms": delay_ms,
+                                "runs": runs, "meter": meter.records()})
+                ttft, step = _medians(runs)
+                print(f"{label} {batch}x{length}: TTFT {ttft:.3f} s, step {step:.4f} s", flush=True)
     if rank == 0:
         out.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def _medians(runs: list[list[float]]) -> tuple[float, float]:
+    """Median over the runs of the time to first token and of the mean one-token step (s)."""
+    return (statistics.median(r[0] for r in runs),
+            statistics.median(sum(r[1:]) / (len(r) - 1) for r in runs))
 
 
 def table(out: Path) -> str:
@@ -115,7 +134,7 @@ def table(out: Path) -> str:
             for name, _, _ in LINKS}
     base = {(r["codec"], r["batch"], r["length"]): r for r in logs["loopback"]}
     rows = ["| link | codec | batch x prompt | TTFT s (ideal) | tokens/s (ideal) | bytes/step each way | "
-            "overhead B/msg | codec us/row |", "|---|---|---|---|---|---|---|---|"]
+            "overhead B/msg | client codec ms/step |", "|---|---|---|---|---|---|---|---|"]
     for name, rate, latency in LINKS:
         for r in logs[name]:
             key = (r["codec"], r["batch"], r["length"])
@@ -123,18 +142,16 @@ def table(out: Path) -> str:
             # the prefill both ways (the prompt mask goes to the server only), then one token's message
             pre = message_bytes(spec, (b, n, HIDDEN), True)[0] + message_bytes(spec, (b, n, HIDDEN), False)[0]
             one, codes = message_bytes(spec, (b, 1, HIDDEN), False)
-            loop = base[key]
-            ttft, step = r["step_seconds"][0], sum(r["step_seconds"][1:]) / (len(r["step_seconds"]) - 1)
-            loop_step = sum(loop["step_seconds"][1:]) / (len(loop["step_seconds"]) - 1)
+            loop_ttft, loop_step = _medians(base[key]["runs"])
+            ttft, step = _medians(r["runs"])
             wire = (lambda x: 8 * x / rate) if rate else (lambda x: 0.0)
-            ideal_ttft = loop["step_seconds"][0] + wire(pre) + 2 * latency
+            ideal_ttft = loop_ttft + wire(pre) + 2 * latency
             ideal_step = loop_step + wire(2 * one) + 2 * latency
             sent = next(m for m in r["meter"] if m["name"] == "client->server")
             received = next(m for m in r["meter"] if m["name"] == "server->client")
-            rows_coded = b * (n + len(r["step_seconds"]) - 1)  # each coded once each way
-            codec_us = 1e6 * (sent["encode_seconds"] + received["decode_seconds"]) / rows_coded
+            codec_ms = 1e3 * (sent["encode_seconds"] + received["decode_seconds"]) / sent["count"]
             rows.append(f"| {name} | {r['codec']} | {b} x {n} | {ttft:.3f} ({ideal_ttft:.3f}) | "
-                        f"{b / step:.1f} ({b / ideal_step:.1f}) | {one} | {one - codes} | {codec_us:.1f} |")
+                        f"{b / step:.1f} ({b / ideal_step:.1f}) | {one} | {one - codes} | {codec_ms:.2f} |")
     return "\n".join(rows)
 
 
@@ -142,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="generations per setting (medians reported)")
     p.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES),
                    help="batch x prompt tokens, comma-separated (default: %(default)s)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # a rank: write its log here
@@ -149,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.worker is not None:
-        worker(args.worker, args.delay_ms, args.new_tokens, shapes)
+        worker(args.worker, args.delay_ms, args.new_tokens, shapes, args.repeats)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for name, rate, latency in LINKS:
@@ -157,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         if log.is_file() and len(log.read_text().splitlines()) == len(CODECS) * len(shapes):
             print(f"[{name}] already done", flush=True)
             continue
-        rank = [sys.executable, __file__, "--out", str(args.out), "--new-tokens", str(args.new_tokens), "--shapes",
+        rank = [__file__, "--out", str(args.out), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                "--shapes",
                 args.shapes,
                 "--worker", str(log), "--delay-ms", f"{1000 * latency:g}"]
-        cmd = ([sys.executable, str(ROOT / "bandwidth" / "slow_link.py"), "--rate", f"{int(rate / 1e6)}mbit", "--"]
-               if rate else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+        if rate:
+            cmd = [sys.executable, str(ROOT / "bandwidth" / "slow_link.py"), "--rate", f"{int(rate / 1e6)}mbit", "--",
+                   sys.executable]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         print(f"[{name}] {' '.join(cmd + rank)}", flush=True)
         start = time.perf_counter()
         with open(args.out / f"{name}.out", "w") as stdout:

@@ -367,7 +367,8 @@ def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimize
             return None
         raise ValueError(f"--resume {resume}: no checkpoint there that every rank can load")
     step, state = found
-    checkpoint.discard_after(directory, rank, step)
+    if config.log.save is not None and Path(directory).resolve() == Path(config.log.save).resolve():
+        checkpoint.discard_after(directory, rank, step)  # where this run writes: no mixing with the next steps
     engine.load_state_dict(state["engine"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
