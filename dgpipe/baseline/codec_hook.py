@@ -79,7 +79,8 @@ class CodecHook(MeteredHook):
         if exchange == "allreduce" and codec.name not in LINEAR_CODECS:
             raise ValueError(f"codec {codec.name!r} cannot be all-reduced; use exchange='allgather' (or 'auto')")
         self.codec = codec.name
-        self.exchange = exchange if exchange != "auto" else ("allreduce" if codec.name in LINEAR_CODECS else "allgather")
+        linear = codec.name in LINEAR_CODECS
+        self.exchange = exchange if exchange != "auto" else ("allreduce" if linear else "allgather")
         self.decoder = codec.build(error_feedback=False)
         seeded = "seed" in inspect.signature(type(self.decoder)).parameters
         self.encoders: dict[str, Codec] = {}

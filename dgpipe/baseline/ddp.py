@@ -218,7 +218,9 @@ def build_ddp(
     kind = compression.kind
     device = torch.device(device)
     model = model.to(device)
-    device_ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    device_ids = None
+    if device.type == "cuda":
+        device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
     # PowerSGDHook needs every gradient in one bucket (see its docstring): a 1 TiB cap.
     ddp = DistributedDataParallel(
         model, device_ids=device_ids, process_group=process_group,

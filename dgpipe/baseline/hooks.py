@@ -43,8 +43,8 @@ the completion of the future.
 Meter fields per bucket exchange (``direction`` is ``"allreduce"`` or ``"allgather"``):
 ``raw_bytes`` the bucket's gradients uncompressed; ``wire_bytes`` the bytes this rank
 contributes: the framed payloads (tensors plus varint headers, see
-:mod:`~dgpipe.baseline.framing`; a payload's int64 header would be ``Payload.nbytes``) for all-gather, the payload tensors
-(headers stay home) for the generic all-reduce, the (cast or PowerSGD-factor) buffer
+:mod:`~dgpipe.baseline.framing`; a payload's int64 header would be ``Payload.nbytes``) for all-gather, the
+payload tensors (headers stay home) for the generic all-reduce, the (cast or PowerSGD-factor) buffer
 for the others; ``frame_bytes`` sizes, framing, padding and header digests;
 ``recv_bytes`` the framed payload bytes received from the other ranks (all-gather) or the
 size of the reduced buffer (all-reduce; the collective's algorithm, e.g. a ring that

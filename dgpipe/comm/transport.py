@@ -388,7 +388,8 @@ class Receiver(_Stream):
             _wait([_post(dist.irecv, buf, src, self.group, self.tag, action)], src, action, timeout, start)
             return buf
 
-        limit = max_bytes if max_bytes is not None else min(DEFAULT_MAX_BYTES, max(MIN_LIMIT, LIMIT_GROWTH * self.largest))
+        grown = min(DEFAULT_MAX_BYTES, max(MIN_LIMIT, LIMIT_GROWTH * self.largest))
+        limit = max_bytes if max_bytes is not None else grown
         payloads, meta, total = read_message(first, rest, src, limit, device)
         self.grow(total)
         return payloads, meta

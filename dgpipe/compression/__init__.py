@@ -16,4 +16,5 @@ from .base import Codec, Payload, available_codecs, get_codec, parse_header, reg
 from .spec import CodecSpec
 from .wrappers import DeltaCache, DeltaCoder, DeltaSpec, ErrorFeedback
 
-__all__ = ["Codec", "CodecSpec", "DeltaCache", "DeltaCoder", "DeltaSpec", "ErrorFeedback", "Payload", "available_codecs", "get_codec", "parse_header", "register_codec"]
+__all__ = ["Codec", "CodecSpec", "DeltaCache", "DeltaCoder", "DeltaSpec", "ErrorFeedback", "Payload",
+           "available_codecs", "get_codec", "parse_header", "register_codec"]

@@ -249,7 +249,8 @@ def load_glue(
             ) from err
     if heldout:
         try:
-            held = set(choose_subset([y for _, _, y in examples], heldout, HELDOUT_SEED, not spec.is_regression).tolist())
+            labels = [y for _, _, y in examples]
+            held = set(choose_subset(labels, heldout, HELDOUT_SEED, not spec.is_regression).tolist())
         except ValueError as e:
             raise ValueError(f"heldout: {e}") from None
         if part:
@@ -299,7 +300,8 @@ def tokenize_glue(examples: list[Example], tokenizer, max_length: int = 128) -> 
     return out
 
 
-def trim_padding(items: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def trim_padding(items: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Collate items of a :class:`TokenizedDataset` and cut the padding columns that every
     example of the batch has (what ``DataCollatorWithPadding(padding="longest")`` gives,
     on examples tokenised once at the longest length).

@@ -80,8 +80,8 @@ def train_bpe(text: str, vocab_size: int):
     bytes as the base alphabet, so no text is out of vocabulary).
 
     Deterministic for a given text and size. ``<|endoftext|>``, the one special token, is id 0 and
-    serves as BOS, EOS and padding. Sennrich et al., "Neural Machine Translation of Rare Words with Subword Units", ACL 2016;
-    byte-level as in GPT-2.
+    serves as BOS, EOS and padding. Sennrich et al., "Neural Machine Translation of Rare Words with Subword
+    Units", ACL 2016; byte-level as in GPT-2.
 
     Returns:
         a ``transformers.PreTrainedTokenizerFast``.

@@ -293,7 +293,8 @@ class DecoderBlock(nn.Module):
         self.layer, self.config, self.rotary_emb, self.carry_ids = layer, config, rotary_emb, carry_ids
         types = getattr(config, "layer_types", None)
         self.layer_type = types[index] if types else "full_attention"
-        self._rotary_by_type = rotary_emb is not None and "layer_type" in inspect.signature(rotary_emb.forward).parameters
+        self._rotary_by_type = (rotary_emb is not None
+                                and "layer_type" in inspect.signature(rotary_emb.forward).parameters)
         name = "create_sliding_window_causal_mask" if self.layer_type == "sliding_attention" else "create_causal_mask"
         self._mask, self._cache_kw, self._wants_cache_position = _mask_function(name)
         attention = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)

@@ -16,8 +16,8 @@ One machine, from Python::
 the others are terminated and :class:`SpawnError` names the failed rank with its
 traceback (sent to the parent as UTF-8 text over a pipe, not pickled). Ctrl-C or
 SIGTERM to the launcher ends every rank, and on Linux a rank also ends when its
-launcher dies any other way (SIGKILL included: a parent-death signal). Inside the ranks, every blocking receive has a timeout (the process
-group's and the pipeline's), so ranks launched any way end with an error naming the
+launcher dies any other way (SIGKILL included: a parent-death signal). Inside the ranks, every blocking
+receive has a timeout (the process group's and the pipeline's), so ranks launched any way end with an error naming the
 peer when it fails or stalls. A rank whose ``fn`` returned destroys the process group,
 runs its ``atexit`` handlers, flushes stdout/stderr and ends without interpreter teardown
 (as multiprocessing's fork children do; pytorch/pytorch#38228): close the files ``fn``

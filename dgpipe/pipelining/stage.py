@@ -100,7 +100,8 @@ def _fixed_rate(make: Any, direction: str) -> None:
     try:
         sizes = {codec.encode(x).nbytes for x in probes}  # one instance: a stateful codec's size may drift
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{direction} codec {codec!r} cannot code the floating-point tensors a stage sends: {e}") from None
+        raise ValueError(f"{direction} codec {codec!r} cannot code the floating-point tensors a stage sends: "
+                         f"{e}") from None
     if len(sizes) > 1:
         raise ValueError(f"{direction} codec {codec!r}: its payload size depends on the values ({sorted(sizes)} bytes "
                          f"for one shape); torch's schedules post receives of a size fixed by the shape. Use a "

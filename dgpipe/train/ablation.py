@@ -75,7 +75,8 @@ DDP_SETTINGS: dict[str, list[str]] = {
     "ddp_fp16": _DP + ["fp16"],
     "ddp_powersgd1": _DP + ["powersgd", "--grad-compression-opt", "matrix_approximation_rank=1"],
     "ddp_powersgd4": _DP + ["powersgd", "--grad-compression-opt", "matrix_approximation_rank=4"],
-    "ddp_topk_ef": _DP + ["topk", "--grad-compression-opt", "ratio=0.01", "--grad-compression-opt", "error_feedback=true"],
+    "ddp_topk_ef": _DP + ["topk", "--grad-compression-opt", "ratio=0.01",
+                          "--grad-compression-opt", "error_feedback=true"],
     "ddp_randomk": _DP + ["randomk", "--grad-compression-opt", "ratio=0.01"],
     "ddp_onebit_ef": _DP + ["onebit", "--grad-compression-opt", "error_feedback=true"],
     "ddp_qsgd4": _DP + ["qsgd", "--grad-compression-opt", "levels=4"],
@@ -253,7 +254,8 @@ def table(out: Path, labels: list[str]) -> str:
         s = read_summary(log)
         ratio = s["wire_bytes"] / s["raw_bytes"] if s["raw_bytes"] else float("nan")
         rows.append(
-            f"| {label} | {s['metric']} | {s['value']:.4f} | {ratio:.4f} | {s['samples_per_s']:.1f} | {s['wall_seconds']:.0f} |"
+            f"| {label} | {s['metric']} | {s['value']:.4f} | {ratio:.4f} | {s['samples_per_s']:.1f} | "
+            f"{s['wall_seconds']:.0f} |"
         )
     return "\n".join(rows)
 
@@ -279,7 +281,8 @@ def paired(values: list[float], baseline: list[float]) -> tuple[float, float, fl
     return mean, mean - half, mean + half
 
 
-def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str = "none") -> tuple[list[str], list[dict]]:
+def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str = "none"
+                  ) -> tuple[list[str], list[dict]]:
     """Per setting of a multi-seed run: measured bits per value and, per metric, the values over
     seeds and the paired difference to ``baseline`` (:func:`paired`). Seeds missing for a setting or
     its baseline are left out of its pairs.
@@ -288,7 +291,8 @@ def seeds_results(out: Path, labels: list[str], seeds: list[int], baseline: str 
     (bits/value), "values": {metric: [per seed]}, "delta": {metric: (mean, low, high) or None}}``.
     """
     def summaries(label):
-        return {k: read_summary(out / f"{label}_seed{k}.jsonl") for k in seeds if has_summary(out / f"{label}_seed{k}.jsonl")}
+        logs = {k: out / f"{label}_seed{k}.jsonl" for k in seeds}
+        return {k: read_summary(log) for k, log in logs.items() if has_summary(log)}
 
     base = summaries(baseline)
     metrics = sorted({m for s in base.values() for m in s.get("metrics", {})})
@@ -442,7 +446,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--baseline", default="none",
                         help="with --seeds: the label every setting is paired with (default none)")
     parser.add_argument("--no-run", action="store_true",
-                        help="run nothing: tabulate and plot the logs already in --out (e.g. while runs go on elsewhere)")
+                        help="run nothing: tabulate and plot the logs already in --out (e.g. while runs go on "
+                             "elsewhere)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="runs at a time (default 1; more on a machine with cores or a GPU to spare)")
     args = parser.parse_args(argv)
@@ -465,7 +470,8 @@ def _main(argv: list[str]) -> int:
         if args.baseline not in labels:
             parser.error(f"--baseline {args.baseline} is not among the settings: add it to --only")
         runs = [(f"{lab}_seed{k}", settings[lab], common + ["--seed", str(k)]) for k in seeds for lab in labels]
-        ok = all(has_summary(out / f"{r[0]}.jsonl") for r in runs) if args.no_run else run_all(args.job, runs, out, args.parallel)
+        done = all(has_summary(out / f"{r[0]}.jsonl") for r in runs)
+        ok = done if args.no_run else run_all(args.job, runs, out, args.parallel)
         table_md = seeds_table(out, labels, seeds, args.baseline)
         (out / "table.md").write_text(table_md + "\n")
         print(table_md)
@@ -479,7 +485,8 @@ def _main(argv: list[str]) -> int:
             print(f"wrote {png}")
         return 0 if ok else 1
     runs = [(lab, settings[lab], common) for lab in labels]
-    ok = all(has_summary(out / f"{lab}.jsonl") for lab in labels) if args.no_run else run_all(args.job, runs, out, args.parallel)
+    done = all(has_summary(out / f"{lab}.jsonl") for lab in labels)
+    ok = done if args.no_run else run_all(args.job, runs, out, args.parallel)
     print(table(out, labels))
     done = [out / f"{lab}.jsonl" for lab in labels if has_summary(out / f"{lab}.jsonl")]
     deltas = delta_table({p.stem: [p] for p in done})

@@ -335,7 +335,8 @@ def _balance(args: argparse.Namespace) -> tuple[int, ...] | None:
     try:
         balance = tuple(int(x) for x in args.balance.split(","))
     except ValueError:
-        raise ValueError(f"--balance {args.balance!r}: give layers per stage as integers, e.g. --balance 3,10,5") from None
+        raise ValueError(f"--balance {args.balance!r}: give layers per stage as integers, e.g. --balance "
+                         "3,10,5") from None
     if any(b < 1 for b in balance):
         raise ValueError(f"--balance {args.balance}: every stage needs at least one layer")
     return balance

@@ -141,7 +141,8 @@ class Job:
         raise NotImplementedError
 
     def optimizer(self, params: Iterable[nn.Parameter], total_steps: int, steps_per_epoch: int,
-                  momentum_in_codec: bool = False) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+                  momentum_in_codec: bool = False
+                  ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         """The optimizer over ``params`` and its per-step learning-rate schedule.
 
         Args:

@@ -105,7 +105,8 @@ def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: st
             boundaries = stage_boundaries(own["args"].get("mode", "pipeline"), own["args"]["partition"],
                                           own["args"]["stages"])
             for link in links:
-                step_time = project(compute * own["steps"], own["wire_bytes"], own["steps"], boundaries, link) / own["steps"]
+                total = project(compute * own["steps"], own["wire_bytes"], own["steps"], boundaries, link)
+                step_time = total / own["steps"]
                 t_link[link.label].append(math.inf if reached is None else reached * step_time)
         rows.append({
             "label": label, "seeds": len(pairs), "steps": runs[pairs[0]][-1]["steps"],
@@ -134,7 +135,8 @@ def table(rows: list[dict[str, Any]], baseline: str = "none") -> str:
     1.62x), then the references."""
     links = list(rows[0]["T"]) if rows else []
     head = ("| setting | seeds | fwd bits | bwd bits | avg bits | final val_loss | Δ nats [95% CI] | Δ % [95% CI] | "
-            "steps to target (x none) | compute s/step | " + " | ".join(f"T at {k} (s) | speedup" for k in links) + " |")
+            "steps to target (x none) | compute s/step | "
+            + " | ".join(f"T at {k} (s) | speedup" for k in links) + " |")
     lines = [head, "|" + "---|" * (10 + 2 * len(links))]
     base = next((r for r in rows if r["label"] == baseline), None)
     for r in rows:
@@ -153,8 +155,9 @@ def table(rows: list[dict[str, Any]], baseline: str = "none") -> str:
         lines.append("| " + " | ".join(cells) + " |")
     dense = REFERENCES[0]
     for name, bits, steps, seconds in REFERENCES:
-        lines.append(f"| {name} (reference, 200 Mbit/s + 50 ms) | | {bits:g} | {bits:g} | {bits:g} | 3.276 (target) | | | "
-                     f"{steps / dense[2]:.2f} | | {seconds:,.0f} | {dense[3] / seconds:.2f}x |" + " |" * (2 * len(links) - 2))
+        lines.append(f"| {name} (reference, 200 Mbit/s + 50 ms) | | {bits:g} | {bits:g} | {bits:g} | 3.276 (target) "
+                     f"| | | {steps / dense[2]:.2f} | | {seconds:,.0f} | {dense[3] / seconds:.2f}x |"
+                     + " |" * (2 * len(links) - 2))
     return "\n".join(lines)
 
 

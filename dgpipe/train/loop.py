@@ -220,7 +220,8 @@ def top_class(outputs: torch.Tensor) -> tuple[int, int] | None:
     return int(torch.bincount(outputs.argmax(dim=1)).max()), len(outputs)
 
 
-def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int) -> tuple[dict[str, float], tuple[int, int] | None]:
+def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int
+              ) -> tuple[dict[str, float], tuple[int, int] | None]:
     """Run the evaluation set through the engine; every rank returns the metrics and (for a
     classifier) :func:`top_class` of the outputs."""
     outputs, targets = [], []

@@ -166,7 +166,8 @@ class GlueJob(Job):
             model_config = _config(opts, _tokenizer(opts, data.data_dir)) or AutoConfig.from_pretrained(opts.model)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load the model or tokenizer ({e}); pass --model/--tokenizer as a hub name "
-                             "(online) or a local directory, or --model-config tiny-roberta for a random model") from None
+                             "(online) or a local directory, or --model-config tiny-roberta for a random "
+                             "model") from None
         positions = getattr(model_config, "max_position_embeddings", None)
         need = opts.max_length + (model_config.pad_token_id + 1 if model_config.model_type == "roberta" else 0)
         if positions is not None and need > positions:

@@ -5,7 +5,8 @@ Used by ``bandwidth/test_cv_bandwidth.py`` and ``bandwidth/test_nlp_bandwidth.py
 parser and :class:`~dgpipe.train.job.Job` class to :func:`main`, so every model, data,
 chunk, partition and process flag means exactly what it means in the main job. For each
 setting of ``--settings`` (labels of :data:`~dgpipe.train.codecs.SETTINGS`, default
-:data:`SWEEP_SETTINGS`) the parsed arguments get that setting's boundary codecs and the job's own rank body, :func:`dgpipe.train.loop.worker`, runs
+:data:`SWEEP_SETTINGS`) the parsed arguments get that setting's boundary codecs and the job's own rank body,
+:func:`dgpipe.train.loop.worker`, runs
 ``--max-steps`` optimizer steps; all settings run one after another in the same ranks
 (spawned on this machine, or the processes ``torchrun`` / ``bandwidth/slow_link.py``
 started). Each run writes its JSON-lines log (:mod:`dgpipe.train.runlog`) to a temporary
@@ -198,7 +199,7 @@ def main(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str
         records = {label: read_records(config.log.log) for label, config in runs}
     print(f"{job_cls.__name__}: {base.train.max_steps} steps per setting, batch {base.data.batch_size}, "
           f"{base.pipeline.chunk} micro-batches, {base.pipeline.partition} partition; training traffic "
-          f"{'per boundary and direction' if base.log.bandwidth else 'over all boundaries (--bandwidth: per boundary)'}")
+          + ("per boundary and direction" if base.log.bandwidth else "over all boundaries (--bandwidth: per boundary)"))
     print(format_table(table_rows(records, per_boundary=base.log.bandwidth)), flush=True)
     return 0
 

@@ -91,7 +91,8 @@ class VisionJob(Job):
         if opts.width_mult <= 0:
             raise ValueError(f"--width-mult must be positive, got {opts.width_mult}")
         if opts.pretrained is not None and (opts.width_mult != 1.0 or opts.dropout is not None):
-            raise ValueError("--width-mult and --dropout change a randomly initialised model; drop them with --pretrained")
+            raise ValueError("--width-mult and --dropout change a randomly initialised model; drop them with "
+                             "--pretrained")
         if opts.dropout is not None and not 0 <= opts.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {opts.dropout}")
         if config.delta.example_dropout:
@@ -158,6 +159,7 @@ class VisionJob(Job):
         from transformers import get_cosine_schedule_with_warmup
 
         a = self.config.job
-        opt = torch.optim.SGD(decay_groups(params, a.wd), lr=self.config.train.lr, momentum=0.0 if momentum_in_codec else a.momentum)
+        momentum = 0.0 if momentum_in_codec else a.momentum
+        opt = torch.optim.SGD(decay_groups(params, a.wd), lr=self.config.train.lr, momentum=momentum)
         warmup = min(round(a.warmup_epochs * steps_per_epoch), total_steps)
         return opt, get_cosine_schedule_with_warmup(opt, warmup, total_steps)

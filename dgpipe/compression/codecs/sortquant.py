@@ -21,7 +21,8 @@ has no Python loop over buckets or values:
    ``benchmarks/codec_speed.py`` measures it), read off the sorted sample (on CPU a
    radix sort, :func:`..kernels.buckets.sort_sample`, else numpy's sort); a zero boundary is +0.0
    (a small message's whole grid and its codes come from one compiled call,
-   :func:`..kernels.numba_message.sampled_grid`, and its decode from another, :func:`..kernels.numba_message.message_values`);
+   :func:`..kernels.numba_message.sampled_grid`, and its decode from another,
+   :func:`..kernels.numba_message.message_values`);
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`..kernels.BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
    the bucket; the global min for bucket 0); its max comes with the sort for small
@@ -52,7 +53,8 @@ from __future__ import annotations
 import torch
 
 from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from ..kernels import bucket_codes, bucket_grid, bucket_values, finite_range, grid_levels, pack_bits, packed_nbytes, unpack_bits
+from ..kernels import (bucket_codes, bucket_grid, bucket_values, finite_range, grid_levels, pack_bits, packed_nbytes,
+                       unpack_bits)
 from ..kernels.uniform import grid_table
 from ..steps.grid import GROUP_PARAM, flat_float32, grid_meta, grouping_options
 from ..steps.grouping import Grouping
@@ -121,7 +123,8 @@ class SortQuantizer(Codec):
         self.grouping = grouping_options(self.name, group, group_size, axis, rotate, scale_dtype)
 
     def _encode_groups(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed codes and ``cat(mins, steps)`` (each ``(n_groups, 2**S)``) of a non-empty tensor, bucketed per group."""
+        """Packed codes and ``cat(mins, steps)`` (each ``(n_groups, 2**S)``) of a non-empty tensor, bucketed per
+        group."""
         gp, q, s = self.grouping, self.quant_bits, self.split_bits
         rows = gp.rows(flat.view(shape))
         ng, g = rows.shape

@@ -189,7 +189,9 @@ class DGC(SeededCodec):
     def state_dict(self) -> dict:
         """``{"step", "epoch", "u", "v"}``: counters and the float32 momentum/accumulator
         (``None`` before the first encode; ``u`` is ``None`` without momentum)."""
-        clone = (lambda t: None if t is None else t.detach().clone())
+        def clone(t):
+            return None if t is None else t.detach().clone()
+
         return {**super().state_dict(), "epoch": self._epoch, "u": clone(self._u), "v": clone(self._v)}
 
     def load_state_dict(self, state: dict) -> None:

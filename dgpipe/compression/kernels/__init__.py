@@ -37,6 +37,7 @@ from .uniform import finite_range, grid_levels, uniform_codes, uniform_message, 
 __all__ = [
     "MIN_VALUES", "CHUNK", "enabled", "set_enabled", "failed_kernels", "pack_bits", "unpack_bits", "packed_nbytes",
     "BucketGrid", "BucketIndex", "bucket_grid", "bucket_codes", "bucket_values", "fwht", "nearest_level",
-    "level_codes", "level_values", "row_rms", "level_rows", "level_rows_values", "finite_range", "grid_levels", "uniform_codes", "uniform_values",
+    "level_codes", "level_values", "row_rms", "level_rows", "level_rows_values", "finite_range", "grid_levels",
+    "uniform_codes", "uniform_values",
     "uniform_message",
 ]

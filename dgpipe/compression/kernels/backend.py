@@ -45,7 +45,8 @@ import torch
 from .bitpack import CHUNK
 
 __all__ = [
-    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "PARTS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose", "triton_takes", "kernels_of",
+    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "PARTS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose",
+    "triton_takes", "kernels_of",
     "parts",
     "run", "failed_kernels", "empty",
 ]
@@ -54,7 +55,8 @@ MIN_VALUES = 2 * CHUNK
 """Smallest tensor (values) the accelerated kernels take; below it the reference is as fast."""
 
 MIN_CHUNKS_PER_THREAD = 32
-"""Fewest chunks (of :data:`.bitpack.CHUNK` values) a thread is given: smaller parts cost more to hand out than to run."""
+"""Fewest chunks (of :data:`.bitpack.CHUNK` values) a thread is given: smaller parts cost more to hand out than to
+run."""
 
 PARTS_PER_THREAD = 4
 """Runs a kernel's work is cut into per thread, where there are several threads (module docstring)."""

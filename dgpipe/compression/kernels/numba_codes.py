@@ -42,7 +42,8 @@ from .backend import MIN_VALUES, parts
 from .bitpack import CHUNK, layout_planes, layout_word
 
 __all__ = [
-    "MAX_SPLIT_BITS", "MAX_LEVEL_BITS", "jit", "grouped_parts", "build_grouped_decode", "stream_part", "chunk_packers", "build_encode_uniform",
+    "MAX_SPLIT_BITS", "MAX_LEVEL_BITS", "jit", "grouped_parts", "build_grouped_decode", "stream_part", "chunk_packers",
+    "build_encode_uniform",
     "build_decode_uniform", "build_encode_buckets", "build_decode_buckets", "encode_uniform", "decode_uniform",
     "encode_buckets", "decode_buckets", "encode_levels", "decode_levels", "fwht",
 ]
@@ -355,7 +356,8 @@ def build_decode_buckets(quant_bits: int, split_bits: int):
     return kernel
 
 
-def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor, y: torch.Tensor) -> bool:
+def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,
+                   y: torch.Tensor) -> bool:
     """Inverse of :func:`encode_buckets`: ``y = mins[b] + level * step[b]`` for the whole chunks.
 
     Args:

@@ -58,7 +58,8 @@ from .backend import failure, failed_kernels
 from .bitpack import CHUNK, layout_planes, layout_word
 
 __all__ = [
-    "COMPILE_OPTIONS", "available", "interpreting", "run_on_cpu", "encode_uniform", "decode_uniform", "bucket_maxima", "encode_buckets",
+    "COMPILE_OPTIONS", "available", "interpreting", "run_on_cpu", "encode_uniform", "decode_uniform", "bucket_maxima",
+    "encode_buckets",
     "decode_buckets", "encode_levels", "decode_levels",
 ]
 
@@ -281,9 +282,9 @@ def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: i
     Returns:
         True if done; False where it does not apply (the caller runs the reference).
     """
-    return _run("encode_uniform", _encode_uniform_kernel, x, x, lo.reshape(-1).contiguous(), div.reshape(-1).contiguous(),
-                   out, x.numel(), group_len, GROUPED=group_len < x.numel(), TOP=float((1 << bits) - 1),
-                   **_layout(bits))
+    return _run("encode_uniform", _encode_uniform_kernel, x, x, lo.reshape(-1).contiguous(),
+                div.reshape(-1).contiguous(), out, x.numel(), group_len, GROUPED=group_len < x.numel(),
+                TOP=float((1 << bits) - 1), **_layout(bits))
 
 
 def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torch.Tensor, group_len: int,
@@ -334,8 +335,8 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
     Returns:
         True if done; False where it does not apply.
     """
-    return _run("decode_levels", _decode_levels_kernel, y, packed, table.contiguous(), scale.reshape(-1).contiguous(), y,
-                   y.numel(), group_len, GROUPED=group_len < y.numel(), **_layout(bits))
+    return _run("decode_levels", _decode_levels_kernel, y, packed, table.contiguous(),
+                scale.reshape(-1).contiguous(), y, y.numel(), group_len, GROUPED=group_len < y.numel(), **_layout(bits))
 
 
 def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
@@ -356,7 +357,8 @@ def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> 
     if not (available(x) and chunks and x.is_contiguous()):
         return None
     part = torch.empty(chunks, mins.numel(), dtype=torch.float32, device=x.device)
-    if not _launch("bucket_maxima", _bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(), NB=bounds.numel()):
+    if not _launch("bucket_maxima", _bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(),
+                   NB=bounds.numel()):
         return None
     return torch.maximum(mins, part.amax(0)) + 0.0
 
@@ -375,8 +377,8 @@ def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, di
         True if done; False where it does not apply.
     """
     bits = quant_bits + (bounds.numel() + 1).bit_length() - 1
-    return _run("encode_buckets", _encode_buckets_kernel, x, x, bounds.contiguous(), mins.contiguous(), div.contiguous(),
-                   out, x.numel(), NB=bounds.numel(), Q=quant_bits, **_layout(bits))
+    return _run("encode_buckets", _encode_buckets_kernel, x, x, bounds.contiguous(), mins.contiguous(),
+                div.contiguous(), out, x.numel(), NB=bounds.numel(), Q=quant_bits, **_layout(bits))
 
 
 def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,

@@ -30,7 +30,8 @@ from .backend import choose, empty, kernels_of
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = [
-    "BLOCK", "blocks", "tame", "finite_range", "range_of", "values_tail", "encode_blocks", "decode_table", "pack_tail", "grid_step", "grid_divisor", "grid_levels",
+    "BLOCK", "blocks", "tame", "finite_range", "range_of", "values_tail", "encode_blocks", "decode_table", "pack_tail",
+    "grid_step", "grid_divisor", "grid_levels",
     "grid_table", "in_groups", "uniform_codes", "uniform_values", "uniform_message",
 ]
 

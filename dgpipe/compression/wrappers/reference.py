@@ -13,8 +13,8 @@ link. After each training message, for every token ``t`` of its ``n_t`` rows (pa
 included: the padding token gets its own row), ``count[t] += n_t`` and
 ``T[t] += (sum of the decoded rows of t - n_t T[t]) * min(max(1 / count[t], alpha), 1 / n_t)`` --
 the running mean of the decoded rows, in which each new row keeps at least the weight ``alpha``
-(a message's rows at most 1 together), so that it follows the weights while fine-tuning moves them. Rows of a token never seen are zero:
-its first visit is coded directly. Evaluation reads the table and never changes it.
+(a message's rows at most 1 together), so that it follows the weights while fine-tuning moves them. Rows of a
+token never seen are zero: its first visit is coded directly. Evaluation reads the table and never changes it.
 
 Both sides compute the same reconstruction from identical operands (the sender decodes its own
 payload) and apply the same update in message order, so the two tables stay bit-identical on the
