@@ -90,6 +90,7 @@ import torch
 
 from dgpipe.compression import get_codec
 from dgpipe.compression.kernels import backend as kernel_backend
+from dgpipe.compression.kernels import dispatch as kernel_dispatch
 
 SHAPE = (64, 32, 56, 56)
 WIDTHS = ((12, 4), (9, 3), (6, 2), (3, 1))  # (Q, S): 16, 12, 8, 4 bits
@@ -472,7 +473,7 @@ def main() -> None:
                 fused_fails(kind, measured, raw, t_orig, fails, 1500 if copy_mbs is None else copy_mbs / 4)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
-    if kernel_backend.choose(x) == "torch":
+    if kernel_dispatch.choose(x) == "torch":
         where += " (fused kernels unavailable: the 'fused' rows ran the eager path)"
     print(
         f"torch {torch.__version__}, {where}, tensor {'x'.join(map(str, SHAPE))} float32; "

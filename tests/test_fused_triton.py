@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.kernels import backend
+from dgpipe.compression.kernels import backend, dispatch
 from dgpipe.compression.kernels.bitpack import CHUNK
 from dgpipe.compression.kernels import BucketIndex
 from test_fused import CODEBOOK, QUANT, SORTQUANT, codebook_inputs, eager_and_fused, tensors  # noqa: F401 (a fixture)
@@ -110,15 +110,15 @@ def test_bucket_maxima_equal_the_eager_scatter_reduce(name):
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU routing")
 def test_cpu_tensors_go_to_triton_only_when_asked():
     x = torch.randn(3 * CHUNK)
-    assert backend.choose(x) == "triton"
+    assert dispatch.choose(x) == "triton"
     fused_triton.run_on_cpu(False)
     try:
-        assert backend.choose(x) == "numba"
+        assert dispatch.choose(x) == "numba"
     finally:
         fused_triton.run_on_cpu(True)
     previous = backend.set_enabled(False)
     try:
-        assert backend.choose(x) == "torch"
+        assert dispatch.choose(x) == "torch"
     finally:
         backend.set_enabled(previous)
 

@@ -2,7 +2,7 @@
 
 A codec calls each step once and gets its result; which implementation runs it --
 the reference torch ops, compiled CPU loops (Numba) or GPU programs (Triton) -- is
-chosen here once per tensor (:func:`.backend.choose`: device, size), the ``n % CHUNK``
+chosen here once per tensor (:func:`.dispatch.choose`: device, size), the ``n % CHUNK``
 tail of a compiled kernel's output is completed here, and a kernel that fails is
 switched off alone, with one warning (:func:`.backend.run`). Every backend gives the
 same bytes: ``tests/test_golden_payloads.py`` pins them.
@@ -23,8 +23,8 @@ Hadamard butterflies        :func:`fwht`                                 :mod:`.
 ==========================  ==========================================  ===================
 
 Backends: :mod:`.numba_codes`, :mod:`.numba_message`, :mod:`.rows` (CPU, compiled C), :mod:`.triton_codes` (CUDA);
-:mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the thread
-parts and the per-kernel failure record.
+:mod:`.dispatch` chooses among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or
+:func:`set_enabled`), the thread parts and the per-kernel failure record.
 """
 
 from .backend import MIN_VALUES, enabled, failed_kernels, set_enabled

@@ -1,16 +1,6 @@
-"""Which implementation runs a codec step, chosen once per tensor, and what happens when one fails.
-
-Every step of :mod:`dgpipe.compression.kernels` has a plain-torch reference and may have
-accelerated implementations: compiled CPU loops (Numba, :mod:`.numba_codes`,
-:mod:`.numba_message`) and GPU programs (Triton, :mod:`.triton_codes`). :func:`choose`
-picks one per tensor from its device and size:
-
-- ``"triton"``: a CUDA tensor (or a CPU one after :func:`.triton_codes.run_on_cpu`, the
-  interpreter the tests use) of at least :data:`MIN_VALUES` values, Triton importable;
-- ``"numba"``: a CPU tensor of at least :data:`MIN_VALUES` values;
-- ``"torch"``: everything else, and every tensor with the switch off.
-
-All give the same bytes (golden payloads, ``tests/test_golden_payloads.py``).
+"""What runs a compiled codec kernel, and what happens when one fails: the switch, the threads, the
+failure record. Which implementation a step takes is chosen in :mod:`.dispatch`; this module imports
+no kernel module (the kernels import it).
 
 Switch: on by default; ``DGPIPE_FUSED=0`` in the environment or :func:`set_enabled`
 turns the accelerated implementations off (the benchmarks measure both in one run).
@@ -33,7 +23,6 @@ takes fewer. The parts are disjoint, so payloads do not depend on the number of 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -44,12 +33,8 @@ import torch
 
 from .bitpack import CHUNK
 
-__all__ = [
-    "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "PARTS_PER_THREAD", "ENV", "enabled", "set_enabled", "choose",
-    "triton_takes", "kernels_of",
-    "parts",
-    "run", "failed_kernels", "empty",
-]
+__all__ = ["MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "PARTS_PER_THREAD", "ENV", "enabled", "set_enabled", "parts", "run",
+           "failure", "failed_kernels", "empty"]
 
 MIN_VALUES = 2 * CHUNK
 """Smallest tensor (values) the accelerated kernels take; below it the reference is as fast."""
@@ -79,43 +64,6 @@ def set_enabled(flag: bool) -> bool:
     previous = _state["enabled"]
     _state["enabled"] = bool(flag)
     return previous
-
-
-def triton_takes(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take tensors on ``t``'s device: the switch on, a CUDA tensor (or a CPU one
-    after :func:`.triton_codes.run_on_cpu`) and Triton importable. Importing it is deferred to the first
-    CUDA tensor: it takes a while."""
-    if not _state["enabled"] or (not t.is_cuda and "dgpipe.compression.kernels.triton_codes" not in sys.modules):
-        return False
-    from . import triton_codes
-
-    return triton_codes.available(t)
-
-
-def choose(t: torch.Tensor, n: int | None = None) -> str:
-    """The backend of a step on ``t``: ``"triton"``, ``"numba"`` or ``"torch"`` (module docstring).
-
-    Args:
-        t: the step's main tensor (its values, or its packed code stream).
-        n: the number of values when ``t`` is a code stream (default ``t.numel()``).
-    """
-    if (t.numel() if n is None else n) < MIN_VALUES or not _state["enabled"]:
-        return "torch"
-    if triton_takes(t):
-        return "triton"
-    return "numba" if t.is_cpu else "torch"
-
-
-def kernels_of(backend: str):
-    """The module of compiled kernels of ``backend`` (``"numba"``: :mod:`.numba_codes`, ``"triton"``:
-    :mod:`.triton_codes`), imported on first use."""
-    if backend == "triton":
-        from . import triton_codes
-
-        return triton_codes
-    from . import numba_codes
-
-    return numba_codes
 
 
 def parts(chunks: int) -> list[tuple[int, int]]:

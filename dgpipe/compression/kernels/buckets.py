@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from . import numba_message
-from .backend import choose, empty, enabled, kernels_of
+from .backend import empty, enabled
+from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, packed_nbytes, unpack_bits
 from .uniform import (blocks, decode_table, encode_blocks, finite_range, grid_divisor, grid_levels, grid_step,
                       grid_table, pack_tail, range_of, tame, uniform_codes, uniform_values, values_tail)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import numba_codes
-from .backend import choose
+from .dispatch import choose
 
 __all__ = ["fwht"]
 

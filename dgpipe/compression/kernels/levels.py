@@ -26,7 +26,8 @@ import torch
 
 from . import numba_codes
 from . import rows as row_pass
-from .backend import choose, empty, kernels_of
+from .backend import empty
+from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, pack_bits, packed_nbytes, unpack_bits
 from .uniform import in_groups, pack_tail, values_tail
 

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from . import numba_message
-from .backend import choose, empty, kernels_of
+from .backend import empty
+from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = [

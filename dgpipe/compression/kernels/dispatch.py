@@ -1,0 +1,62 @@
+"""Which implementation runs a codec step, chosen once per tensor: the one dispatch of the kernel layer.
+
+Every step of :mod:`dgpipe.compression.kernels` has a plain-torch reference and may have
+accelerated implementations: compiled CPU loops (Numba, :mod:`.numba_codes`,
+:mod:`.numba_message`) and GPU programs (Triton, :mod:`.triton_codes`). :func:`choose`
+picks one per tensor from its device and size:
+
+- ``"triton"``: a CUDA tensor (or a CPU one after :func:`.triton_codes.run_on_cpu`, the
+  interpreter the tests use) of at least :data:`.backend.MIN_VALUES` values, Triton importable;
+- ``"numba"``: a CPU tensor of at least :data:`.backend.MIN_VALUES` values;
+- ``"torch"``: everything else, and every tensor with the switch (:func:`.backend.enabled`) off.
+
+All give the same bytes (golden payloads, ``tests/test_golden_payloads.py``). The kernel modules
+import :mod:`.backend` (switch, threads, failures), never this module, so imports run one way:
+steps -> dispatch -> kernels -> backend.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import numba_codes
+from .backend import MIN_VALUES, enabled
+
+__all__ = ["choose", "triton_takes", "kernels_of"]
+
+
+def triton_takes(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels take tensors on ``t``'s device: the switch on, a CUDA tensor (or a CPU one
+    after :func:`.triton_codes.run_on_cpu`) and Triton importable. Importing it is deferred to the first
+    CUDA tensor: it takes a while."""
+    if not enabled() or (not t.is_cuda and "dgpipe.compression.kernels.triton_codes" not in sys.modules):
+        return False
+    from . import triton_codes
+
+    return triton_codes.available(t)
+
+
+def choose(t: torch.Tensor, n: int | None = None) -> str:
+    """The backend of a step on ``t``: ``"triton"``, ``"numba"`` or ``"torch"`` (module docstring).
+
+    Args:
+        t: the step's main tensor (its values, or its packed code stream).
+        n: the number of values when ``t`` is a code stream (default ``t.numel()``).
+    """
+    if (t.numel() if n is None else n) < MIN_VALUES or not enabled():
+        return "torch"
+    if triton_takes(t):
+        return "triton"
+    return "numba" if t.is_cpu else "torch"
+
+
+def kernels_of(backend: str):
+    """The module of compiled kernels of ``backend`` (``"numba"``: :mod:`.numba_codes`, ``"triton"``:
+    :mod:`.triton_codes`, imported on first use)."""
+    if backend == "triton":
+        from . import triton_codes
+
+        return triton_codes
+    return numba_codes
