@@ -49,12 +49,12 @@ MODEL = "smollm2-135m-instruct"
 HIDDEN = 576  # the model's hidden size: the width of every message
 
 
-def prompts(tokenizer, batch: int, length: int) -> tuple:
-    """``(input_ids, attention_mask)``: ``batch`` consecutive windows of ``length`` tokens of the test text."""
+def prompts(text_ids, batch: int, length: int) -> tuple:
+    """``(input_ids, attention_mask)``: ``batch`` consecutive windows of ``length`` tokens of ``text_ids`` (int64
+    ``(n,)``, the tokenized test text)."""
     import torch
 
-    ids = tokenizer(TEXT.read_text(encoding="utf-8")[:400_000], return_tensors="pt")["input_ids"][0]
-    windows = ids[: batch * length].view(batch, length)
+    windows = text_ids[: batch * length].view(batch, length)
     return windows.clone(), torch.ones_like(windows)
 
 
@@ -91,13 +91,14 @@ def worker(out: Path, delay_ms: float, new_tokens: int, shapes: list[tuple[int, 
     front, middle, last = split_layers(causal_lm_layers(model), 1)
     delay = DelayLine(delay_ms / 1000) if delay_ms else None
     client = ClientStages(front, last, model.config)
+    text_ids = tokenizer(TEXT.read_text(encoding="utf-8")[:400_000], return_tensors="pt")["input_ids"][0]  # once
 
     def session(spec, batch: int, length: int, tokens: int, meter: BandwidthMeter) -> list[float]:
         """One generation (client) or its service (server); the client's step seconds."""
         if rank == 1:
             serve(StageBlocks(middle, model.config), 0, spec, meter=meter, timeout=600, delay=delay)
             return []
-        ids, mask = prompts(tokenizer, batch, length)
+        ids, mask = prompts(text_ids, batch, length)
         server = RemoteServer(1, spec, meter=meter, timeout=600, delay=delay)
         steps: list[float] = []
         try:
