@@ -12,9 +12,13 @@ the seeds of the table):
   is the lossless token is reported;
 - bits per value each way, all-in (payload bytes x 8 / values), from the meter.
 
+Settings ``+ means`` code each direction against the running per-channel means both sides keep
+(``channel_mean``); their link first carries ``--calibration`` training blocks and then learns on from every
+message, as a server that has served before; one link per setting serves all the prompt sets in turn.
+
 Prints a markdown table (mean over the prompt sets and the 95% t-interval of the perplexity change).
 
-    python benchmarks/lm_generate_quality.py [--blocks 8] [--length 64] [--new 16]
+    python benchmarks/lm_generate_quality.py [--blocks 8] [--length 64] [--new 16] [--sets 3] [--only A,B]
 """
 
 from __future__ import annotations
@@ -35,13 +39,25 @@ from dgpipe.train.lm_benchmark import mean_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "text" / "shakespeare"
-#: label -> (client -> server codec, server -> client codec), as ``(name, options)``
+def _cb(**options) -> tuple[str, dict]:
+    """The codebook with per-token scales after a Hadamard rotation (``bits`` or ``count`` levels)."""
+    return "codebook", {"group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16", **options}
+
+
+#: label -> (client -> server codec, server -> client codec, code against the running channel means), codecs as
+#: ``(name, options)``
 SETTINGS = {
-    "none": (("none", {}), ("none", {})),
-    "quant8": (("quant", {"bits": 8}), ("quant", {"bits": 8})),
-    "codebook4": (("codebook", {"bits": 4, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
-    "codebook5lv": (("codebook", {"count": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
-    "codebook2": (("codebook", {"bits": 2, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}),) * 2,
+    "none": (("none", {}), ("none", {}), False),
+    "quant8": (("quant", {"bits": 8}), ("quant", {"bits": 8}), False),
+    "codebook4": (_cb(bits=4), _cb(bits=4), False),
+    "codebook5lv": (_cb(count=5), _cb(count=5), False),
+    "codebook2": (_cb(bits=2), _cb(bits=2), False),
+    "codebook4 + means": (_cb(bits=4), _cb(bits=4), True),
+    "codebook3 + means": (_cb(bits=3), _cb(bits=3), True),
+    "codebook3lv/8lv + means": (_cb(count=3), _cb(count=8), True),
+    "codebook4lv/7lv + means": (_cb(count=4), _cb(count=7), True),
+    "codebook5lv + means": (_cb(count=5), _cb(count=5), True),
+    "codebook2 + means": (_cb(bits=2), _cb(bits=2), True),
 }
 
 
@@ -51,6 +67,9 @@ def main() -> int:
     p.add_argument("--length", type=int, default=64, help="tokens per block")
     p.add_argument("--new", type=int, default=16, help="greedy tokens per prompt (agreement)")
     p.add_argument("--sets", type=int, default=3, help="prompt sets (disjoint)")
+    p.add_argument("--calibration", type=int, default=32,
+                   help="training blocks sent through a link with channel means before the first prompt set")
+    p.add_argument("--only", help="comma-separated settings (default: all; none is always run)")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -58,21 +77,31 @@ def main() -> int:
     model = build_causal_lm(source).eval()
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     ids = tokenize_corpus(str(CORPUS), "valid", tokenizer)
+    train = tokenize_corpus(str(CORPUS), "train", tokenizer)[: args.calibration * args.length]
+    settings = {k: v for k, v in SETTINGS.items()
+                if args.only is None or k == "none" or k in args.only.split(",")}
     n = args.blocks * args.length
     front, middle, back = split_layers(causal_lm_layers(model), 1)
     client, stage = ClientStages(front, back, model.config), StageBlocks(middle, model.config)
-    results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in SETTINGS}
+    results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in settings}
+    # one link per setting for all prompt sets, as a server serves one client: the channel means learn from
+    # the calibration text first and then from every message (both sides alike)
+    links = {k: LocalServer(stage, act, ret, channel_mean=means) for k, (act, ret, means) in settings.items()}
+    for label, (_, _, means) in settings.items():
+        for i in range(0, args.calibration if means else 0, args.blocks):
+            score(client, links[label], train[i * args.length: (i + args.blocks) * args.length].reshape(-1, args.length))
     for s in range(args.sets):
         blocks = ids[s * n: (s + 1) * n].reshape(args.blocks, args.length)
         prompts = blocks[:, : args.length // 2]
         reference = generate(client, LocalServer(stage), prompts, None, args.new)
-        for label, (act, ret) in SETTINGS.items():
-            meter = BandwidthMeter()
-            server = LocalServer(stage, act, ret, meter)
+        for label in settings:
+            meter = BandwidthMeter()  # the bits of the held-out blocks' messages
+            server, links[label].meter = links[label], meter
             logits = score(client, server, blocks)
             nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                                     blocks[:, 1:].reshape(-1))
-            forced = score(client, LocalServer(stage, act, ret), reference)
+            server.meter = None
+            forced = score(client, server, reference)
             start = prompts.shape[1] - 1
             agree = (forced[:, start:-1].argmax(-1) == reference[:, start + 1:]).float().mean()
             rec = {r["name"]: r for r in meter.records()}

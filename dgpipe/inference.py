@@ -41,13 +41,18 @@ from torch import nn
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.transport import DelayLine, Receiver, Sender
-from dgpipe.compression import Codec, Payload, get_codec
+from dgpipe.compression import Payload, get_codec
+from dgpipe.compression.wrappers.reference import POSITION_KEYS, ReferenceCoder, TokenTable, position_keys
 from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
 from dgpipe.pipeline.boundary import CodecArg, codec_factory
 
 __all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "serve", "generate", "score",
            "split_layers",
            "PREFILL", "DECODE", "END", "HIDDEN"]
+
+ALPHA = 1e-3
+"""Least weight of a new row in the running channel means (``channel_mean``): about the last thousand rows of a
+key count, enough for a model whose weights do not change while it serves."""
 
 PREFILL, DECODE, END, HIDDEN = 1, 2, 3, 4
 """Message kinds (the first meta value): the client's prefill and one-token steps and its goodbye; the
@@ -149,6 +154,11 @@ class _Tracker:
         else:
             self.positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
 
+    def keys(self, length: int, first: bool) -> torch.Tensor:
+        """The running-mean keys int64 ``(B, length)`` of the newest ``length`` positions
+        (:func:`~dgpipe.compression.wrappers.reference.position_keys`; ``first``: a prefill)."""
+        return position_keys(self.mask, self.positions.shape[0], length, first)
+
     def advance(self) -> None:
         """One more token per row."""
         self.positions = self.positions[:, -1:] + 1
@@ -157,22 +167,59 @@ class _Tracker:
             self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
 
 
-def _coded(codec: Codec, t: torch.Tensor) -> tuple[Payload, float]:
-    start = time.perf_counter()
-    payload = codec.encode(t)
-    return payload, time.perf_counter() - start
+class _Stream:
+    """One side's coder of one direction: ``codec``, and with ``channel_mean`` the residual against the running
+    per-channel means of the stream's decoded rows (:func:`~dgpipe.compression.wrappers.reference.position_keys`:
+    first positions, later ones, padding), which the sender and the receiver update alike from every message
+    in message order, so their tables stay equal (the sender folds in its own payload's decoding)."""
+
+    def __init__(self, codec: CodecArg, channel_mean: bool, alpha: float) -> None:
+        self.codec = codec_factory(codec)()
+        self.reference = ReferenceCoder(self.codec, TokenTable(POSITION_KEYS, alpha)) if channel_mean else None
+
+    def encode(self, hidden: torch.Tensor, keys: torch.Tensor) -> tuple[Payload, float]:
+        """The payload of ``hidden`` ``(B, L, H)`` (``keys``: int64 ``(B, L)``, :meth:`_Tracker.keys`) and the
+        seconds it took."""
+        start = time.perf_counter()
+        if self.reference is None:
+            payload = self.codec.encode(hidden)
+        else:
+            payload = self.reference.encode(hidden, keys, update=True)
+        return payload, time.perf_counter() - start
+
+    def decode(self, payload: Payload, keys: torch.Tensor) -> torch.Tensor:
+        """The hidden states ``(B, L, H)`` of ``payload`` (``keys`` as for :meth:`encode`).
+
+        Raises:
+            ValueError: a corrupt payload, or (with the reference) one whose shape does not fit ``keys``.
+        """
+        if self.reference is None:
+            return self.codec.decode(payload)
+        return self.reference.decode(payload, keys, update=True)
+
+    def state_dict(self) -> dict:
+        """The running means (:meth:`TokenTable.state_dict`; empty without the reference)."""
+        return {} if self.reference is None else self.reference.table.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (e.g. a table built on calibration text)."""
+        if self.reference is not None:
+            self.reference.table.load_state_dict(state)
 
 
 class LocalServer:
     """The server's stage in the client's process: the same codecs both ways (encode, decode), no transport;
-    for tests and single-machine use. ``act_codec``/``return_codec``: as for :func:`generate`. The meter
-    records the payload bytes a :class:`RemoteServer` sends and receives (the prompt mask included), not the
-    transport's framing."""
+    for tests and single-machine use. ``act_codec``/``return_codec``/``channel_mean``/``alpha``: as for
+    :func:`generate`'s servers (:class:`RemoteServer`). The meter records the payload bytes a
+    :class:`RemoteServer` sends and receives (the prompt mask included), not the transport's framing."""
 
     def __init__(self, blocks: StageBlocks, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
-                 meter: BandwidthMeter | None = None) -> None:
+                 meter: BandwidthMeter | None = None, channel_mean: bool = False, alpha: float = ALPHA) -> None:
         self.stage = blocks
-        self.act, self.back = codec_factory(act_codec)(), codec_factory(return_codec or act_codec)()
+        ret = act_codec if return_codec is None else return_codec
+        # one coder per side and direction, as between processes: (sender, receiver)
+        self.act = (_Stream(act_codec, channel_mean, alpha), _Stream(act_codec, channel_mean, alpha))
+        self.back = (_Stream(ret, channel_mean, alpha), _Stream(ret, channel_mean, alpha))
         self.mask_codec = get_codec("intpack")
         self.meter = meter
         self.tracker: _Tracker | None = None
@@ -183,19 +230,26 @@ class LocalServer:
             self.tracker = _Tracker(prompt_mask)
         else:
             self.tracker.advance()
+        keys = self.tracker.keys(hidden.shape[1], prompt_mask is not None)
         mask = [self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else []
-        hidden = self._hop(self.act, hidden, "client->server", mask)
+        hidden = self._hop(self.act, hidden, keys, "client->server", mask)
         hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
-        return self._hop(self.back, hidden, "server->client")
+        return self._hop(self.back, hidden, keys, "server->client")
 
-    def _hop(self, codec: Codec, hidden: torch.Tensor, name: str, extra: Sequence[Payload] = ()) -> torch.Tensor:
-        """``hidden`` through ``codec`` (encode, meter with the ``extra`` payloads a message to a server process
-        carries beside it -- the prompt mask at prefill --, decode)."""
-        payload, seconds = _coded(codec, hidden)
+    def _hop(self, coders: tuple["_Stream", "_Stream"], hidden: torch.Tensor, keys: torch.Tensor, name: str,
+             extra: Sequence[Payload] = ()) -> torch.Tensor:
+        """``hidden`` through a direction's coders (encode, meter with the ``extra`` payloads a message to a
+        server process carries beside it -- the prompt mask at prefill --, decode)."""
+        payload, seconds = coders[0].encode(hidden, keys)
         if self.meter is not None:
             self.meter.record_send(name, "generate", raw_bytes=hidden.numel() * hidden.element_size(),
                                    wire_bytes=payload.nbytes + sum(p.nbytes for p in extra), encode_seconds=seconds)
-        return codec.decode(payload)
+        return coders[1].decode(payload, keys)
+
+    def state_dict(self) -> dict:
+        """The running means of both directions (the receivers', equal to the senders'), e.g. after
+        calibration text, to serve with: ``{"client->server": ..., "server->client": ...}``."""
+        return {"client->server": self.act[1].state_dict(), "server->client": self.back[1].state_dict()}
 
     def close(self) -> None:
         """Nothing to end in process."""
@@ -212,18 +266,23 @@ class RemoteServer:
 
     def __init__(self, peer: int = 1, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
                  meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
-                 delay: DelayLine | None = None) -> None:
+                 delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA) -> None:
         self.send_stream, self.recv_stream = Sender(peer, group, TAG, delay), Receiver(peer, group, TAG + 1)
-        self.codec, self.mask_codec = codec_factory(act_codec)(), get_codec("intpack")
-        self.back = codec_factory(return_codec or act_codec)()
+        self.codec = _Stream(act_codec, channel_mean, alpha)
+        self.back = _Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha)
+        self.mask_codec = get_codec("intpack")
         self.meter, self.timeout, self.peer = meter, timeout, peer
         self.past = 0
+        self.tracker: _Tracker | None = None
 
     def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
         b, length = hidden.shape[:2]
         if prompt_mask is not None:
-            self.past = 0
-        payload, seconds = _coded(self.codec, hidden)
+            self.past, self.tracker = 0, _Tracker(prompt_mask)
+        else:
+            self.tracker.advance()
+        keys = self.tracker.keys(length, prompt_mask is not None)
+        payload, seconds = self.codec.encode(hidden, keys)
         payloads = [payload] + ([self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else [])
         kind = PREFILL if prompt_mask is not None else DECODE
         work = self.send_stream.send(payloads, [kind, self.past, b, length], "client->server")
@@ -239,7 +298,7 @@ class RemoteServer:
             raise ValueError(f"server (rank {self.peer}) answered {meta} with {len(back)} payloads to a "
                              f"{['', 'prefill', 'decode'][kind]} of {b}x{length} tokens at past {self.past}")
         start = time.perf_counter()
-        out = self.back.decode(back[0])
+        out = self.back.decode(back[0], keys)
         decoded = time.perf_counter() - start
         if out.shape != hidden.shape or not out.is_floating_point():
             raise ValueError(f"server (rank {self.peer}) sent hidden states {tuple(out.shape)} {out.dtype} for "
@@ -257,18 +316,20 @@ class RemoteServer:
 
 def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
           meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
-          delay: DelayLine | None = None) -> int:
+          delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA) -> int:
     """Run the server's stage for the client at global rank ``peer`` until it sends :data:`END`; returns
     the number of steps served. Codecs: the client's (``act_codec`` decodes what it sends, ``return_codec``,
     default ``act_codec``, codes the answers). ``delay``: hold every answer back by its latency
-    (benchmarks; as :class:`RemoteServer`'s).
+    (benchmarks; as :class:`RemoteServer`'s). ``channel_mean``/``alpha``: the client's.
 
     Raises:
         ValueError: a message whose meta, payload count, shapes or dtypes do not fit (names the peer).
         TransportError: the client died or sent nothing within ``timeout`` seconds.
     """
     recv_stream, send_stream = Receiver(peer, group, TAG), Sender(peer, group, TAG + 1, delay)
-    act, back, mask_codec = codec_factory(act_codec)(), codec_factory(return_codec or act_codec)(), get_codec("intpack")
+    act = _Stream(act_codec, channel_mean, alpha)
+    back = _Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha)
+    mask_codec = get_codec("intpack")
     hidden_size = blocks.config.hidden_size
     tracker: _Tracker | None = None
     past, batch, steps = 0, 0, 0
@@ -289,12 +350,6 @@ def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", retu
                                                           or length != 1)):
             raise ValueError(f"client (rank {peer}) sent {len(payloads)} payloads with meta {meta}; the server "
                              f"holds {past} tokens of a batch of {batch}")
-        start = time.perf_counter()
-        hidden = act.decode(payloads[0])
-        decoded = time.perf_counter() - start
-        if hidden.shape != (b, length, hidden_size) or not hidden.is_floating_point():
-            raise ValueError(f"client (rank {peer}) sent hidden states {tuple(hidden.shape)} {hidden.dtype}, want "
-                             f"({b}, {length}, {hidden_size}) floating")
         if kind == PREFILL:
             mask = mask_codec.decode(payloads[1])
             if mask.shape != (b, length) or bool(((mask != 0) & (mask != 1)).any()) or their_past != 0:
@@ -304,11 +359,18 @@ def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", retu
             tracker, past, batch = _Tracker(mask), 0, b
         else:
             tracker.advance()
+        keys = tracker.keys(length, kind == PREFILL)
+        start = time.perf_counter()
+        hidden = act.decode(payloads[0], keys)
+        decoded = time.perf_counter() - start
+        if hidden.shape != (b, length, hidden_size) or not hidden.is_floating_point():
+            raise ValueError(f"client (rank {peer}) sent hidden states {tuple(hidden.shape)} {hidden.dtype}, want "
+                             f"({b}, {length}, {hidden_size}) floating")
         if meter is not None:
             meter.record_recv("client->server", "generate", recv_bytes=sum(p.nbytes for p in payloads),
                               recv_seconds=waited, decode_seconds=decoded)
         out = blocks(hidden, tracker.mask, tracker.positions)
-        payload, seconds = _coded(back, out)
+        payload, seconds = back.encode(out, keys)
         pending = send_stream.send([payload], [HIDDEN, past, b, length], "server->client")
         if meter is not None:
             meter.record_send("server->client", "generate", raw_bytes=out.numel() * out.element_size(),

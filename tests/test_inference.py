@@ -15,6 +15,7 @@ import torch
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.transport import TransportError
 from dgpipe.compression import get_codec
+from dgpipe.compression.wrappers.reference import POSITION_KEYS, ReferenceCoder, TokenTable, position_keys
 from dgpipe.inference import (
     DECODE, ClientStages, LocalServer, RemoteServer, Sampling, StageBlocks, generate, serve, split_layers,
 )
@@ -101,29 +102,65 @@ def test_bad_input_is_refused_before_anything_is_sent():
         Sampling(True, top_p=0.0)
 
 
+def test_position_keys_mark_first_positions_and_padding():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert position_keys(mask, 2, 4, True).tolist() == [[2, 2, 1, 0], [1, 0, 0, 0]]
+    assert position_keys(None, 2, 3, True).tolist() == [[1, 0, 0], [1, 0, 0]]
+    grown = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    assert position_keys(grown, 2, 1, False).tolist() == [[0], [0]]
+
+
+def test_channel_means_take_a_streams_offset_out_of_the_codecs_error():
+    """Rows with a large mean per channel (as a decoder's massive activations) and a first position far
+    larger still: the 2-bit codebook with per-token scales after a Hadamard rotation spends its levels on
+    the offsets; against the running means of one earlier message the error of the next falls by over 5x
+    (by construction about (|offset|^2 + d) / d = 10x), and the two sides' tables stay equal."""
+    g = torch.Generator().manual_seed(0)
+    d, b, length = 64, 4, 32
+    offset = torch.randn(d, generator=g) * 3.0
+    first = torch.randn(d, generator=g) * 30.0
+
+    def message():
+        x = offset + torch.randn(b, length, d, generator=g)
+        x[:, 0] = first + torch.randn(b, d, generator=g)
+        return x
+
+    codec = get_codec("codebook", bits=2, group="token", rotate="hadamard")
+    sender, receiver = (ReferenceCoder(codec, TokenTable(POSITION_KEYS, 1e-3)) for _ in range(2))
+    keys = position_keys(None, b, length, True)
+    warm = message()
+    receiver.decode(sender.encode(warm, keys, update=True), keys, update=True)
+    x = message()
+    direct = (codec.decode(codec.encode(x)) - x).pow(2).mean()
+    coded = (receiver.decode(sender.encode(x, keys, update=True), keys, update=True) - x).pow(2).mean()
+    assert coded * 5 < direct
+    assert sender.table.digest() == receiver.table.digest()
+
+
 # -- two processes: rank 0 the client, rank 1 the server --------------------------------------------------
 
 
-def _both(rank: int, codec: tuple, steps: int) -> None:
+def _both(rank: int, codec: tuple, steps: int, channel_mean: bool = False) -> None:
     model = tiny("tiny-qwen3")
     client, middle = split(model)
     ids, mask = prompts()
     meter = BandwidthMeter()
     if rank == 1:
-        assert serve(middle, 0, codec, meter=meter, timeout=30) == steps
+        assert serve(middle, 0, codec, meter=meter, timeout=30, channel_mean=channel_mean) == 2 * steps
         return
-    server = RemoteServer(1, codec, meter=meter, timeout=30)
-    got = generate(client, server, ids, mask, steps)
+    server = RemoteServer(1, codec, meter=meter, timeout=30, channel_mean=channel_mean)
+    local = LocalServer(split(model)[1], codec, channel_mean=channel_mean)
+    for _ in range(2):  # the second generation codes against the means the first left on both sides
+        got = generate(client, server, ids, mask, steps)
+        assert torch.equal(got, generate(client, local, ids, mask, steps))
     server.close()
-    want = generate(client, LocalServer(split(model)[1], codec), ids, mask, steps)
-    assert torch.equal(got, want)
     sent = {r["name"]: r for r in meter.records()}
     h = model.config.hidden_size
     c = get_codec(codec[0], **codec[1])
     prefill = c.encode(torch.randn(3, 7, h)).nbytes + get_codec("intpack").encode(mask).nbytes
-    assert sent["client->server"]["wire_bytes"] == prefill + (steps - 1) * c.encode(torch.randn(3, 1, h)).nbytes
-    assert sent["server->client"]["recv_bytes"] == c.encode(torch.randn(3, 7, h)).nbytes + \
-        (steps - 1) * c.encode(torch.randn(3, 1, h)).nbytes
+    assert sent["client->server"]["wire_bytes"] == 2 * (prefill + (steps - 1) * c.encode(torch.randn(3, 1, h)).nbytes)
+    assert sent["server->client"]["recv_bytes"] == 2 * (c.encode(torch.randn(3, 7, h)).nbytes +
+                                                         (steps - 1) * c.encode(torch.randn(3, 1, h)).nbytes)
 
 
 def check_lossless_two_processes(rank: int) -> None:
@@ -132,6 +169,12 @@ def check_lossless_two_processes(rank: int) -> None:
 
 def check_eight_bit_two_processes(rank: int) -> None:
     _both(rank, ("quant", {"bits": 8}), 4)
+
+
+def check_channel_means_two_processes(rank: int) -> None:
+    """2-bit codebook against the running channel means: the server process and the in-process link (both
+    sides' tables updated from the same payloads) give the same tokens, generation after generation."""
+    _both(rank, ("codebook", {"bits": 2, "group": "token", "rotate": "hadamard"}), 4, channel_mean=True)
 
 
 def check_lying_client_is_refused(rank: int) -> None:
@@ -159,7 +202,8 @@ def check_silent_server_ends_the_client(rank: int) -> None:
         time.sleep(6)  # alive, silent, past the client's timeout
 
 
-CHECKS = [check_lossless_two_processes, check_eight_bit_two_processes, check_lying_client_is_refused,
+CHECKS = [check_lossless_two_processes, check_eight_bit_two_processes, check_channel_means_two_processes,
+          check_lying_client_is_refused,
           check_silent_server_ends_the_client]
 
 
@@ -205,7 +249,8 @@ def test_cli_generates_and_refuses_bad_input(capsys):
     if not Path(tokenizer).is_dir():
         pytest.skip(f"needs {tokenizer}")
     argv = ["generate", "--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "Hello there",
-            "--prompt", "A", "--max-new-tokens", "3", "--world-size", "1", "--codec", "quant", "--codec-opt", "bits=8"]
+            "--prompt", "A", "--max-new-tokens", "3", "--world-size", "1", "--codec", "quant", "--codec-opt", "bits=8",
+            "--channel-mean"]
     assert lm.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("--- ") == 2 and "time to first token" in out and "client->server: 3 messages" in out

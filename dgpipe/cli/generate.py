@@ -51,6 +51,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--codec-opt", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--return-codec", help="codec of the server -> client hidden states (default: --codec)")
     c.add_argument("--return-codec-opt", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--channel-mean", action="store_true",
+                   help="code each direction's hidden states against the running per-channel means of what crossed "
+                        "before (a sequence's first position, the others, padding: no token ids sent); both sides "
+                        "update them from every message. The first prompt is coded directly")
     c.add_argument("--world-size", type=int, choices=[1, 2], default=2,
                    help="2: client and server processes (default); 1: the server in the client's process")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds a side waits for the other")
@@ -128,11 +132,13 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     meter = BandwidthMeter()
     delay = DelayLine(args.link_delay_ms / 1000) if args.link_delay_ms else None
     if rank == 1:
-        serve(StageBlocks(middle, model.config), 0, act, back, meter=meter, timeout=args.timeout, delay=delay)
+        serve(StageBlocks(middle, model.config), 0, act, back, meter=meter, timeout=args.timeout, delay=delay,
+              channel_mean=args.channel_mean)
         return
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    server = LocalServer(StageBlocks(middle, model.config), act, back, meter) if world_size == 1 else \
-        RemoteServer(1, act, back, meter, args.timeout, delay=delay)
+    server = LocalServer(StageBlocks(middle, model.config), act, back, meter, args.channel_mean) \
+        if world_size == 1 else RemoteServer(1, act, back, meter, args.timeout, delay=delay,
+                                             channel_mean=args.channel_mean)
     generator = torch.Generator().manual_seed(args.seed)
     steps: list[float] = []
     try:
