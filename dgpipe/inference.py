@@ -50,7 +50,7 @@ from dgpipe.comm.transport import DelayLine, Receiver, Sender
 from dgpipe.compression import Payload, get_codec
 from dgpipe.compression.wrappers.reference import POSITION_KEYS, ReferenceCoder, TokenTable, position_keys
 from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
-from dgpipe.pipeline.boundary import CodecArg, codec_factory
+from dgpipe.pipeline.coders import CodecArg, codec_factory
 
 __all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "serve", "generate", "score",
            "split_layers", "ALPHA",

@@ -7,7 +7,7 @@ import torch
 
 import dgpipe.compression.spec as spec_module
 from dgpipe.compression import CodecSpec, ErrorFeedback, get_codec
-from dgpipe.pipeline.boundary import codec_factory
+from dgpipe.pipeline.coders import codec_factory
 
 
 def test_bad_specs_fail_at_construction():

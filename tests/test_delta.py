@@ -239,7 +239,7 @@ def run_ids_follow_rows(rank):
     train(pipe, opt, batches)
     if rank == 1:  # the receiver of stage0->stage1
         ids = torch.cat(batches)
-        cache = pipe._bounds[0]._delta_coder(0).cache
+        cache = pipe._bounds[0].coders.delta(0).cache
         with torch.no_grad():
             want = model[0](x[ids]).double()  # stage 0 is the first Linear
         torch.testing.assert_close(cache.values[ids], want, rtol=1e-6, atol=1e-7)
@@ -287,7 +287,7 @@ def run_warmup_is_lossless_then_deltas_follow(rank):
     pipe.delta_warmup = True
     assert train(pipe, opt, batches[:3]) == train(plain, plain_opt, batches[:3])
     if rank == 0:  # the sender's cache holds exactly the activations it sent (fp32 cache)
-        cache = pipe._bounds[0]._delta_coder(0).cache
+        cache = pipe._bounds[0].coders.delta(0).cache
         micro_ids = [m for ids in batches[:3] for m in ids.tensor_split(CHUNKS)]
         assert len(outputs) == len(micro_ids)
         for ids, out in zip(micro_ids, outputs):
@@ -381,7 +381,7 @@ def test_ids_and_delta_payloads_are_checked_on_receipt():
     from dgpipe.pipeline.message import DELTA_CODED
 
     payload = get_codec("quant", bits=2).encode(torch.randn(2, 3))
-    lane = lambda b=None: (b or _boundary())._lane("forward", 0, 0, DELTA_CODED)  # noqa: E731
+    lane = lambda b=None: (b or _boundary()).coders.lane("forward", 0, 0, DELTA_CODED)  # noqa: E731
     with pytest.raises(ValueError, match=r"id 30 is out of range"):
         _boundary()._parse_ids(torch.tensor([1, 30]), "forward", 0)
     with pytest.raises(ValueError, match="sample ids in a eval message"):

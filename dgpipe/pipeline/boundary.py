@@ -60,77 +60,29 @@ tensor of the value is sent as its residual against the table of its tuple posit
 evaluation; training messages update it in the order they are sent and received, evaluation only
 reads it.
 
-Codec instances are made per (direction, micro-batch slot, tuple position), so a
-stateful codec (error feedback) keeps one state per boundary, direction and slot;
-evaluation uses its own instances and never touches training state.
+The codec instances, delta coders and token tables of this rank's side, and their saved state:
+:class:`~dgpipe.pipeline.coders.Coders` (``Boundary.coders``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 import torch
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import DelayLine, Receiver, Sender
-from dgpipe.compression import Codec, CodecSpec, Payload, parse_header
-from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
-from dgpipe.compression.wrappers.reference import ReferenceCoder, TokenReference, TokenTable, check_tokens
+from dgpipe.compression import Codec, Payload, parse_header
+from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
+from dgpipe.compression.wrappers.reference import TokenReference, check_tokens
 
-from .lanes import (LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, LaneContext, ReferenceLane,
-                    decode_ids, encode_ids, put_rows)
+from .coders import Coders
+from .lanes import LOSSLESS_LANE, LaneContext, decode_ids, encode_ids, put_rows
 from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REFERENCE,
                       REQUIRES_GRAD, ROW_MASK, ROWS, TOKEN_IDS, Message)
 
-__all__ = ["CodecArg", "codec_factory", "codec_factories", "Boundary", "MAX_BOUNDARY_TENSORS"]
-
-#: What the Pipeline API takes for a boundary's codec (see :func:`codec_factory`).
-CodecArg = Union[CodecSpec, str, tuple, Callable[[], Codec], Codec]
-
-
-def codec_factory(spec: CodecArg) -> Callable[[], Codec]:
-    """Turn a codec argument into a zero-argument factory of fresh codec instances.
-
-    Args:
-        spec: a :class:`~dgpipe.compression.CodecSpec`, a registered codec name
-            (``"sortquant"``), a ``(name, options)`` tuple (``("sortquant", {"quant_bits":
-            6, "split_bits": 2})``), a zero-argument callable returning a :class:`Codec`, or
-            a stateless :class:`Codec` instance (shared; stateful codecs need a factory).
-
-    Raises:
-        ValueError: unknown name, bad options, a stateful instance, or anything else.
-    """
-    if isinstance(spec, (CodecSpec, str, tuple)):
-        return CodecSpec.of(spec).build
-    if isinstance(spec, Codec):
-        if spec.stateful:
-            raise ValueError(
-                f"{spec!r} is stateful and would share its state across boundaries; pass a factory, "
-                f"e.g. lambda: make_codec(), so that each boundary, direction and micro-batch gets its own"
-            )
-        return lambda: spec
-    if callable(spec):
-        made = spec()
-        if not isinstance(made, Codec):
-            raise ValueError(f"codec factory {spec!r} returned {type(made).__name__}, not a Codec")
-        return spec
-    raise ValueError(f"codec spec must be a CodecSpec, a name, (name, options), a factory or a Codec; got {spec!r}")
-
-
-def codec_factories(spec: CodecArg | list, n_boundaries: int, what: str) -> list[Callable[[], Codec]]:
-    """One factory per stage boundary: ``spec`` for all, or a list with one spec per boundary.
-
-    Raises:
-        ValueError: a list of the wrong length (``what`` names the argument), or a bad spec.
-    """
-    if isinstance(spec, list):
-        if len(spec) != n_boundaries:
-            raise ValueError(f"{what} lists {len(spec)} codecs but there are {n_boundaries} stage boundaries")
-        return [codec_factory(s) for s in spec]
-    factory = codec_factory(spec)
-    return [factory] * n_boundaries
-
+__all__ = ["Boundary", "MAX_BOUNDARY_TENSORS"]
 
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
@@ -178,7 +130,7 @@ class Boundary:
     Args:
         index: stage index i of ``stage{i}->stage{i+1}``.
         src, dst: global ranks holding stage i and stage i+1.
-        act_factory, grad_factory: codec factories (see :func:`codec_factory`).
+        act_factory, grad_factory: codec factories (see :func:`~dgpipe.pipeline.coders.codec_factory`).
         meter: where bytes and seconds are recorded.
         device: device of received tensors on this rank.
         timeout: seconds for each receive and send completion.
@@ -216,21 +168,17 @@ class Boundary:
         self.name = f"stage{index}->stage{index + 1}"
         self._delay = delay
         self.token_reference = token_reference
-        self._references: dict[int, ReferenceCoder] = {}
         self.skip_padding = bool(skip_padding)
         # micro-batch slot -> (the row mask's kept rows, bool (B, L); the leaves sent as rows) of the
         # training forward message of that slot, for its backward message (sender and receiver alike)
         self._kept: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self.src, self.dst = src, dst
         self.rank = src if rank is None else rank
-        self.delta = delta
         self.id_examples = delta.examples if delta is not None else id_examples
         self.delta_coded = delta is not None and delta.covers(index)
-        self._deltas: dict[int, DeltaCoder] = {}
-        self._report = report
+        self.coders = Coders(self.name, self.rank, "sender" if self.rank == src else "receiver", act_factory,
+                             grad_factory, delta if self.delta_coded else None, token_reference, report)
         self._tags = {"forward": 2 * index, "eval": 2 * index, "backward": 2 * index + 1}
-        self._factories = {"forward": act_factory, "eval": act_factory, "backward": grad_factory}
-        self._codecs: dict[tuple[str, int, int], Codec] = {}
         self._meter, self._device, self._timeout = meter, device, timeout
         # One stream per direction: forward (and eval) src -> dst, backward dst -> src.
         self._senders: dict[str, Sender] = {}
@@ -245,57 +193,6 @@ class Boundary:
             tag = self._tags[key]
             table[key] = Sender(dst, tag=tag, delay=self._delay) if sending else Receiver(src, tag=tag)
         return table[key]
-
-    def _codec(self, direction: str, slot: int, pos: int) -> Codec:
-        key = (direction, slot, pos)
-        if key not in self._codecs:
-            self._codecs[key] = self._factories[direction]()
-        return self._codecs[key]
-
-    def _delta_coder(self, pos: int) -> DeltaCoder:
-        """The delta coder of tuple position ``pos`` on this rank's side (made on first use).
-
-        Raises:
-            ValueError: this boundary is not delta-coded on this rank.
-        """
-        if not self.delta_coded:
-            raise ValueError("a delta-coded tensor on a boundary this rank does not delta-code "
-                             "(configure delta alike on every rank)")
-        if pos not in self._deltas:
-            side = "sender" if self.rank == self.src else "receiver"
-            spec = self.delta
-            path = None
-            if spec.cache_dir is not None:
-                stem = self.name.replace("->", "-")
-                path = f"{spec.cache_dir}/{stem}.tensor{pos}.{side}.rank{self.rank}.bin"
-            cache = DeltaCache(spec.examples, spec.cache_dtype, path, spec.max_bytes,
-                               f"rank {self.rank}: delta cache {self.name} tensor {pos} ({side})", self._report)
-            self._deltas[pos] = DeltaCoder(self._factories["forward"](), cache)
-        return self._deltas[pos]
-
-    def _reference_coder(self, pos: int) -> ReferenceCoder:
-        """The reference coder of tuple position ``pos`` on this rank's side (made on first use).
-
-        Raises:
-            ValueError: this rank has no token reference.
-        """
-        if self.token_reference is None:
-            raise ValueError("a reference-coded tensor, but this rank has no token reference "
-                             "(configure it alike on every rank)")
-        if pos not in self._references:
-            spec = self.token_reference
-            self._references[pos] = ReferenceCoder(self._factories["forward"](), TokenTable(spec.vocab, spec.alpha))
-        return self._references[pos]
-
-    def _lane(self, direction: str, slot: int, pos: int, kind: int, referenced: bool = False) -> Lane:
-        """The lane of kind ``kind`` for tuple position ``pos`` of micro-batch ``slot``."""
-        if referenced:
-            return ReferenceLane(self._reference_coder(pos))
-        if kind == LOSSLESS:
-            return LOSSLESS_LANE
-        if kind == CODED:
-            return CodedLane(self._codec(direction, slot, pos))
-        return (DeltaLane if kind == DELTA_CODED else DeltaWarmupLane)(self._delta_coder(pos))
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -448,7 +345,7 @@ class Boundary:
                 if message.kind(pos) == ABSENT:
                     continue
                 raw += t.numel() * t.element_size()
-                lane = self._lane(direction, message.slot, pos, message.kind(pos), message.referenced(pos))
+                lane = self.coders.lane(direction, message.slot, pos, message.kind(pos), message.referenced(pos))
                 t = t.detach()
                 if message.rows(pos) and message.kind(pos) & DELTA:  # the delta lane takes the rows itself
                     payloads.append(lane.encode(t, rows_ctx))
@@ -497,7 +394,7 @@ class Boundary:
                 _check_declared(pos, parse_header(payload.header).shape,
                                 keep if message.rows(pos) and not kind & DELTA else None,
                                 tokens if message.referenced(pos) else None)
-                lane = self._lane(direction, slot, pos, kind, message.referenced(pos))
+                lane = self.coders.lane(direction, slot, pos, kind, message.referenced(pos))
                 if message.rows(pos) and kind & DELTA:  # the delta lane restores the rows itself
                     tensors[pos] = lane.decode(payload, rows_ctx)
                 else:
@@ -571,67 +468,3 @@ class Boundary:
             raise ValueError(f"{self.name}: rank {peer} sent micro-batch {message.slot}, expected {slot} "
                              f"(ranks out of step)")  # fmt: skip
         return message
-
-    # -- state -----------------------------------------------------------------------------
-
-    def codec_state(self) -> dict[str, object]:
-        """``state_dict()`` of every codec instance that has one, keyed ``direction/slot/position``."""
-        return {
-            f"{d}/{s}/{p}": c.state_dict() for (d, s, p), c in self._codecs.items() if hasattr(c, "state_dict")
-        }
-
-    def load_codec_state(self, state: dict[str, object]) -> None:
-        """Restore :meth:`codec_state` output, creating the codec instances it names."""
-        for key, value in state.items():
-            d, s, p = key.split("/")
-            if d not in self._factories:
-                raise ValueError(f"{self.name}: codec state key {key!r} has unknown direction {d!r}")
-            codec = self._codec(d, int(s), int(p))
-            if not hasattr(codec, "load_state_dict"):
-                raise ValueError(f"{self.name}: codec {codec!r} has no load_state_dict for state {key!r}")
-            codec.load_state_dict(value)
-
-    def delta_state(self) -> dict[str, dict]:
-        """``state_dict()`` of this side's delta cache per tuple position (``{}`` if none)."""
-        return {str(pos): coder.cache.state_dict() for pos, coder in sorted(self._deltas.items())}
-
-    def load_delta_state(self, state: dict[str, dict]) -> None:
-        """Restore :meth:`delta_state` output.
-
-        Raises:
-            ValueError: the boundary is not delta-coded on this rank, or a cache does not fit.
-        """
-        if state and not self.delta_coded:
-            raise ValueError(f"{self.name}: saved delta caches, but this boundary is not delta-coded; resume with "
-                             f"the same --delta options")
-        for pos, cache_state in state.items():
-            self._delta_coder(int(pos)).cache.load_state_dict(cache_state)
-
-    def take_delta_stats(self) -> torch.Tensor:
-        """float64 ``(3,)``: this side's :attr:`DeltaCoder.stats <dgpipe.compression.wrappers.delta.DeltaCoder>`
-        summed over tuple positions (zeros on the receiving side), then reset."""
-        total = torch.zeros(3, dtype=torch.float64)
-        for coder in self._deltas.values():
-            total += coder.take_stats()
-        return total
-
-    def reference_state(self) -> dict[str, dict]:
-        """``state_dict()`` of this side's token table per tuple position (``{}`` if none)."""
-        return {str(pos): coder.table.state_dict() for pos, coder in sorted(self._references.items())}
-
-    def load_reference_state(self, state: dict[str, dict]) -> None:
-        """Restore :meth:`reference_state` output.
-
-        Raises:
-            ValueError: this rank has no token reference, or a table does not fit.
-        """
-        for pos, table_state in state.items():
-            self._reference_coder(int(pos)).table.load_state_dict(table_state)
-
-    def reference_digests(self) -> dict[int, str]:
-        """SHA-256 of this side's token table per tuple position (equal on the two sides of the boundary)."""
-        return {pos: coder.table.digest() for pos, coder in sorted(self._references.items())}
-
-    def delta_digests(self) -> dict[int, str]:
-        """SHA-256 of this side's cache per tuple position (equal on the two sides of the boundary)."""
-        return {pos: coder.cache.digest() for pos, coder in sorted(self._deltas.items())}

@@ -36,7 +36,8 @@ from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models.example_dropout import example_ids
 
-from .boundary import Boundary, CodecArg, codec_factories
+from .boundary import Boundary
+from .coders import CodecArg, codec_factories
 from .partition import validate_placement
 from .schedule import Task, gpipe_tasks, segments
 from .tied import TiedParameters, unique_parameters
@@ -270,27 +271,28 @@ class Pipeline:
         out = torch.zeros(len(names), 3, dtype=torch.float64)
         for b in self._bounds.values():
             if b.delta_coded:
-                out[names.index(b.name)] += b.take_delta_stats()
+                out[names.index(b.name)] += b.coders.take_delta_stats()
         return out
 
     def reference_digests(self) -> dict[str, dict[int, str]]:
         """SHA-256 of this rank's token tables: ``{boundary name: {tuple position: hex}}``; the two ranks
         of a boundary hold equal digests."""
-        return {b.name: b.reference_digests() for b in self._bounds.values() if b.token_reference is not None}
+        return {b.name: b.coders.reference_digests() for b in self._bounds.values() if b.token_reference is not None}
 
     def delta_digests(self) -> dict[str, dict[int, str]]:
         """SHA-256 of this rank's delta caches: ``{boundary name: {tuple position: hex}}``; the
         two ranks of a boundary hold equal digests."""
-        return {b.name: b.delta_digests() for b in self._bounds.values() if b.delta_coded}
+        return {b.name: b.coders.delta_digests() for b in self._bounds.values() if b.delta_coded}
 
     def state_dict(self) -> dict:
         """``{"stages": {index: stage state}, "codecs": {boundary name: codec states},
         "delta": {boundary name: cache states}, "reference": {boundary name: token tables}}`` of this rank."""
         return {
             "stages": {str(i): s.state_dict() for i, s in sorted(self._stages.items())},
-            "codecs": {b.name: b.codec_state() for b in self._bounds.values()},
-            "delta": {b.name: b.delta_state() for b in self._bounds.values() if b.delta_coded},
-            "reference": {b.name: b.reference_state() for b in self._bounds.values() if b.token_reference is not None},
+            "codecs": {b.name: b.coders.codec_state() for b in self._bounds.values()},
+            "delta": {b.name: b.coders.delta_state() for b in self._bounds.values() if b.delta_coded},
+            "reference": {b.name: b.coders.reference_state() for b in self._bounds.values()
+                          if b.token_reference is not None},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -310,15 +312,15 @@ class Pipeline:
         for name, codec_state in state.get("codecs", {}).items():
             if name not in bounds:
                 raise ValueError(f"codec state for boundary {name!r}, which this rank does not touch")
-            bounds[name].load_codec_state(codec_state)
+            bounds[name].coders.load_codec_state(codec_state)
         for name, delta_state in state.get("delta", {}).items():
             if name not in bounds:
                 raise ValueError(f"delta caches for boundary {name!r}, which this rank does not touch")
-            bounds[name].load_delta_state(delta_state)
+            bounds[name].coders.load_delta_state(delta_state)
         for name, reference_state in state.get("reference", {}).items():
             if name not in bounds:
                 raise ValueError(f"token tables for boundary {name!r}, which this rank does not touch")
-            bounds[name].load_reference_state(reference_state)
+            bounds[name].coders.load_reference_state(reference_state)
 
     # -- steps -----------------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ from torch.distributed.pipelining import PipelineStage
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.transport import pack_message, read_message
 from dgpipe.compression import Codec, parse_header
-from dgpipe.pipeline.boundary import CodecArg, codec_factory
+from dgpipe.pipeline.coders import CodecArg, codec_factory
 
 __all__ = ["TESTED_TORCH", "UNTESTED_TORCH_ENV", "CompressedPipelineStage", "check_torch_version"]
 
@@ -117,7 +117,7 @@ class CompressedPipelineStage(PipelineStage):
             after ``device`` pass through).
         act_codec: forward codec of the activations this stage sends: a
             :class:`~dgpipe.compression.CodecSpec`, a codec name, ``(name, options)``, or a
-            factory (see :func:`dgpipe.pipeline.boundary.codec_factory`); ``None``: ``"none"``
+            factory (see :func:`dgpipe.pipeline.coders.codec_factory`); ``None``: ``"none"``
             (raw float32 payloads).
         grad_codec: backward codec of the gradients this stage sends; ``None``: ``act_codec``.
             Each direction puts its own bits on the wire.
