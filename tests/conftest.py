@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from dgpipe.train.args import TORCHRUN_VARS
+from dgpipe.train.placement import TORCHRUN_VARS
 
 if not torch.cuda.is_available():
     # Without a GPU, tests/test_fused_triton.py runs the Triton kernels under Triton's interpreter,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dgpipe.train import args as targs
+from dgpipe.train import placement
 from dgpipe.train import loop, vision
 from dgpipe.compression import ErrorFeedback
 from dgpipe.baseline import GradCompression
@@ -218,12 +219,12 @@ def test_resume_refuses_other_settings(tmp_path, cifar, capsys):
 
 def test_torchrun_world_size():
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
-    assert targs.dist_env(None, env) == targs.DistEnv(True, 1, 1, 2)
+    assert placement.dist_env(None, env) == placement.DistEnv(True, 1, 1, 2)
     with pytest.raises(ValueError, match="--world-size 4 but torchrun started 2 processes"):
-        targs.dist_env(4, env)
+        placement.dist_env(4, env)
     with pytest.raises(ValueError, match="MASTER_PORT not set"):
-        targs.dist_env(None, {k: v for k, v in env.items() if k != "MASTER_PORT"})
-    assert targs.dist_env(None, {}) == targs.DistEnv(False, 0, 0, 2)
+        placement.dist_env(None, {k: v for k, v in env.items() if k != "MASTER_PORT"})
+    assert placement.dist_env(None, {}) == placement.DistEnv(False, 0, 0, 2)
 
 
 def test_compression_flags_map_to_codecs():

@@ -35,7 +35,7 @@ class PipelineConfig:
         stages: stages of a linear partition (``None`` for client-server).
         balance: layers per stage of a linear partition, or ``None`` (by parameter counts).
         world_size: processes.
-        backend: ``"auto"``, ``"gloo"`` or ``"nccl"`` as given (see :func:`~.args.placement_backend`).
+        backend: ``"auto"``, ``"gloo"`` or ``"nccl"`` as given (see :func:`~.placement.placement_backend`).
         devices: ``--devices`` as given, or ``None`` (the default rule).
         chunk: micro-batches per mini-batch.
         timeout: seconds a peer may stay silent before every rank ends with an error.

@@ -47,7 +47,8 @@ from dgpipe.data.loading import EpochBatchSampler
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from . import checkpoint, runlog
-from .args import check_resume, dist_env, placement_backend, rank_device, run_config
+from .args import check_resume, run_config
+from .placement import dist_env, placement_backend, rank_device
 from .config import RunConfig
 from .engine import make_engine, reads_data
 from .job import Job
@@ -120,7 +121,7 @@ def launch(job_cls: type[Job], runs: list[tuple[str, RunConfig]], capture: bool 
     ``world_size`` spawned processes (settings from ``runs[0]``: world size, backend, timeout).
 
     Returns:
-        the :class:`~dgpipe.train.args.DistEnv` of this process (rank 0 when it spawned the ranks).
+        the :class:`~dgpipe.train.placement.DistEnv` of this process (rank 0 when it spawned the ranks).
     Raises:
         dgpipe.pipeline.SpawnError: a spawned rank failed (names it, with its traceback).
     """
