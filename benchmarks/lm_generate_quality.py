@@ -13,7 +13,8 @@ the seeds of the table):
 - bits per value each way, all-in (payload bytes x 8 / values), from the meter.
 
 Settings ``+ means`` code each direction against the running per-channel means both sides keep
-(``channel_mean``); their link first carries ``--calibration`` training blocks and then learns on from every
+(``channel_mean``), ``scaled means`` also weigh the residual's channels by their running variance ** -1/4
+(``channel_scale``); their link first carries ``--calibration`` training blocks and then learns on from every
 message, as a server that has served before; one link per setting serves all the prompt sets in turn.
 
 Prints a markdown table (mean over the prompt sets and the 95% t-interval of the perplexity change).
@@ -44,20 +45,26 @@ def _cb(**options) -> tuple[str, dict]:
     return "codebook", {"group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16", **options}
 
 
-#: label -> (client -> server codec, server -> client codec, code against the running channel means), codecs as
-#: ``(name, options)``
+#: label -> (client -> server codec, server -> client codec, code against the running channel means, weigh the
+#: residual's channels too), codecs as ``(name, options)``
 SETTINGS = {
-    "none": (("none", {}), ("none", {}), False),
-    "quant8": (("quant", {"bits": 8}), ("quant", {"bits": 8}), False),
-    "codebook4": (_cb(bits=4), _cb(bits=4), False),
-    "codebook5lv": (_cb(count=5), _cb(count=5), False),
-    "codebook2": (_cb(bits=2), _cb(bits=2), False),
-    "codebook4 + means": (_cb(bits=4), _cb(bits=4), True),
-    "codebook3 + means": (_cb(bits=3), _cb(bits=3), True),
-    "codebook3lv/8lv + means": (_cb(count=3), _cb(count=8), True),
-    "codebook4lv/7lv + means": (_cb(count=4), _cb(count=7), True),
-    "codebook5lv + means": (_cb(count=5), _cb(count=5), True),
-    "codebook2 + means": (_cb(bits=2), _cb(bits=2), True),
+    "none": (("none", {}), ("none", {}), False, False),
+    "quant8": (("quant", {"bits": 8}), ("quant", {"bits": 8}), False, False),
+    "codebook4": (_cb(bits=4), _cb(bits=4), False, False),
+    "codebook5lv": (_cb(count=5), _cb(count=5), False, False),
+    "codebook2": (_cb(bits=2), _cb(bits=2), False, False),
+    "codebook4 + means": (_cb(bits=4), _cb(bits=4), True, False),
+    "codebook3 + means": (_cb(bits=3), _cb(bits=3), True, False),
+    "codebook3lv/8lv + means": (_cb(count=3), _cb(count=8), True, False),
+    "codebook4lv/7lv + means": (_cb(count=4), _cb(count=7), True, False),
+    "codebook5lv + means": (_cb(count=5), _cb(count=5), True, False),
+    "codebook2 + means": (_cb(bits=2), _cb(bits=2), True, False),
+    "codebook4 + scaled means": (_cb(bits=4), _cb(bits=4), True, True),
+    "codebook3 + scaled means": (_cb(bits=3), _cb(bits=3), True, True),
+    "codebook5lv + scaled means": (_cb(count=5), _cb(count=5), True, True),
+    "codebook5lv/6lv + scaled means": (_cb(count=5), _cb(count=6), True, True),
+    "codebook4lv/7lv + scaled means": (_cb(count=4), _cb(count=7), True, True),
+    "codebook2 + scaled means": (_cb(bits=2), _cb(bits=2), True, True),
 }
 
 
@@ -86,10 +93,12 @@ def main() -> int:
     results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in settings}
     # one link per setting for all prompt sets, as a server serves one client: the channel means learn from
     # the calibration text first and then from every message (both sides alike)
-    links = {k: LocalServer(stage, act, ret, channel_mean=means) for k, (act, ret, means) in settings.items()}
-    for label, (_, _, means) in settings.items():
+    links = {k: LocalServer(stage, act, ret, channel_mean=means, channel_scale=scaled)
+             for k, (act, ret, means, scaled) in settings.items()}
+    for label, (_, _, means, _) in settings.items():
         for i in range(0, args.calibration if means else 0, args.blocks):
-            score(client, links[label], train[i * args.length: (i + args.blocks) * args.length].reshape(-1, args.length))
+            text = train[i * args.length: (i + args.blocks) * args.length]
+            score(client, links[label], text.reshape(-1, args.length))
     for s in range(args.sets):
         blocks = ids[s * n: (s + 1) * n].reshape(args.blocks, args.length)
         prompts = blocks[:, : args.length // 2]

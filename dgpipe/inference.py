@@ -48,7 +48,9 @@ from torch import nn
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.transport import DelayLine, Receiver, Sender
 from dgpipe.compression import Payload, get_codec
-from dgpipe.compression.wrappers.reference import POSITION_KEYS, ReferenceCoder, TokenTable, position_keys
+from dgpipe.compression.wrappers.reference import (
+    POSITION_KEYS, ReferenceCoder, ScaledReferenceCoder, TokenTable, position_keys,
+)
 from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
 from dgpipe.pipeline.coders import CodecArg, codec_factory
 
@@ -179,9 +181,16 @@ class _Stream:
     first positions, later ones, padding), which the sender and the receiver update alike from every message
     in message order, so their tables stay equal (the sender folds in its own payload's decoding)."""
 
-    def __init__(self, codec: CodecArg, channel_mean: bool, alpha: float) -> None:
+    def __init__(self, codec: CodecArg, channel_mean: bool, alpha: float, channel_scale: bool = False) -> None:
+        if channel_scale and not channel_mean:
+            raise ValueError("channel_scale weighs the residual against the channel means: set channel_mean too")
         self.codec = codec_factory(codec)()
-        self.reference = ReferenceCoder(self.codec, TokenTable(POSITION_KEYS, alpha)) if channel_mean else None
+        self.reference: ReferenceCoder | None = None
+        if channel_scale:
+            self.reference = ScaledReferenceCoder(self.codec, TokenTable(POSITION_KEYS, alpha),
+                                                  TokenTable(POSITION_KEYS, alpha))
+        elif channel_mean:
+            self.reference = ReferenceCoder(self.codec, TokenTable(POSITION_KEYS, alpha))
 
     def encode(self, hidden: torch.Tensor, keys: torch.Tensor) -> tuple[Payload, float]:
         """The payload of ``hidden`` ``(B, L, H)`` (``keys``: int64 ``(B, L)``, :meth:`_Tracker.keys`) and the
@@ -215,17 +224,19 @@ class _Stream:
 
 class LocalServer:
     """The server's stage in the client's process: the same codecs both ways (encode, decode), no transport;
-    for tests and single-machine use. ``act_codec``/``return_codec``/``channel_mean``/``alpha``: as for
+    for tests and single-machine use. ``act_codec``/``return_codec``/``channel_mean``/``alpha``/``channel_scale``:
+    as for
     :func:`generate`'s servers (:class:`RemoteServer`). The meter records the payload bytes a
     :class:`RemoteServer` sends and receives (the prompt mask included), not the transport's framing."""
 
     def __init__(self, blocks: StageBlocks, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
-                 meter: BandwidthMeter | None = None, channel_mean: bool = False, alpha: float = ALPHA) -> None:
+                 meter: BandwidthMeter | None = None, channel_mean: bool = False, alpha: float = ALPHA,
+                 channel_scale: bool = False) -> None:
         self.stage = blocks
         ret = act_codec if return_codec is None else return_codec
         # one coder per side and direction, as between processes: (sender, receiver)
-        self.act = (_Stream(act_codec, channel_mean, alpha), _Stream(act_codec, channel_mean, alpha))
-        self.back = (_Stream(ret, channel_mean, alpha), _Stream(ret, channel_mean, alpha))
+        self.act = tuple(_Stream(act_codec, channel_mean, alpha, channel_scale) for _ in range(2))
+        self.back = tuple(_Stream(ret, channel_mean, alpha, channel_scale) for _ in range(2))
         self.mask_codec = get_codec("intpack")
         self.meter = meter
         self.tracker: _Tracker | None = None
@@ -267,15 +278,20 @@ class RemoteServer:
     ``delay``: a :class:`~dgpipe.comm.transport.DelayLine` that holds every message to the server back by
     its latency (benchmarks on kernels without ``netem``; ``None``: send at once). The meter records per
     direction the payload bytes (``wire_bytes``), the transport's framing around them (``frame_bytes``:
-    the message's meta and size fields) and the codec's seconds.
+    the message's meta and size fields) and the codec's seconds. ``channel_mean``: code each direction against
+    the running per-channel means both sides keep (module docstring; ``alpha``: the least weight of a new row,
+    :data:`ALPHA`); ``channel_scale``: also weigh each channel of the residual by its running variance to the
+    power -1/4 (:class:`~dgpipe.compression.wrappers.reference.ScaledReferenceCoder`). :func:`serve` must be
+    given the same; a ``channel_scale`` without ``channel_mean`` is a ``ValueError``.
     """
 
     def __init__(self, peer: int = 1, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
                  meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
-                 delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA) -> None:
+                 delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA,
+                 channel_scale: bool = False) -> None:
         self.send_stream, self.recv_stream = Sender(peer, group, TAG, delay), Receiver(peer, group, TAG + 1)
-        self.codec = _Stream(act_codec, channel_mean, alpha)
-        self.back = _Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha)
+        self.codec = _Stream(act_codec, channel_mean, alpha, channel_scale)
+        self.back = _Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
         self.mask_codec = get_codec("intpack")
         self.meter, self.timeout, self.peer = meter, timeout, peer
         self.past = 0
@@ -322,19 +338,20 @@ class RemoteServer:
 
 def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
           meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
-          delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA) -> int:
+          delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA,
+          channel_scale: bool = False) -> int:
     """Run the server's stage for the client at global rank ``peer`` until it sends :data:`END`; returns
     the number of steps served. Codecs: the client's (``act_codec`` decodes what it sends, ``return_codec``,
     default ``act_codec``, codes the answers). ``delay``: hold every answer back by its latency
-    (benchmarks; as :class:`RemoteServer`'s). ``channel_mean``/``alpha``: the client's.
+    (benchmarks; as :class:`RemoteServer`'s). ``channel_mean``/``alpha``/``channel_scale``: the client's.
 
     Raises:
         ValueError: a message whose meta, payload count, shapes or dtypes do not fit (names the peer).
         TransportError: the client died or sent nothing within ``timeout`` seconds.
     """
     recv_stream, send_stream = Receiver(peer, group, TAG), Sender(peer, group, TAG + 1, delay)
-    act = _Stream(act_codec, channel_mean, alpha)
-    back = _Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha)
+    act = _Stream(act_codec, channel_mean, alpha, channel_scale)
+    back = _Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
     mask_codec = get_codec("intpack")
     hidden_size = blocks.config.hidden_size
     tracker: _Tracker | None = None

@@ -55,6 +55,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="code each direction's hidden states against the running per-channel means of what crossed "
                         "before (a sequence's first position, the others, padding: no token ids sent); both sides "
                         "update them from every message. The first prompt is coded directly")
+    c.add_argument("--channel-scale", action="store_true",
+                   help="with --channel-mean: also weigh each channel of the residual by its running variance to "
+                        "the power -1/4 before coding")
     c.add_argument("--world-size", type=int, choices=[1, 2], default=2,
                    help="2: client and server processes (default); 1: the server in the client's process")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds a side waits for the other")
@@ -74,6 +77,8 @@ def _config(args: argparse.Namespace):
 
     if (args.model is None) == (args.model_config is None):
         raise ValueError("give --model or --model-config")
+    if args.channel_scale and not args.channel_mean:
+        raise ValueError("--channel-scale weighs the residual against the channel means: add --channel-mean")
     if args.model_config is not None and (args.model_config not in LM_PRESETS or args.tokenizer is None):
         raise ValueError(f"--model-config takes one of {', '.join(LM_PRESETS)} and needs --tokenizer")
     prompts = list(args.prompt)
@@ -133,12 +138,13 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     delay = DelayLine(args.link_delay_ms / 1000) if args.link_delay_ms else None
     if rank == 1:
         serve(StageBlocks(middle, model.config), 0, act, back, meter=meter, timeout=args.timeout, delay=delay,
-              channel_mean=args.channel_mean)
+              channel_mean=args.channel_mean, channel_scale=args.channel_scale)
         return
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    server = LocalServer(StageBlocks(middle, model.config), act, back, meter, args.channel_mean) \
+    server = LocalServer(StageBlocks(middle, model.config), act, back, meter, args.channel_mean,
+                         channel_scale=args.channel_scale) \
         if world_size == 1 else RemoteServer(1, act, back, meter, args.timeout, delay=delay,
-                                             channel_mean=args.channel_mean)
+                                             channel_mean=args.channel_mean, channel_scale=args.channel_scale)
     generator = torch.Generator().manual_seed(args.seed)
     steps: list[float] = []
     try:
