@@ -34,20 +34,12 @@ from pathlib import Path
 import torch
 
 from dgpipe.compression import get_codec
+from dgpipe.compression.steps.levels import normal_codebook
 from dgpipe.data.text import tokenize_corpus
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "shakespeare"
 LEVELS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-
-
-def lloyd_max(count: int, samples: torch.Tensor) -> torch.Tensor:
-    """``count`` reconstruction levels minimising the squared error on ``samples`` (Lloyd's algorithm)."""
-    levels = torch.linspace(-2, 2, count, dtype=torch.float64) if count > 1 else torch.zeros(1, dtype=torch.float64)
-    for _ in range(100):
-        nearest = (samples[:, None] - levels).abs().argmin(1)
-        levels = torch.stack([samples[nearest == k].mean() for k in range(count)])
-    return levels.float()
 
 
 class TransformCoder:
@@ -134,8 +126,7 @@ def main() -> int:
     def codebook(**options):
         return get_codec("codebook", group="token", rotate="hadamard", scale_dtype="bfloat16", **options)
 
-    g = torch.randn(400_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    books = {c: lloyd_max(c, g) for c in LEVELS}
+    books = {c: normal_codebook(c) if c > 1 else torch.zeros(1) for c in LEVELS}
     print(f"SmolLM2-135M-Instruct, Shakespeare: {args.calibration} calibration blocks, {args.blocks} held-out "
           "blocks of 64 tokens; one direction coded at a time")
     print("| direction | setting | bits/value | rel. MSE | held-out ppl | Δ ppl % |")

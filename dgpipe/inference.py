@@ -214,15 +214,6 @@ class _Stream:
             return self.codec.decode(payload)
         return self.reference.decode(payload, keys, update=True)
 
-    def state_dict(self) -> dict:
-        """The running means (:meth:`TokenTable.state_dict`; empty without the reference)."""
-        return {} if self.reference is None else self.reference.table.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output (e.g. a table built on calibration text)."""
-        if self.reference is not None:
-            self.reference.table.load_state_dict(state)
-
 
 class LocalServer:
     """The server's stage in the client's process: the same codecs both ways (encode, decode), no transport;
@@ -265,11 +256,6 @@ class LocalServer:
             self.meter.record_send(name, "generate", raw_bytes=hidden.numel() * hidden.element_size(),
                                    wire_bytes=payload.nbytes + sum(p.nbytes for p in extra), encode_seconds=seconds)
         return coders[1].decode(payload, keys)
-
-    def state_dict(self) -> dict:
-        """The running means of both directions (the receivers', equal to the senders'), e.g. after
-        calibration text, to serve with: ``{"client->server": ..., "server->client": ...}``."""
-        return {"client->server": self.act[1].state_dict(), "server->client": self.back[1].state_dict()}
 
     def close(self) -> None:
         """Nothing to end in process."""

@@ -188,6 +188,14 @@ class ReferenceCoder:
     def __init__(self, codec: Codec, table: TokenTable) -> None:
         self.codec, self.table = codec, table
 
+    def _weights(self, ids: torch.Tensor, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """Per-channel weights of the residual before coding (``None``: unweighted; :class:`ScaledReferenceCoder`)."""
+        return None
+
+    def _fold(self, ids: torch.Tensor, ref: torch.Tensor, residual: torch.Tensor) -> None:
+        """Fold a message's decoded rows ``ref + residual`` into the table."""
+        self.table.update(ids, ref + residual)
+
     def encode(self, x: torch.Tensor, ids: torch.Tensor, update: bool) -> Payload:
         """The payload of floating ``x`` ``(*ids.shape, d)``; with ``update``, fold the reconstruction
         (what the receiver will return) into the table.
@@ -198,9 +206,11 @@ class ReferenceCoder:
         if not x.is_floating_point() or x.dim() != ids.dim() + 1 or x.shape[:-1] != ids.shape:
             raise ValueError(f"token reference: a {x.dtype} {tuple(x.shape)} tensor for token ids {tuple(ids.shape)}")
         ref = self.table.lookup(ids, x.shape[-1], x.device).to(x.dtype)
-        payload = self.codec.encode(x - ref)
+        w = self._weights(ids, x.shape[-1], x.device, x.dtype)
+        payload = self.codec.encode(x - ref if w is None else (x - ref) * w)
         if update:
-            self.table.update(ids, ref + self.codec.decode(payload).to(ref.device))
+            coded = self.codec.decode(payload).to(ref.device)
+            self._fold(ids, ref, coded if w is None else coded / w)
         return payload
 
     def decode(self, payload: Payload, ids: torch.Tensor, update: bool) -> torch.Tensor:
@@ -209,13 +219,15 @@ class ReferenceCoder:
         Raises:
             ValueError: a corrupt payload, or one whose shape does not fit ``ids``.
         """
-        residual = self.codec.decode(payload)
-        if residual.dim() != ids.dim() + 1 or residual.shape[:-1] != ids.shape:
-            raise ValueError(f"token reference: a residual {tuple(residual.shape)} for token ids {tuple(ids.shape)}")
-        y = self.table.lookup(ids, residual.shape[-1], residual.device).to(residual.dtype) + residual
+        coded = self.codec.decode(payload)
+        if coded.dim() != ids.dim() + 1 or coded.shape[:-1] != ids.shape:
+            raise ValueError(f"token reference: a residual {tuple(coded.shape)} for token ids {tuple(ids.shape)}")
+        ref = self.table.lookup(ids, coded.shape[-1], coded.device).to(coded.dtype)
+        w = self._weights(ids, coded.shape[-1], coded.device, coded.dtype)
+        residual = coded if w is None else coded / w
         if update:
-            self.table.update(ids, y)
-        return y
+            self._fold(ids, ref, residual)
+        return ref + residual
 
 
 class ScaledReferenceCoder(ReferenceCoder):
@@ -244,28 +256,5 @@ class ScaledReferenceCoder(ReferenceCoder):
         return torch.where(v.amax(-1, keepdim=True) > 0, w, torch.ones_like(w)).to(dtype)
 
     def _fold(self, ids: torch.Tensor, ref: torch.Tensor, residual: torch.Tensor) -> None:
-        self.table.update(ids, ref + residual)
+        super()._fold(ids, ref, residual)
         self.squares.update(ids, residual.float().pow(2))
-
-    def encode(self, x: torch.Tensor, ids: torch.Tensor, update: bool) -> Payload:
-        """As :meth:`ReferenceCoder.encode`, the residual weighed per channel (class docstring)."""
-        if not x.is_floating_point() or x.dim() != ids.dim() + 1 or x.shape[:-1] != ids.shape:
-            raise ValueError(f"token reference: a {x.dtype} {tuple(x.shape)} tensor for token ids {tuple(ids.shape)}")
-        ref = self.table.lookup(ids, x.shape[-1], x.device).to(x.dtype)
-        w = self._weights(ids, x.shape[-1], x.device, x.dtype)
-        payload = self.codec.encode((x - ref) * w)
-        if update:
-            self._fold(ids, ref, self.codec.decode(payload).to(ref.device) / w)
-        return payload
-
-    def decode(self, payload: Payload, ids: torch.Tensor, update: bool) -> torch.Tensor:
-        """As :meth:`ReferenceCoder.decode`, the residual's weights divided out."""
-        coded = self.codec.decode(payload)
-        if coded.dim() != ids.dim() + 1 or coded.shape[:-1] != ids.shape:
-            raise ValueError(f"token reference: a residual {tuple(coded.shape)} for token ids {tuple(ids.shape)}")
-        ref = self.table.lookup(ids, coded.shape[-1], coded.device).to(coded.dtype)
-        residual = coded / self._weights(ids, coded.shape[-1], coded.device, coded.dtype)
-        if update:
-            self._fold(ids, ref, residual)
-        return ref + residual
-
