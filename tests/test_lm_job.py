@@ -180,11 +180,21 @@ def test_pretrain_tiny_llama_compare_to_none(corpus, tmp_path, capfd):
     delta = summary["value"] - none["value"]
     assert f"{delta:+.4f} ({100 * delta / none['value']:+.2f}%)" in row
     assert "s/step at 200 Mbit/s + 50 ms (proj.)" in out
-    step = (summary["train_seconds"] + 8 * summary["wire_bytes"] / 200e6) / 4 + 2 * 2 * 0.05
-    assert f"{step:.3f} s" in row  # client/server: 2 boundaries, 2 latencies each per step
+    # the step's profile: client/server segments, 2 micro-batches, a message's bytes as metered
+    profile = compare.run_profile(records)
+    assert profile.ranks == (0, 1, 0) and profile.micro == 2
+    assert all(s > 0 for s in profile.forward + profile.backward)
+    epoch = next(r for r in records if r["event"] == "epoch")
+    for direction, per_message in (("forward", profile.forward_bytes), ("backward", profile.backward_bytes)):
+        entries = {b["name"]: b for b in epoch["boundaries"] if b["direction"] == direction}
+        assert [(entries[n]["wire_bytes"] + entries[n]["frame_bytes"]) / (4 * 2) for n in
+                ("stage0->stage1", "stage1->stage2")] == pytest.approx(per_message)
+    link = compare.Link("x", 200e6, 0.05)
+    step = compare.project(summary["train_seconds"], summary["wire_bytes"], 4, 2, link, profile) / 4
+    assert f"{step:.3f} s" in row
 
 
-def test_projection_counts_latency_per_critical_message():
+def test_projection_without_a_profile_counts_latency_per_critical_message():
     link = compare.Link("x", 8e6, 0.01)
     assert compare.project(10.0, 1_000_000, 5, 3, link) == pytest.approx(10.0 + 1.0 + 5 * 6 * 0.01)
     assert compare.critical_messages(2) == 4

@@ -86,12 +86,15 @@ def test_segments_merge_consecutive_stages_of_one_rank():
 
 
 def test_gpipe_tasks_client_order():
-    tasks = [(t.phase[0], t.micro, t.segment) for t in gpipe_tasks(segments([0, 1, 0]), 0, 3)]
-    # stage 0 of micro-batch m+2 runs before the last stage of micro-batch m (clock m+2)
+    tasks = [(t.phase[0], t.micro, t.segment) for t in gpipe_tasks(segments([0, 1, 0]), 0, 4)]
+    # every micro-batch of the first stage before the last stage of any; backward in reverse
     assert tasks == [
-        ("f", 0, 0), ("f", 1, 0), ("f", 2, 0), ("f", 0, 2), ("f", 1, 2), ("f", 2, 2),
-        ("b", 2, 2), ("b", 1, 2), ("b", 0, 2), ("b", 2, 0), ("b", 1, 0), ("b", 0, 0),
+        ("f", 0, 0), ("f", 1, 0), ("f", 2, 0), ("f", 3, 0), ("f", 0, 2), ("f", 1, 2), ("f", 2, 2), ("f", 3, 2),
+        ("b", 3, 2), ("b", 2, 2), ("b", 1, 2), ("b", 0, 2), ("b", 3, 0), ("b", 2, 0), ("b", 1, 0), ("b", 0, 0),
     ]  # fmt: skip
+    # a rank with one segment: micro-batches in order, backward reversed
+    assert [(t.phase[0], t.micro) for t in gpipe_tasks(segments([0, 1, 0]), 1, 2)] == [
+        ("f", 0), ("f", 1), ("b", 1), ("b", 0)]
 
 
 def _simulate(placement, n_micro):

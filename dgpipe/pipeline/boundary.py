@@ -70,6 +70,7 @@ import time
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.transport import DelayLine, Receiver, Sender
@@ -145,6 +146,8 @@ class Boundary:
             value's last tensor, its token ids (module docstring); ``None``: no reference.
         delay: hold every message this rank sends back by the line's latency
             (:class:`~dgpipe.comm.transport.DelayLine`, benchmarks only); ``None``: send at once.
+        down_group: the process group of the messages that go to the lower of the two ranks (``None``: the
+            default group, as every message to the higher one); see :class:`~dgpipe.pipeline.Pipeline`.
     """
 
     def __init__(
@@ -164,9 +167,10 @@ class Boundary:
         skip_padding: bool = False,
         token_reference: TokenReference | None = None,
         delay: DelayLine | None = None,
+        down_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.name = f"stage{index}->stage{index + 1}"
-        self._delay = delay
+        self._delay, self._down_group = delay, down_group
         self.token_reference = token_reference
         self.skip_padding = bool(skip_padding)
         # micro-batch slot -> (the row mask's kept rows, bool (B, L); the leaves sent as rows) of the
@@ -190,8 +194,8 @@ class Boundary:
         table = self._senders if sending else self._receivers
         if key not in table:
             src, dst = (self.dst, self.src) if key == "backward" else (self.src, self.dst)
-            tag = self._tags[key]
-            table[key] = Sender(dst, tag=tag, delay=self._delay) if sending else Receiver(src, tag=tag)
+            tag, group = self._tags[key], self._down_group if dst < src else None
+            table[key] = Sender(dst, group, tag, self._delay) if sending else Receiver(src, group, tag)
         return table[key]
 
     # -- forward ---------------------------------------------------------------------------

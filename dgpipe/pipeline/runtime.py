@@ -21,6 +21,7 @@ mini-batch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -198,6 +199,12 @@ class Pipeline:
         if not link_delay >= 0:
             raise ValueError(f"link_delay must be >= 0 seconds, got {link_delay!r}")
         delay = DelayLine(link_delay) if link_delay > 0 else None
+        # gloo keeps one TCP connection per pair of ranks, and on it a link busy both ways (activations one way,
+        # the answers the other) carries about half its rate each way (1 MiB each way at once over a 10 Mbit/s
+        # tbf link: 1.77 s, against 0.89 s one way and 1.04 s on two connections): messages to a lower rank
+        # take a second process group, with connections of their own.
+        down = (dist.new_group(list(range(world_size))) if initialized and world_size > 1
+                and dist.get_backend() == "gloo" else None)
         acts = codec_factories(act_codec, n_boundaries, "act_codec")
         grads = acts if grad_codec is None else codec_factories(grad_codec, n_boundaries, "grad_codec")
 
@@ -227,9 +234,11 @@ class Pipeline:
                 self._bounds[a.index] = Boundary(
                     a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout,
                     rank=rank, delta=delta, report=delta_report, id_examples=self.id_examples,
-                    skip_padding=skip_padding, token_reference=token_reference, delay=delay,
+                    skip_padding=skip_padding, token_reference=token_reference, delay=delay, down_group=down,
                 )
         self.last_step_totals: dict = self.meter.totals()
+        # Seconds and count of this rank's training tasks, [forward, backward] x segment (take_task_seconds).
+        self._task_seconds = torch.zeros(2, 2, len(self._segs), dtype=torch.float64)
         #: Parameters shared by stages on different ranks (tied embeddings), summed after each backward.
         self.tied = TiedParameters(stages, self._placement, rank)
 
@@ -272,6 +281,14 @@ class Pipeline:
         for b in self._bounds.values():
             if b.delta_coded:
                 out[names.index(b.name)] += b.coders.take_delta_stats()
+        return out
+
+    def take_task_seconds(self) -> torch.Tensor:
+        """This rank's training tasks since the last call, then forgets them: float64 ``(2, 2, S)`` for the ``S``
+        segments -- ``[0]`` the seconds (wall time less the time blocked in receives; encoding and decoding
+        included), ``[1]`` the number of tasks; ``[:, 0]`` forward, ``[:, 1]`` backward. Zero for segments other
+        ranks hold, so the sum over ranks is the whole pipeline's (:mod:`dgpipe.pipeline.timeline`)."""
+        out, self._task_seconds = self._task_seconds, torch.zeros_like(self._task_seconds)
         return out
 
     def reference_digests(self) -> dict[str, dict[int, str]]:
@@ -442,10 +459,16 @@ class Pipeline:
         if training and step.n_micro != self.chunks:
             raise ValueError(f"rank {self.rank}: peer sent {step.n_micro} micro-batches, expected chunks={self.chunks}")
         for task in gpipe_tasks(self._segs, self.rank, step.n_micro, backward=training):
+            start, waited = time.perf_counter(), self.meter.totals()["recv_seconds"]
             if task.phase == "forward":
                 self._forward(step, task)
             else:
                 self._backward(step, task)
+            if training:  # the task's compute: its wall time less the time blocked in a receive
+                busy = time.perf_counter() - start - (self.meter.totals()["recv_seconds"] - waited)
+                phase = int(task.phase == "backward")
+                self._task_seconds[0, phase, task.segment] += busy
+                self._task_seconds[1, phase, task.segment] += 1
         for work in step.works:
             work.wait(self.timeout)
         after = self.meter.totals()

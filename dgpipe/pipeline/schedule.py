@@ -2,12 +2,21 @@
 
 GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
 Pipeline Parallelism", NeurIPS 2019) splits a mini-batch into M micro-batches, runs
-every forward, then every backward in reverse, then one optimizer step. As in
-torchgpipe's clock cycles, task (micro-batch m, segment k) runs at clock ``m + k``;
-a rank runs its forward tasks by increasing clock and its backward tasks by
-decreasing clock. Every task depends only on tasks of an earlier clock (the previous
-segment of the same micro-batch; in backward, the next one), so with asynchronous
-sends and blocking receives no rank ever waits on a task that waits on it.
+every forward, then every backward in reverse, then one optimizer step. A rank runs
+its forward tasks (micro-batch m, segment k) in the order (k, m) -- every micro-batch
+of its earliest segment first -- and its backward tasks in exactly the reverse order.
+Every task depends only on tasks earlier in that order (the previous segment of the
+same micro-batch; in backward, the next one), so with asynchronous sends and blocking
+receives no rank ever waits on a task that waits on it.
+
+Why segment by segment rather than by torchgpipe's clock cycles (task (m, k) at clock
+m + k): a rank's earlier segment feeds the other ranks, so running all of it first
+sends every micro-batch on as early as possible. For a client holding the first and
+the last stage (client/server ``[0, 1, 0]``) a step then waits for two round trips of
+the link -- 4 one-way latencies -- where clock order, which runs the last stage of
+micro-batch m before the first stage of micro-batch m + 2, waits for up to 8 with 4
+micro-batches (:func:`dgpipe.pipeline.timeline.simulate_step`); on a rank with one
+segment the two orders are the same.
 
 A *segment* is a maximal run of consecutive stages held by one rank: nothing
 crosses the wire inside it, so it runs as one unit. Client/server ``[0, 1, 0]`` has
@@ -63,14 +72,13 @@ def segments(placement: Sequence[int]) -> list[Segment]:
 def gpipe_tasks(segs: Sequence[Segment], rank: int, n_micro: int, backward: bool = True) -> list[Task]:
     """Tasks of ``rank`` in execution order for ``n_micro`` micro-batches.
 
-    Forward tasks sorted by (clock, segment), then -- if ``backward`` -- backward
-    tasks sorted by (clock, segment) descending; clock = micro-batch + segment index.
+    Forward tasks sorted by (segment, micro-batch), then -- if ``backward`` -- the
+    backward tasks in the reverse of that order (module docstring).
     """
-    mine = [s.index for s in segs if s.rank == rank]
-    fwd = sorted(((m + k, k, m) for k in mine for m in range(n_micro)))
-    tasks = [Task("forward", m, k) for _, k, m in fwd]
+    fwd = [(s.index, m) for s in segs if s.rank == rank for m in range(n_micro)]
+    tasks = [Task("forward", m, k) for k, m in fwd]
     if backward:
-        tasks += [Task("backward", m, k) for _, k, m in reversed(fwd)]
+        tasks += [Task("backward", m, k) for k, m in reversed(fwd)]
     return tasks
 
 

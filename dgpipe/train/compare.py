@@ -9,11 +9,17 @@ difference to the uncompressed run, the measured bits per value of each directio
 (:func:`~dgpipe.train.runlog.direction_bits`, all-in), the training wire bytes, the
 measured training time and what each run's traffic would add on slower links.
 
-The link columns are a projection, not a measurement: ``training seconds + training wire
-bytes x 8 / rate``, i.e. the time measured here plus the time the same bytes need at that
-rate with no overlap of transfer and compute. On one machine the link is loopback, where
-compression cannot change samples/s; ``bandwidth/slow_link.py --rate 100mbit -- COMMAND``
-runs the same command across a real shaped link (root).
+The link columns are a projection, not a measurement. For a run of dgpipe's own pipeline, whose
+log holds the tasks and messages of a step (an epoch record's ``profile``,
+:class:`~dgpipe.pipeline.timeline.StepProfile`), it is ``training seconds + steps x
+(simulate_step(link) - simulate_step(loopback))``: the time measured here plus what the link adds to
+the timeline of a step -- each message held back by the latency, then its bytes at the rate, queued
+on its link, while the ranks compute what they can (:func:`dgpipe.pipeline.timeline.simulate_step`).
+For other runs (torch's schedules, DDP) it is ``training seconds + wire bytes x 8 / rate + steps x 2 x
+boundaries x latency``: no overlap of transfer and compute, and the latency of the messages the
+critical path of a GPipe or 1F1B step crosses on a linear partition. On one machine the link is
+loopback, where compression cannot change samples/s; ``bandwidth/slow_link.py --rate 100mbit --
+COMMAND`` runs the same command across a real shaped link (root), ``--link-delay MS`` adds latency.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dgpipe.pipeline.timeline import StepProfile, simulate_step
+
 from .codecs import SETTINGS, setting_label
 from .config import RunConfig
 from .runlog import direction_bits, read_records
 
-__all__ = ["Link", "LINKS", "LM_LINKS", "critical_messages", "project", "plan", "rows", "format_table"]
+__all__ = ["Link", "LINKS", "LM_LINKS", "critical_messages", "project", "run_profile", "plan", "rows", "format_table"]
 
 
 @dataclass(frozen=True)
@@ -53,15 +61,36 @@ LM_LINKS = (Link("200 Mbit/s + 50 ms", 200e6, 0.05), Link("10 Mbit/s + 50 ms", 1
 
 
 def critical_messages(boundaries: int) -> int:
-    """Messages per training step on a GPipe or 1F1B schedule's critical path: ``2 x boundaries``
-    (module docstring)."""
+    """Messages per training step on the critical path of a GPipe or 1F1B schedule over a linear partition:
+    ``2 x boundaries`` (the first micro-batch's activations forward, the last one's gradients back)."""
     return 2 * boundaries
 
 
-def project(train_seconds: float, wire_bytes: int, steps: int, boundaries: int, link: Link) -> float:
-    """Projected training seconds on ``link``: ``train_seconds + 8 x wire_bytes / rate + steps x
-    critical_messages(boundaries) x latency`` (module docstring)."""
+def project(train_seconds: float, wire_bytes: int, steps: int, boundaries: int, link: Link,
+            profile: StepProfile | None = None) -> float:
+    """Projected training seconds on ``link`` (module docstring).
+
+    Args:
+        train_seconds, wire_bytes, steps: the run's measured training seconds, training wire bytes (both
+            directions, all boundaries) and optimizer steps.
+        boundaries: stage boundaries (for the formula without a profile).
+        link: the link's rate (bits/s) and one-way latency (s).
+        profile: the run's step profile (:func:`run_profile`); with it the link's cost is played out on the
+            step's timeline, without it ``wire bytes x 8 / rate + steps x critical_messages(boundaries) x
+            latency`` is added.
+    """
+    if profile is not None:
+        added = simulate_step(profile, link.rate, link.latency) - simulate_step(profile)
+        return train_seconds + steps * added
     return train_seconds + 8 * wire_bytes / link.rate + steps * critical_messages(boundaries) * link.latency
+
+
+def run_profile(records: list[dict[str, Any]]) -> StepProfile | None:
+    """The step profile of a run's last epoch record that has one (dgpipe's pipeline logs it), else None."""
+    for r in reversed(records):
+        if r.get("event") == "epoch" and "profile" in r:
+            return StepProfile.from_json(r["profile"])
+    return None
 
 
 def stage_boundaries(mode: str, partition: str, stages: int | None) -> int:
@@ -102,7 +131,8 @@ def rows(runs: list[tuple[str, RunConfig]], links: tuple[Link, ...] = LINKS) -> 
     (value minus the ``none`` run's; None without one), ``metrics`` (every final metric),
     ``forward_bits``/``backward_bits`` (measured bits per value), ``wire_bytes`` (training, both
     directions), ``train_seconds``, ``steps``, ``boundaries``, ``projected`` (link label -> seconds of
-    the whole run, :func:`project`) and ``top_class`` (``[count, n]`` or None).
+    the whole run, :func:`project`), ``timeline`` (whether the projection played out the run's step profile)
+    and ``top_class`` (``[count, n]`` or None).
 
     Raises:
         ValueError: a log without a summary record (the run did not finish).
@@ -115,12 +145,15 @@ def rows(runs: list[tuple[str, RunConfig]], links: tuple[Link, ...] = LINKS) -> 
             raise ValueError(f"{config.log.log}: no summary record (did the run finish?)")
         bits = direction_bits(records)
         seconds, steps, boundaries = summary["train_seconds"], summary.get("steps", 0), _boundaries(config)
+        profile = run_profile(records)
         out.append({
             "setting": label, "metric": summary["metric"], "value": summary["value"],
             "metrics": summary.get("metrics", {}),
             "forward_bits": bits["forward"], "backward_bits": bits["backward"],
             "wire_bytes": summary["wire_bytes"], "train_seconds": seconds, "steps": steps, "boundaries": boundaries,
-            "projected": {k.label: project(seconds, summary["wire_bytes"], steps, boundaries, k) for k in links},
+            "projected": {k.label: project(seconds, summary["wire_bytes"], steps, boundaries, k, profile)
+                          for k in links},
+            "timeline": profile is not None,
             "top_class": summary.get("top_class"),
         })
     base = next((r["value"] for r in out if r["setting"] == "none"), None)
@@ -185,10 +218,14 @@ def format_table(rows_: list[dict[str, Any]]) -> str:
     if loss:
         lines.append("One seed: the benchmark (docs/lm.md) pairs 3+ seeds on the same held-out tokens to resolve "
                      "differences of this size.")
+    timed = all(r["timeline"] for r in rows_)
     lines.append("Link columns are projections: training seconds measured here (loopback, where compression cannot "
-                 "change speed) + training wire bytes at that rate, no overlap"
-                 + (", + the one-way latency once per message on the schedule's critical path (2 per boundary and "
-                    "step)" if any(k.endswith("ms") for k in links) else "")
+                 "change speed) + "
+                 + ("what the link adds to a step's timeline of measured tasks (each message held back by the latency, "
+                    "then its bytes at the rate; dgpipe.pipeline.timeline)" if timed else
+                    "training wire bytes at that rate, no overlap"
+                    + (", + the one-way latency once per message on the schedule's critical path (2 per boundary "
+                       "and step)" if any(k.endswith("ms") for k in links) else ""))
                  + ". To measure on a real shaped link (root): python bandwidth/slow_link.py --rate 100mbit -- "
                    "<this command>")
     return "\n".join(lines)

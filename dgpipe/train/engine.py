@@ -11,7 +11,9 @@ Both give the training loop (:mod:`dgpipe.train.loop`) the same small interface,
 - ``parameters()``, ``meter`` (a :class:`~dgpipe.comm.BandwidthMeter` of the traffic:
   stage boundaries, or the DDP gradient exchange), ``state_dict()``/``load_state_dict()``,
   ``delta_boundaries`` (names of the delta-coded boundaries, for the logs) and
-  ``delta_stats()`` (a collective: their coded-change and error energies).
+  ``delta_stats()`` (a collective: their coded-change and error energies) and
+  ``step_profile(records)`` (a collective: the tasks and messages of a step, which the link
+  projection of :mod:`dgpipe.train.compare` plays out; dgpipe's pipeline only).
 
 :func:`reads_data` says, from the pipeline config alone, which ranks iterate the data loaders, so
 that the loaders (and the training set's size, which delta caches need) exist before
@@ -32,6 +34,8 @@ from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
+from dgpipe.pipeline.schedule import segments
+from dgpipe.pipeline.timeline import StepProfile
 from dgpipe.pipeline.tied import TiedParameters, unique_parameters
 
 from .config import PipelineConfig, RunConfig
@@ -167,6 +171,25 @@ class PipelineEngine:
         return {n: {"delta_change_rel": float(s[1] / s[0]) if s[0] > 0 else None,
                     "delta_error_rel": float(s[2] / s[0]) if s[0] > 0 else None} for n, s in zip(names, sums)}
 
+    def step_profile(self, records: list[dict] | None) -> StepProfile | None:
+        """The mean task seconds of every segment since the last call (all ranks', one all-reduce) and the mean
+        bytes of a message over each boundary and direction, from the gathered meter ``records`` (payloads and
+        framing). A collective; returns the profile where ``records`` is given (the rank that gathered the
+        meter), None elsewhere or when a segment ran no task."""
+        sums = self.pipe.take_task_seconds().to(wire_device())
+        dist.all_reduce(sums)
+        seconds, count = sums.cpu().unbind(0)
+        if records is None or not bool((count > 0).all()):
+            return None
+        segs = segments(self.placement)
+        per = {(r["name"], r["direction"]): (r["wire_bytes"] + r["frame_bytes"]) / max(r["count"], 1)
+               for r in records}
+        names = [f"stage{seg.last}->stage{seg.last + 1}" for seg in segs[:-1]]
+        mean = (seconds / count).tolist()
+        return StepProfile(tuple(seg.rank for seg in segs), self.pipe.chunks, tuple(mean[0]), tuple(mean[1]),
+                           tuple(per.get((n, "forward"), 0.0) for n in names),
+                           tuple(per.get((n, "backward"), 0.0) for n in names))
+
     def set_epoch(self, epoch: int) -> None:
         """Delta warm-up (lossless, cached) during the first ``--delta-warmup-epochs`` epochs."""
         self.pipe.delta_warmup = epoch < self._warmup_epochs
@@ -289,6 +312,10 @@ class TorchScheduleEngine:
         """No delta coding under torch's schedules."""
         return {}
 
+    def step_profile(self, records: list[dict] | None) -> None:
+        """No task profile under torch's schedules (the projection counts latencies instead)."""
+        return None
+
     def set_epoch(self, epoch: int) -> None:
         """Nothing changes between epochs."""
 
@@ -355,6 +382,10 @@ class DataParallelEngine:
     def delta_stats(self) -> dict:
         """No delta coding in DDP."""
         return {}
+
+    def step_profile(self, records: list[dict] | None) -> None:
+        """No pipeline tasks in DDP."""
+        return None
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "hook": self.dp.hook_state_dict()}

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from scipy import stats
 
 from .ablation import ANCHORS, has_summary, paired
-from .compare import LM_LINKS, Link, project, stage_boundaries
+from .compare import LM_LINKS, Link, project, run_profile, stage_boundaries
 from .runlog import direction_bits, read_records
 
 __all__ = ["REFERENCES", "curve", "steps_to_target", "mean_interval", "results", "table", "plot"]
@@ -105,7 +105,8 @@ def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: st
             boundaries = stage_boundaries(own["args"].get("mode", "pipeline"), own["args"]["partition"],
                                           own["args"]["stages"])
             for link in links:
-                total = project(compute * own["steps"], own["wire_bytes"], own["steps"], boundaries, link)
+                total = project(compute * own["steps"], own["wire_bytes"], own["steps"], boundaries, link,
+                                run_profile(runs[k]))
                 step_time = total / own["steps"]
                 t_link[link.label].append(math.inf if reached is None else reached * step_time)
         rows.append({

@@ -452,6 +452,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         train_loss = engine.mean_loss(progress.loss_sum, n)
         delta_stats = engine.delta_stats()
         merged = engine.meter.gather(dst=0)
+        profile = engine.step_profile(merged.records() if merged is not None else None)
         metrics, top = _evaluate(engine, job, eval_loader, eval_steps)
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
@@ -462,7 +463,8 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
             boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]
             rate = done * config.data.batch_size / seconds if seconds else 0.0
             record = runlog.epoch_record(epoch + 1, train_loss, metrics, rate, boundaries, steps=n, step=progress.step,
-                                         lr=scheduler.get_last_lr()[0])
+                                         lr=scheduler.get_last_lr()[0],
+                                         **({"profile": profile.to_json()} if profile is not None else {}))
             log.write(record)
             print(runlog.format_epoch(record, job.metric), flush=True)
             for name, st in delta_stats.items():
