@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from dgpipe.comm import BandwidthMeter
-from dgpipe.comm.transport import DelayLine, Receiver, Sender
+from dgpipe.comm.delay import DelayLine
+from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Payload, get_codec
 from dgpipe.compression.wrappers.reference import (
     POSITION_KEYS, ReferenceCoder, ScaledReferenceCoder, TokenTable, position_keys,
@@ -264,7 +265,7 @@ class LocalServer:
 class RemoteServer:
     """The client's end of the link to a server process (:func:`serve`) at global rank ``peer``.
 
-    ``delay``: a :class:`~dgpipe.comm.transport.DelayLine` that holds every message to the server back by
+    ``delay``: a :class:`~dgpipe.comm.delay.DelayLine` that holds every message to the server back by
     its latency (benchmarks on kernels without ``netem``; ``None``: send at once). The meter records per
     direction the payload bytes (``wire_bytes``), the transport's framing around them (``frame_bytes``:
     the message's meta and size fields) and the codec's seconds. ``channel_mean``: code each direction against

@@ -1,4 +1,4 @@
-"""The emulated link latency (``--link-delay``, :class:`~dgpipe.comm.transport.DelayLine`).
+"""The emulated link latency (``--link-delay``, :class:`~dgpipe.comm.delay.DelayLine`).
 
 Unit: every send is posted no earlier than its deadline, in the order submitted, without blocking the
 caller; a failed post reaches the caller. Spawned (gloo, 2 ranks, client/server): a pipeline whose
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dgpipe.comm.transport import DelayLine
+from dgpipe.comm.delay import DelayLine
 from dgpipe.pipeline import Pipeline
 from helpers import assert_ranks_ok, spawn_checks
 

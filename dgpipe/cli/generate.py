@@ -127,7 +127,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     import torch
 
     from dgpipe.comm import BandwidthMeter
-    from dgpipe.comm.transport import DelayLine
+    from dgpipe.comm.delay import DelayLine
     from dgpipe.inference import ClientStages, LocalServer, RemoteServer, StageBlocks, generate, serve, split_layers
     from dgpipe.models.causal_lm import causal_lm_layers
 

@@ -4,6 +4,8 @@
   ``Payload`` (and ``Sender`` / ``Receiver`` streams of messages with several payloads
   and meta integers) over torch.distributed point-to-point messages (int64 fields,
   headers, tensor bytes; never pickled), with timeouts that name the failed peer.
+- :mod:`dgpipe.comm.delay`: ``DelayLine``, an emulated one-way latency that holds every send back
+  (benchmarks on kernels without ``netem``).
 - :mod:`dgpipe.comm.meter`: ``BandwidthMeter``, bytes and seconds per boundary and
   direction, gathered to rank 0 with tensor collectives.
 - :mod:`dgpipe.comm.probe`: ``pingpong_seconds`` (message time between two ranks) and

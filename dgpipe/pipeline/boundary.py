@@ -73,7 +73,8 @@ import torch
 import torch.distributed as dist
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
-from dgpipe.comm.transport import DelayLine, Receiver, Sender
+from dgpipe.comm.delay import DelayLine
+from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, parse_header
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import TokenReference, check_tokens
@@ -145,7 +146,7 @@ class Boundary:
         token_reference: code floating ``(B, L, d)`` tensors against a per-token table keyed by the
             value's last tensor, its token ids (module docstring); ``None``: no reference.
         delay: hold every message this rank sends back by the line's latency
-            (:class:`~dgpipe.comm.transport.DelayLine`, benchmarks only); ``None``: send at once.
+            (:class:`~dgpipe.comm.delay.DelayLine`, benchmarks only); ``None``: send at once.
         down_group: the process group of the messages that go to the lower of the two ranks (``None``: the
             default group, as every message to the higher one); see :class:`~dgpipe.pipeline.Pipeline`.
     """

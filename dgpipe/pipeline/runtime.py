@@ -32,7 +32,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import Batch, gather
 
 from dgpipe.comm import BandwidthMeter
-from dgpipe.comm.transport import DelayLine
+from dgpipe.comm.delay import DelayLine
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models.example_dropout import example_ids
@@ -137,7 +137,7 @@ class Pipeline:
             both sides build from training messages (:mod:`dgpipe.pipeline.boundary`). Not with
             ``delta`` or ``skip_padding``. The same on every rank.
         link_delay: seconds every boundary message is held back before it is sent (an emulated one-way
-            link latency, :class:`~dgpipe.comm.transport.DelayLine`; benchmarks on kernels without
+            link latency, :class:`~dgpipe.comm.delay.DelayLine`; benchmarks on kernels without
             ``netem``). Default 0: sent at once, no thread.
 
     Raises:
@@ -199,10 +199,10 @@ class Pipeline:
         if not link_delay >= 0:
             raise ValueError(f"link_delay must be >= 0 seconds, got {link_delay!r}")
         delay = DelayLine(link_delay) if link_delay > 0 else None
-        # gloo keeps one TCP connection per pair of ranks, and on it a link busy both ways (activations one way,
-        # the answers the other) carries about half its rate each way (1 MiB each way at once over a 10 Mbit/s
-        # tbf link: 1.77 s, against 0.89 s one way and 1.04 s on two connections): messages to a lower rank
-        # take a second process group, with connections of their own.
+        # gloo keeps one TCP connection per pair of ranks, and on it a message each way at once takes as long as
+        # the two one after the other (benchmarks/gloo_duplex.py over tbf links: 1.9-2.0x the one-way time; on
+        # two connections 1.0-1.3x): messages to a lower rank take a second process group, with connections of
+        # their own, so a link busy both ways (activations one way, answers the other) keeps its rate each way.
         down = (dist.new_group(list(range(world_size))) if initialized and world_size > 1
                 and dist.get_backend() == "gloo" else None)
         acts = codec_factories(act_codec, n_boundaries, "act_codec")
