@@ -195,8 +195,9 @@ def _leaves(state, prefix: str = "") -> list:
 
 
 def _untimed(record: dict, drop: tuple[str, ...] = ()) -> dict:
-    """A log record without its timings (seconds and rates) and the keys ``drop``."""
-    return {k: v for k, v in record.items() if "seconds" not in k and not k.endswith("_per_s") and k not in drop}
+    """A log record without its timings (seconds, rates, the step profile's task seconds) and the keys ``drop``."""
+    return {k: v for k, v in record.items()
+            if "seconds" not in k and not k.endswith("_per_s") and k != "profile" and k not in drop}
 
 
 def _check_resume(tmp_path: Path, monkeypatch, cli: str, job_cls, common: list[str], steps: int, save_every: int,

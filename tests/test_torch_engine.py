@@ -36,7 +36,8 @@ def test_torch_1f1b_trains_exactly_as_dgpipe_gpipe(tmp_path):
                                                     _run(tmp_path, "torch", "--codec", "none", "--engine", "torch"))
     assert theirs["train_loss"] == ours["train_loss"] and theirs["val_acc"] == ours["val_acc"]
     assert their_summary["args"]["engine"] == "torch" and their_summary["args"]["schedule"] == "1f1b"
-    assert set(their_summary) == set(our_summary) and set(theirs) == set(ours)  # one log format
+    # one log format; the step profile (tasks and messages for the link projection) is dgpipe's runtime's own
+    assert set(their_summary) == set(our_summary) and set(theirs) | {"profile"} == set(ours)
     hidden = 3 * 16 * 64 * 64 * 4  # steps x batch x max-length x hidden size, float32
     forward = {b["direction"]: b for b in theirs["boundaries"]}["forward"]
     assert forward["raw_bytes"] == hidden + 3 * 16 * 64 * 8  # and the int64 attention mask, sent raw

@@ -12,6 +12,11 @@ Record schema (other tools, e.g. ``benchmarks/plot_ablation.py``, read these fie
      "raw_bytes": 5242880, "wire_bytes": 1315840, "wall_seconds": 61.3, "args": {...},
      "metrics": {...}, "steps": 40, "train_seconds": 25.2, "top_class": [130, 512]}
 
+An epoch record of dgpipe's own pipeline also holds ``"profile"``: the step's tasks and messages
+(:class:`~dgpipe.pipeline.timeline.StepProfile`: ``ranks`` per segment, ``micro``, ``forward`` /
+``backward`` seconds of one micro-batch's task per segment, ``forward_bytes`` / ``backward_bytes`` of one
+message per boundary), which the link projection of ``--compare-to`` plays out.
+
 ``top_class``: how many of the last evaluation's examples the most predicted class got,
 of how many (null for regression); equal numbers mean the model predicts one class.
 
