@@ -213,10 +213,15 @@ class SlowLink:
         return ["ip", "netns", "exec", self.netns, *[str(a) for a in argv]]
 
     def describe(self) -> str:
-        """One line: addresses, interfaces, rate (Mbit/s) and one-way delay (ms)."""
+        """One line: addresses, interfaces, rate (Mbit/s), one-way delay (ms) and the TCP congestion control of
+        each end (it decides how TCP fills the shaped queue: e.g. BBR drops more in a shallow one than CUBIC)."""
+        key = "/proc/sys/net/ipv4/tcp_congestion_control"
+        host = _run(["cat", key], check=False).stdout.strip() or "?"
+        ns = _run(self.ns_command(["cat", key]), check=False).stdout.strip() or "?"
         return (f"slow link {self.host_addr} ({self.host_if}, host) <-> {self.ns_addr} "
                 f"({self.ns_if}, netns {self.netns}): {self.rate_bps / 1e6:g} Mbit/s "
-                f"each way, one-way delay {self.delay_s * 1e3:g} ms")
+                f"each way, one-way delay {self.delay_s * 1e3:g} ms; TCP congestion control {host} (host), "
+                f"{ns} (netns)")
 
     def __enter__(self) -> "SlowLink":
         self._check_environment()
