@@ -7,8 +7,12 @@ Modules (one idea each):
   ``balance_by_params(layers, n)``, ``balance_by_time(layers, n, sample)``,
   ``linear_placement(n) -> [0..n-1]``, ``client_server_placement() -> [0, 1, 0]``,
   ``validate_placement(placement, n_stages, world_size)``.
-- :mod:`~dgpipe.pipeline.schedule` -- GPipe fill-drain task order per rank;
-  ``bubble_fraction(S, M) = (S-1)/(M+S-1)``.
+- :mod:`~dgpipe.pipeline.schedule` -- GPipe fill-drain task order per rank (segment by
+  segment); ``bubble_fraction(S, M) = (S-1)/(M+S-1)``.
+- :mod:`~dgpipe.pipeline.timeline` -- ``simulate_step(profile, rate, latency)``: the
+  seconds of a step on a link, from its measured tasks and messages (``StepProfile``).
+- :mod:`~dgpipe.pipeline.microbatch` -- ``batch_size``, ``split_batch``, ``detach`` for
+  tensors and tuples.
 - :mod:`~dgpipe.pipeline.boundary` -- one stage boundary: tensor or tuple through its
   lanes, :mod:`dgpipe.comm.transport` and the meter.
 - :mod:`~dgpipe.pipeline.lanes` -- one tuple position's way over the wire: lossless,
@@ -38,6 +42,7 @@ Pipeline API::
     out = pipe.eval_step(inputs)                        # last-stage rank: outputs; else None
     pipe.meter.records(); pipe.meter.gather(dst=0)      # per boundary and direction
     pipe.last_step_totals                               # this rank's traffic in the last step
+    pipe.take_task_seconds()                            # its training tasks' seconds, per segment
     pipe.state_dict(); pipe.load_state_dict(sd)         # local stages + codec states
     pipe.holds_first_stage, pipe.holds_last_stage
 

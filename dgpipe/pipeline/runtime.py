@@ -39,33 +39,12 @@ from dgpipe.models.example_dropout import example_ids
 
 from .boundary import Boundary
 from .coders import CodecArg, codec_factories
+from .microbatch import batch_size, detach, split_batch
 from .partition import validate_placement
 from .schedule import Task, gpipe_tasks, segments
 from .tied import TiedParameters, unique_parameters
 
 __all__ = ["Pipeline"]
-
-
-def _batch_size(value, what: str) -> int:
-    tensors = [value] if isinstance(value, torch.Tensor) else list(value) if isinstance(value, (tuple, list)) else None
-    if not tensors or any(not isinstance(t, torch.Tensor) for t in tensors):
-        raise TypeError(f"{what} must be a tensor or a non-empty tuple of tensors, got {type(value).__name__}")
-    sizes = {t.size(0) if t.dim() > 0 else -1 for t in tensors}
-    if len(sizes) != 1 or -1 in sizes:
-        raise ValueError(f"{what}: every tensor needs the same batch size in dim 0, got sizes {sorted(sizes)}")
-    return sizes.pop()
-
-
-def _split(value, n: int, device: torch.device) -> list:
-    """``n`` micro-batches of ``value`` (tensor or tuple) along dim 0, on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return list(value.to(device).tensor_split(n))
-    parts = [t.to(device).tensor_split(n) for t in value]
-    return [tuple(p[m] for p in parts) for m in range(n)]
-
-
-def _detach(value):
-    return value.detach() if isinstance(value, torch.Tensor) else tuple(t.detach() for t in value)
 
 
 @dataclass
@@ -375,7 +354,7 @@ class Pipeline:
         if self.holds_first_stage:
             if inputs is None:
                 raise ValueError(f"rank {self.rank} holds stage 0 and needs inputs")
-            batch = _batch_size(inputs, "inputs")
+            batch = batch_size(inputs, "inputs")
             if batch < self.chunks:
                 raise ValueError(f"chunks={self.chunks} is larger than the batch of {batch}; use chunks <= batch size")
             if batch % self.chunks:
@@ -383,7 +362,7 @@ class Pipeline:
                     f"a batch of {batch} does not split into chunks={self.chunks} equal micro-batches; use a "
                     f"batch size that is a multiple of {self.chunks} (e.g. drop_last=True in the DataLoader)"
                 )
-            micro_in = _split(inputs, self.chunks, self.device)
+            micro_in = split_batch(inputs, self.chunks, self.device)
             micro_ids = None
             if self.id_examples is not None:
                 if sample_ids is None:
@@ -392,16 +371,16 @@ class Pipeline:
                     raise ValueError(f"this pipeline {why}: train_step needs sample_ids (the dataset index "
                                      "of every example)")
                 check_ids(sample_ids, self.id_examples, batch)
-                micro_ids = _split(sample_ids, self.chunks, torch.device("cpu"))
+                micro_ids = split_batch(sample_ids, self.chunks, torch.device("cpu"))
         if self.holds_last_stage:
             if self.loss_fn is None:
                 raise ValueError(f"rank {self.rank} holds the last stage and needs loss_fn")
             if targets is None:
                 raise ValueError(f"rank {self.rank} holds the last stage and needs targets")
-            batch = _batch_size(targets, "targets")
+            batch = batch_size(targets, "targets")
             if batch % self.chunks or batch < self.chunks:
                 raise ValueError(f"targets batch of {batch} does not split into chunks={self.chunks} micro-batches")
-            micro_tg = _split(targets, self.chunks, self.device)
+            micro_tg = split_batch(targets, self.chunks, self.device)
         for s in self._stages.values():
             s.train()
         with torch.enable_grad():
@@ -430,10 +409,10 @@ class Pipeline:
         if self.holds_first_stage:
             if inputs is None:
                 raise ValueError(f"rank {self.rank} holds stage 0 and needs inputs")
-            batch = _batch_size(inputs, "inputs")
+            batch = batch_size(inputs, "inputs")
             if batch < 1:
                 raise ValueError("eval_step needs a batch of at least one sample")
-            micro_in = _split(inputs, min(self.chunks, batch), self.device)
+            micro_in = split_batch(inputs, min(self.chunks, batch), self.device)
         for s in self._stages.values():
             s.eval()
         with torch.no_grad():
@@ -498,7 +477,7 @@ class Pipeline:
                 step.saved[(m, seg.index)] = (leaves, loss, [])
                 step.losses.append(loss.detach().reshape(()))
             if step.keep_outputs:
-                step.outputs.append(_detach(x))
+                step.outputs.append(detach(x))
         else:
             works, out_rg = self._bounds[seg.index].send_forward(m, x, step.n_micro, step.direction, self.compress_eval,
                                                                  ids=ids, refresh=self.delta_warmup)
