@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 __all__ = ["SlowLink", "parse_rate", "parse_delay"]
@@ -216,7 +217,7 @@ class SlowLink:
         """One line: addresses, interfaces, rate (Mbit/s), one-way delay (ms) and the TCP congestion control of
         each end (it decides how TCP fills the shaped queue: e.g. BBR drops more in a shallow one than CUBIC)."""
         key = "/proc/sys/net/ipv4/tcp_congestion_control"
-        host = _run(["cat", key], check=False).stdout.strip() or "?"
+        host = Path(key).read_text().strip() if Path(key).exists() else "?"
         ns = _run(self.ns_command(["cat", key]), check=False).stdout.strip() or "?"
         return (f"slow link {self.host_addr} ({self.host_if}, host) <-> {self.ns_addr} "
                 f"({self.ns_if}, netns {self.netns}): {self.rate_bps / 1e6:g} Mbit/s "

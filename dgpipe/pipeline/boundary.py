@@ -84,7 +84,7 @@ from .lanes import LOSSLESS_LANE, LaneContext, decode_ids, encode_ids, put_rows
 from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REFERENCE,
                       REQUIRES_GRAD, ROW_MASK, ROWS, TOKEN_IDS, Message)
 
-__all__ = ["Boundary", "MAX_BOUNDARY_TENSORS"]
+__all__ = ["Boundary", "MAX_BOUNDARY_TENSORS", "boundary_name"]
 
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
@@ -124,6 +124,11 @@ def _row_mask(tensors: list[torch.Tensor]) -> int | None:
                 return pos
             return None
     return None
+
+
+def boundary_name(index: int) -> str:
+    """The name of the boundary after stage ``index`` (its meter records and logs): ``"stage{i}->stage{i+1}"``."""
+    return f"stage{index}->stage{index + 1}"
 
 
 class Boundary:
@@ -170,7 +175,7 @@ class Boundary:
         delay: DelayLine | None = None,
         down_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.name = f"stage{index}->stage{index + 1}"
+        self.name = boundary_name(index)
         self._delay, self._down_group = delay, down_group
         self.token_reference = token_reference
         self.skip_padding = bool(skip_padding)

@@ -37,7 +37,7 @@ from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models.example_dropout import example_ids
 
-from .boundary import Boundary
+from .boundary import Boundary, boundary_name
 from .coders import CodecArg, codec_factories
 from .microbatch import batch_size, detach, split_batch
 from .partition import validate_placement
@@ -248,7 +248,7 @@ class Pipeline:
         """Names of the boundaries whose activations are delta-coded (all of the pipeline's)."""
         if self.delta is None:
             return []
-        return [f"stage{i}->stage{i + 1}" for i in range(self.n_stages - 1) if self.delta.covers(i)]
+        return [boundary_name(i) for i in range(self.n_stages - 1) if self.delta.covers(i)]
 
     def take_delta_stats(self) -> torch.Tensor:
         """float64 ``(len(delta_boundaries), 3)``: per delta-coded boundary, the sums
@@ -438,7 +438,7 @@ class Pipeline:
         if training and step.n_micro != self.chunks:
             raise ValueError(f"rank {self.rank}: peer sent {step.n_micro} micro-batches, expected chunks={self.chunks}")
         for task in gpipe_tasks(self._segs, self.rank, step.n_micro, backward=training):
-            start, waited = time.perf_counter(), self.meter.totals()["recv_seconds"]
+            start, waited = time.perf_counter(), self.meter.totals()["recv_seconds"] if training else 0.0
             if task.phase == "forward":
                 self._forward(step, task)
             else:

@@ -57,6 +57,7 @@ from torch.distributed.pipelining import PipelineStage
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.transport import pack_message, read_message
 from dgpipe.compression import Codec, parse_header
+from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.pipeline.coders import CodecArg, codec_factory
 
 __all__ = ["TESTED_TORCH", "UNTESTED_TORCH_ENV", "CompressedPipelineStage", "check_torch_version"]
@@ -171,7 +172,7 @@ class CompressedPipelineStage(PipelineStage):
 
     def _boundary(self, upstream: int) -> str:
         """Name of the boundary between stage ``upstream`` and the next, as dgpipe's runtime names it."""
-        return f"stage{upstream}->stage{upstream + 1}"
+        return boundary_name(upstream)
 
     def _coded_sends(self, ops: list[dist.P2POp], direction: str, chunk: int, name: str) -> list[dist.P2POp]:
         out = []

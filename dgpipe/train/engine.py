@@ -34,6 +34,7 @@ from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models import Stage, client_server_split
 from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
+from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.pipeline.schedule import segments
 from dgpipe.pipeline.timeline import StepProfile
 from dgpipe.pipeline.tied import TiedParameters, unique_parameters
@@ -184,7 +185,7 @@ class PipelineEngine:
         segs = segments(self.placement)
         per = {(r["name"], r["direction"]): (r["wire_bytes"] + r["frame_bytes"]) / max(r["count"], 1)
                for r in records}
-        names = [f"stage{seg.last}->stage{seg.last + 1}" for seg in segs[:-1]]
+        names = [boundary_name(seg.last) for seg in segs[:-1]]
         mean = (seconds / count).tolist()
         return StepProfile(tuple(seg.rank for seg in segs), self.pipe.chunks, tuple(mean[0]), tuple(mean[1]),
                            tuple(per.get((n, "forward"), 0.0) for n in names),
