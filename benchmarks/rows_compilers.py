@@ -1,12 +1,16 @@
-"""The row kernels (``dgpipe/compression/kernels/rows.c``) built by each C compiler found here, timed side by
-side in one run against the installed build, with the bytes checked against it.
+"""The row kernels (``dgpipe/compression/kernels/rows.c``) built by each C compiler found here, and on x86-64 for
+one instruction set at a time, timed side by side in one run against the installed build, with the bytes
+checked against it.
 
 Each compiler of :data:`COMPILERS` that is on ``PATH`` builds the extension with ``setup.py``'s own flags
-(:func:`build_rows`: ``python setup.py build_ext`` with ``CC`` set, into a temporary folder); every
-library then runs the codebook codec's one-pass encode + decode (token groups, Hadamard rotation,
-bfloat16 scales; 2 and 4 bits) on a MiniLM micro-batch (16x64x384) and the 25.7 MB tensor, interleaved
-with the installed build and a clone of the tensor (``codec_speed.timed``: medians). Prints a markdown
-table: ms per round trip, the ratio to the installed build, and whether the payload and the decoded
+(:func:`build_rows`: ``python setup.py build_ext`` with ``CC`` set, into a temporary folder); every library
+then runs the codebook codec's one-pass encode + decode (token groups, Hadamard rotation, bfloat16 scales; 2
+and 4 bits) on a MiniLM micro-batch (16x64x384) and the 25.7 MB tensor, interleaved with the installed build
+and a clone of the tensor (``codec_speed.timed``: medians). On x86-64 the default compiler (``cc``) also
+builds the library for one level of the architecture alone (``-march=x86-64-v4``: AVX-512; ``-v3``: AVX2 and
+FMA; ``-v2``: SSE4.2), with ``-DDGPIPE_ROWS_ONE_TARGET`` instead of the variants picked at load time, so that
+a CPU without AVX-512 can be measured on one with it (:data:`ISA_LEVELS`). Prints a markdown table: ms per
+round trip, the ratio to the installed build and to the AVX-512 build, and whether the payload and the decoded
 tensor are bit-identical to the installed build's.
 
     python benchmarks/rows_compilers.py [--reps 15]     (Debian: apt-get install gcc-11 clang-14)
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -32,15 +37,18 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The compilers tried, oldest supported first (GCC 11+ and clang 14+ are the project's floor).
 COMPILERS = ("gcc-11", "gcc-12", "gcc-13", "gcc-14", "clang-14", "clang-15", "clang-16", "clang-17", "clang-18",
              "clang-19")
+#: x86-64 levels built alone (label -> -march), the first the reference of the "x AVX-512" column.
+ISA_LEVELS = {"x86-64-v4 (AVX-512)": "x86-64-v4", "x86-64-v3 (AVX2)": "x86-64-v3", "x86-64-v2 (SSE4.2)": "x86-64-v2"}
 
 
-def build_rows(cc: str, out: Path) -> Path:
-    """Build the row kernels with compiler ``cc`` and ``setup.py``'s flags into ``out``; the library's path.
+def build_rows(cc: str, out: Path, cflags: str = "") -> Path:
+    """Build the row kernels with compiler ``cc`` and ``setup.py``'s flags (plus ``cflags``) into ``out``; the
+    library's path.
 
     Raises:
         RuntimeError: the build failed or wrote no library (the message ends with the compiler's output).
     """
-    env = {**os.environ, "CC": cc}
+    env = {**os.environ, "CC": cc, "CFLAGS": f"{os.environ.get('CFLAGS', '')} {cflags}".strip()}
     env.pop("LDSHARED", None)  # linked by the same compiler
     proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out / "lib"),
                            "--build-temp", str(out / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -64,9 +72,15 @@ def main() -> int:
             if shutil.which(cc):
                 print(f"building with {cc} ...", flush=True)
                 libs[cc] = rows.open_library(str(build_rows(cc, Path(tmp) / cc)))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; compilers: {', '.join(list(libs)[1:])}")
-    print("| tensor | codec | library | ms, encode + decode | x installed | x a clone | same bytes |")
-    print("|---|---|---|---|---|---|---|")
+        if platform.machine() in ("x86_64", "AMD64"):
+            for label, march in ISA_LEVELS.items():
+                print(f"building for {march} alone ...", flush=True)
+                libs[label] = rows.open_library(str(build_rows(
+                    "cc", Path(tmp) / march, f"-march={march} -DDGPIPE_ROWS_ONE_TARGET")))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; builds: {', '.join(list(libs)[1:])}")
+    print("| tensor | codec | library | ms, encode + decode | x installed | x AVX-512 | x a clone | same bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    wide = next(iter(ISA_LEVELS))
     tensors = {k: v for k, v in ONE_PASS_TENSORS.items() if "MobileNet" not in k}
     for label, (shape, kind) in tensors.items():
         x = one_pass_data(shape, kind)
@@ -86,8 +100,9 @@ def main() -> int:
             for name in libs:
                 t, (p, y) = measured[name]
                 same = same_payload(p, p0) and torch.equal(y, y0)
+                isa = f"{t / measured[wide][0]:.2f}" if wide in measured else ""
                 print(f"| {label} | codebook {bits}, token, Hadamard, bf16 scales | {name} | {t * 1e3:.3f} "
-                      f"| {t / base:.2f} | {t / clone:.1f} | {'yes' if same else 'NO'} |", flush=True)
+                      f"| {t / base:.2f} | {isa} | {t / clone:.1f} | {'yes' if same else 'NO'} |", flush=True)
     return 0
 
 

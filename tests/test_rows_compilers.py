@@ -1,15 +1,16 @@
-"""The row kernels (``kernels/rows.c``) built by the oldest compilers the project supports, GCC 11 and
-clang 14, with ``setup.py``'s own flags (``benchmarks/rows_compilers.py``'s ``build_rows``), give the
-reference steps' payloads and decoded values bit for bit (the checks of ``test_fused.py`` on that
-library); and built for aarch64 with Debian's cross compiler and run under ``qemu-user`` (a small C
-caller, ``tests/rows_driver.c``), they give the installed build's bytes and values. Skipped, with the
-reason, where a tool is not installed (Debian: ``apt-get install gcc-11 clang-14 gcc-aarch64-linux-gnu
-qemu-user``); the default compiler's build is the installed extension, which ``test_fused.py`` checks.
-"""
+"""The row kernels (``kernels/rows.c``) built by the oldest compilers the project supports, GCC 11 and clang 14,
+with ``setup.py``'s own flags (``benchmarks/rows_compilers.py``'s ``build_rows``), and by the default compiler
+for AVX2 alone (the variant a CPU without AVX-512 runs, whose comparisons and permutes go in halves), give the
+reference steps' payloads and decoded values bit for bit (the checks of ``test_fused.py`` on that library);
+and built for aarch64 with Debian's cross compiler and run under ``qemu-user`` (a small C caller,
+``tests/rows_driver.c``), they give the installed build's bytes and values. Skipped, with the reason, where a
+tool is not installed (Debian: ``apt-get install gcc-11 clang-14 gcc-aarch64-linux-gnu qemu-user``); the
+default compiler's build is the installed extension, which ``test_fused.py`` checks."""
 
 from __future__ import annotations
 
 import math
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,16 +26,28 @@ from dgpipe.compression.steps.levels import normal_levels
 from helpers import ROOT, load_benchmark, needs_rows
 from test_fused import eager_and_fused, row_inputs  # noqa: F401  (eager_and_fused: a fixture)
 
-COMPILERS = ("gcc-11", "clang-14")
+#: label -> (compiler, extra CFLAGS)
+BUILDS = {"gcc-11": ("gcc-11", ""), "clang-14": ("clang-14", ""),
+          "avx2-alone": ("cc", "-march=x86-64-v3 -DDGPIPE_ROWS_ONE_TARGET")}
 
 
-@pytest.fixture(scope="module", params=COMPILERS)
+def _has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return platform.machine() == "x86_64" and " avx2 " in flags and " fma " in flags
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
 def built(request, tmp_path_factory) -> Path:
-    """The extension built by one compiler into a temporary folder; its path."""
-    cc = request.param
+    """The extension of one :data:`BUILDS` entry built into a temporary folder; its path."""
+    cc, cflags = BUILDS[request.param]
     if shutil.which(cc) is None:
         pytest.skip(f"{cc} is not installed")
-    return load_benchmark("rows_compilers").build_rows(cc, tmp_path_factory.mktemp(cc))
+    if cflags and not _has_avx2():
+        pytest.skip("an x86-64 CPU with AVX2 and FMA runs the AVX2 build (Linux: /proc/cpuinfo)")
+    return load_benchmark("rows_compilers").build_rows(cc, tmp_path_factory.mktemp(request.param), cflags)
 
 
 @pytest.mark.parametrize("bits", (1, 2, 3, 4))

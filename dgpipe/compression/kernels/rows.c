@@ -44,11 +44,16 @@ typedef int32_t vi __attribute__((vector_size(4 * V)));
 typedef uint8_t vb __attribute__((vector_size(V)));
 typedef double vd __attribute__((vector_size(4 * V)));
 typedef double vd2 __attribute__((vector_size(8 * V))); /* the 16 float64 of one vf */
+typedef float vf8 __attribute__((vector_size(32)));  /* half a vf */
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint8_t vb32 __attribute__((vector_size(32))); /* the bytes of a vi8 */
 
 /* x86-64: AVX-512, AVX2 and baseline variants, one picked at load time. GCC 11 dispatches on single ISA
  * names only (no "arch=x86-64-vN"), so its variants are AVX-512F and AVX2 without FMA -- the same bytes
  * (see above), a little slower. Elsewhere (aarch64: NEON) one build for the target. */
-#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12)
+#if defined(DGPIPE_ROWS_ONE_TARGET)
+#define CLONES
+#elif defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -56,8 +61,53 @@ typedef double vd2 __attribute__((vector_size(8 * V))); /* the 16 float64 of one
 #define CLONES
 #endif
 
+/* Whether the variant running takes comparisons and run-time permutes of 16 lanes whole (`wide`), or in
+ * halves of 8 lanes. GCC lowers those of a vector wider than the machine's lane by lane, through memory
+ * (AVX2 and below: 2-4x slower than AVX-512), but not halves that fit; on AVX-512 halves cost 1.5-2x.
+ * x86-64 with GCC: AVX-512 or not, read at run time where the variants are (the kernels are compiled for
+ * both, chosen once per call); clang splits wide vectors itself; aarch64 keeps the compiler's lowering. */
+#if defined(__x86_64__) && !defined(__clang__) && !defined(DGPIPE_ROWS_ONE_TARGET)
+#define WIDE_VECTORS __builtin_cpu_supports("avx512f")
+#elif defined(__x86_64__) && !defined(__clang__) && !defined(__AVX512F__)
+#define WIDE_VECTORS 0
+#else
+#define WIDE_VECTORS 1
+#endif
+
 static inline INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* x in every lane, whole or through a half (WIDE_VECTORS, below). */
+static inline INLINE vf splat(float x, int wide) {
+    if (wide)
+        return (vf){} + x;
+    vf8 h[2] = {(vf8){} + x, (vf8){} + x};
+    vf v;
+    memcpy(&v, h, sizeof v);
+    return v;
+}
+
+/* The low byte of each lane, whole or in halves (WIDE_VECTORS, below). */
+static inline INLINE vb narrow(vi v, int wide) {
+#if defined(__clang__) /* always wide */
+    (void)wide;
+    return __builtin_convertvector(v, vb);
+#else
+    if (wide)
+        return __builtin_convertvector(v, vb);
+    /* the low bytes of each half gathered by a byte permute with constant lanes (GCC converts 8 lanes to 8
+     * bytes one lane at a time); little endian: a lane's low byte comes first */
+    const vb32 low = {0, 4, 8, 12, 16, 20, 24, 28};
+    vb32 h[2];
+    vb r;
+    memcpy(h, &v, sizeof v);
+    for (int k = 0; k < 2; k++) {
+        vb32 b = __builtin_shuffle(h[k], low);
+        memcpy((uint8_t *)&r + 8 * k, &b, 8);
+    }
+    return r;
+#endif
+}
 
 /* Lane permutations in each compiler's spelling. Constant lanes: __builtin_shufflevector (clang, GCC 12+),
  * __builtin_shuffle with a constant mask vector (GCC 11). Lanes chosen at run time: lookup (below). */
@@ -71,15 +121,26 @@ typedef int64_t vl __attribute__((vector_size(4 * V))); /* lane numbers of a vd 
 /* Lane idx[i] of m for each lane i, where idx[i] < n. GCC: a permute with run-time lanes. clang has no
  * such builtin: a select per candidate lane, which it vectorises on every instruction set (a loop over the
  * lanes would be scalar; on GCC the selects cost up to 2x the permute at 4 bits). */
-static inline INLINE vf lookup(vf m, vi idx, int n) {
+static inline INLINE vf lookup(vf m, vi idx, int n, int wide) {
+    (void)wide;
 #if defined(__clang__)
     vi r = (vi){};
     for (int k = 0; k < n; k++)
         r |= (idx == k) & (vi)((vf){} + m[k]);
     return (vf)r;
 #else
-    (void)n;
-    return __builtin_shuffle(m, idx);
+    if (wide) /* one instruction on AVX-512; else one 256-bit permute per half (two and a select for n > 8) */
+        return __builtin_shuffle(m, idx);
+    vf8 m0, m1, r[2];
+    vi8 i[2];
+    memcpy(&m0, &m, sizeof m0);
+    memcpy(&m1, (char *)&m + sizeof m0, sizeof m1);
+    memcpy(i, &idx, sizeof idx);
+    for (int h = 0; h < 2; h++)
+        r[h] = n <= 8 ? __builtin_shuffle(m0, i[h]) : __builtin_shuffle(m0, m1, i[h]);
+    vf v;
+    memcpy(&v, r, sizeof v);
+    return v;
 #endif
 }
 
@@ -275,33 +336,48 @@ static inline INLINE float ceil_meta(float t, int mant, int emin, double top) {
     return mant == 0 || !(t > 0 && t < INFINITY) ? t : rounded;
 }
 
+/* a > b, lane by lane (-1 or 0), whole or in halves (WIDE_VECTORS). */
+static inline INLINE vi greater(vf a, vf b, int wide) {
+    if (wide)
+        return a > b;
+    vf8 a2[2], b2[2];
+    vi8 r[2];
+    memcpy(a2, &a, sizeof a);
+    memcpy(b2, &b, sizeof b);
+    for (int h = 0; h < 2; h++)
+        r[h] = a2[h] > b2[h];
+    vi v;
+    memcpy(&v, r, sizeof v);
+    return v;
+}
+
 /* The codes (0 .. 2**bits - 1) of the V values at y divided by dv: how many of the 2**bits - 1 ascending
  * midpoints each exceeds (levels.nearest_level), found by a binary search over the midpoints held in one
  * vector `m` (mids, zero padded): `bits` comparisons per value instead of 2**bits - 1, the same count. */
-static inline INLINE vi code_vector(const float *y, vf dv, vf m, int bits) {
+static inline INLINE vi code_vector(const float *y, vf dv, vf m, int bits, int wide) {
     vf q = load(y) / dv;
     int top = 1 << (bits - 1);
-    vi gt = q > (vf){} + m[top - 1], c = gt & ((vi){} + top);
+    vi gt = greater(q, (vf){} + m[top - 1], wide), c = gt & ((vi){} + top);
     if (bits == 1)
         return c;
     /* the second midpoint is one of two: picked by the first comparison, no lookup */
     vi lo = (vi)((vf){} + m[top / 2 - 1]), hi = (vi)((vf){} + m[top + top / 2 - 1]);
-    c |= (q > (vf)((hi & gt) | (lo & ~gt))) & ((vi){} + top / 2);
+    c |= greater(q, (vf)((hi & gt) | (lo & ~gt)), wide) & ((vi){} + top / 2);
     for (int k = bits - 3; k >= 0; k--) {
         vi probe = c + ((1 << k) - 1); /* the midpoint halfway through the codes left */
-        c |= (q > lookup(m, probe, (1 << bits) - 1)) & ((vi){} + (1 << k));
+        c |= greater(q, lookup(m, probe, (1 << bits) - 1, wide), wide) & ((vi){} + (1 << k));
     }
     return c;
 }
 
 /* Codes of row `y` / div (code_vector), one byte each. */
-static inline INLINE void row_codes(const float *y, long width, float div, vf m, const float *mids, int bits,
+static inline INLINE void row_codes(const float *y, long width, float div, vf m, const float *mids, int bits, int wide,
                                     uint8_t *codes) {
     int nm = (1 << bits) - 1;
-    vf dv = (vf){} + div;
+    vf dv = splat(div, wide);
     long j = 0;
     for (; j + V <= width; j += V) {
-        vb cb = __builtin_convertvector(code_vector(y + j, dv, m, bits), vb);
+        vb cb = narrow(code_vector(y + j, dv, m, bits, wide), wide);
         memcpy(codes + j, &cb, V);
     }
     for (; j < width; j++) {
@@ -320,7 +396,7 @@ static inline INLINE void row_codes(const float *y, long width, float div, vf m,
 /* The codes of a chunk's rows (rows * width == CHUNK, width a multiple of V dividing CHUNK / LANES(bits);
  * row i at y + i * wpad, divided by div[i]) packed as they are found: the rows at the same place in each
  * lane are coded together and their codes shifted into the words' bit fields, with no pass over bytes. */
-static inline INLINE void code_chunk(const float *y, long wpad, long width, const float *div, vf m, int bits,
+static inline INLINE void code_chunk(const float *y, long wpad, long width, const float *div, vf m, int bits, int wide,
                                      uint8_t *out) {
     int g = LANES(bits), w = g * bits / 8;
     long cg = CHUNK / g, per = cg / width; /* rows per lane */
@@ -329,10 +405,10 @@ static inline INLINE void code_chunk(const float *y, long wpad, long width, cons
             vi word = (vi){};
             for (int l = 0; l < g; l++) {
                 long i = l * per + o;
-                word |= code_vector(y + i * wpad + j, (vf){} + div[i], m, bits) << (l * bits);
+                word |= code_vector(y + i * wpad + j, splat(div[i], wide), m, bits, wide) << (l * bits);
             }
             for (int q = 0; q < w; q++) {
-                vb b = __builtin_convertvector(word >> (8 * q), vb);
+                vb b = narrow(word >> (8 * q), wide);
                 memcpy(out + q * cg + o * width + j, &b, V);
             }
         }
@@ -371,7 +447,7 @@ static inline INLINE void unpack_chunk(const uint8_t *in, int bits, uint8_t *cod
 
 static inline INLINE int encode_body(const float *x, const float *signs, long rows, long d, long width, long block,
                                      float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
-                                     long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
+                                     long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail, int wide) {
     long wpad = (width + V - 1) / V * V, g = CHUNK % width == 0 ? CHUNK / width : (GROUP_VALUES + width - 1) / width;
     g = g > MAX_GROUP ? MAX_GROUP : g;
     int pow2 = width >= V && (width & (width - 1)) == 0; /* squares and fold in vectors (sum_squares_pow2) */
@@ -425,16 +501,16 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
         long p0 = r0 * width, p1 = (r0 + nr) * width;
         if (p1 - p0 == CHUNK && p0 % CHUNK == 0 && p0 >= start && p1 <= stop && p1 <= full) { /* a whole chunk */
             if (width % V == 0 && CHUNK / LANES(bits) % width == 0)
-                code_chunk(y, wpad, width, scl, mv, bits, out + p0 / CHUNK * chunk_bytes);
+                code_chunk(y, wpad, width, scl, mv, bits, wide, out + p0 / CHUNK * chunk_bytes);
             else {
                 for (long i = 0; i < nr; i++)
-                    row_codes(y + i * wpad, width, scl[i], mv, mids, bits, rc + i * width);
+                    row_codes(y + i * wpad, width, scl[i], mv, mids, bits, wide, rc + i * width);
                 pack_chunk(rc, bits, out + p0 / CHUNK * chunk_bytes);
             }
             continue;
         }
         for (long i = 0; i < nr; i++)
-            row_codes(y + i * wpad, width, scl[i], mv, mids, bits, rc + i * width);
+            row_codes(y + i * wpad, width, scl[i], mv, mids, bits, wide, rc + i * width);
         /* the codes at positions [max(p0, start), min(p1, stop)) to their chunk, or to the tail */
         for (long p = p0 > start ? p0 : start, e = p1 < stop ? p1 : stop; p < e;) {
             if (p >= full) {
@@ -472,11 +548,11 @@ done:
 
 static inline INLINE int encode_width(const float *x, const float *signs, long rows, long d, long width, long block,
                                       float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
-                                      long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
+                                      long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail, int wide) {
     CONST_WIDTH(W, encode_body(x, signs, rows, d, W, B, inv_sqrt, mids, bits, mant, emin, top, start, stop, full,
-                               out, scales, tail))
+                               out, scales, tail, wide))
     return encode_body(x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop, full, out,
-                       scales, tail);
+                       scales, tail, wide);
 }
 
 /* Encode the codes at positions [start, stop) of the stream of rows * width codes (start a multiple
@@ -488,14 +564,19 @@ static inline INLINE int encode_width(const float *x, const float *signs, long r
 CLONES static int encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
                               float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
                               long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
+#define ENCODE(b, w) encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, b, mant, emin, top, start, stop, \
+                                 full, out, scales, tail, w)
+    int wide = WIDE_VECTORS;
     switch (bits) {
-    case 1: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 1, mant, emin, top, start, stop, full, out, scales, tail);
-    case 2: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 2, mant, emin, top, start, stop, full, out, scales, tail);
-    case 3: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 3, mant, emin, top, start, stop, full, out, scales, tail);
-    case 4: return encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, 4, mant, emin, top, start, stop, full, out, scales, tail);
+    case 1: return wide ? ENCODE(1, 1) : ENCODE(1, 0);
+    case 2: return wide ? ENCODE(2, 1) : ENCODE(2, 0);
+    case 3: return wide ? ENCODE(3, 1) : ENCODE(3, 0);
+    case 4: return wide ? ENCODE(4, 1) : ENCODE(4, 0);
     default: return 3;
     }
+#undef ENCODE
 }
+
 
 static inline INLINE void widen(int32_t *to, const uint8_t *from, long n) {
     for (long i = 0; i < n; i++)
@@ -508,7 +589,7 @@ static inline INLINE void widen(int32_t *to, const uint8_t *from, long n) {
  * call will overwrite what it writes past the row. */
 static inline INLINE int decode_body(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                                      long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
-                                     long full, long r0, long r1, float *out) {
+                                     long full, long r0, long r1, float *out, int wide) {
     long n = (width + V - 1) / V;
     vf local[REG_WIDTH / V], *r = width <= REG_WIDTH ? local : aligned_alloc(64, n * sizeof(vf));
     vf *sg = aligned_alloc(64, n * sizeof(vf)); /* the signs (1 without a rotation), zero padded */
@@ -540,13 +621,13 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
             widen(rc + (p - p0), chunk + (p - c * CHUNK), ce - p);
             p = ce;
         }
-        vf s = (vf){} + scales[row];
+        vf s = splat(scales[row], wide);
         float *o = out + row * d, *y = (float *)r, *ys = (float *)sg;
         long j = 0;
         for (; j + V <= width; j += V) {
             vi idx;
             memcpy(&idx, rc + j, sizeof idx);
-            vf v = lookup(levels, idx, 1 << bits) * s;
+            vf v = lookup(levels, idx, 1 << bits, wide) * s;
             r[j / V] = signs && block >= V ? short_strides(v) : v;
         }
         for (; j < width; j++)
@@ -574,9 +655,9 @@ done:
 
 static inline INLINE int decode_width(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                                       long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
-                                      long full, long r0, long r1, float *out) {
-    CONST_WIDTH(W, decode_body(packed, bits, table, scales, d, W, B, inv_sqrt, signs, tail, full, r0, r1, out))
-    return decode_body(packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
+                                      long full, long r0, long r1, float *out, int wide) {
+    CONST_WIDTH(W, decode_body(packed, bits, table, scales, d, W, B, inv_sqrt, signs, tail, full, r0, r1, out, wide))
+    return decode_body(packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out, wide);
 }
 
 /* Decode rows [r0, r1): out[r * d + k] for k < d. tail: the codes from position `full` on, one byte
@@ -584,14 +665,18 @@ static inline INLINE int decode_width(const uint8_t *packed, int bits, const flo
 CLONES static int decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                               long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
                               long full, long r0, long r1, float *out) {
+#define DECODE(b, w) decode_width(packed, b, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out, w)
+    int wide = WIDE_VECTORS;
     switch (bits) {
-    case 1: return decode_width(packed, 1, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
-    case 2: return decode_width(packed, 2, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
-    case 3: return decode_width(packed, 3, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
-    case 4: return decode_width(packed, 4, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
+    case 1: return wide ? DECODE(1, 1) : DECODE(1, 0);
+    case 2: return wide ? DECODE(2, 1) : DECODE(2, 0);
+    case 3: return wide ? DECODE(3, 1) : DECODE(3, 0);
+    case 4: return wide ? DECODE(4, 1) : DECODE(4, 0);
     default: return 3;
     }
+#undef DECODE
 }
+
 
 /* The exported entry points call the variant picked at load time by name: clang 14 exports a target_clones
  * function's dispatcher as "<name>.ifunc" only, so the dispatched functions stay internal. */
