@@ -24,9 +24,13 @@
  * midpoint picked by the first comparison). The decode rebuilds a row in vectors and applies the
  * signs as it writes the row out. Common widths (one block of 16, 32 or 64; 384 in blocks of 128)
  * are compiled as constants. GCC's vector extensions (which clang shares) leave the instruction set to
- * the compiler; target_clones builds AVX-512, AVX2 and baseline x86-64 variants and picks one at load
- * time (every helper is always_inline, so that it is compiled inside each variant). Builds with GCC 11+
- * and clang 14+, on x86-64 and aarch64.
+ * the compiler; on x86-64 the entry points are built as AVX-512, AVX2 and baseline variants (target
+ * attributes; every helper is always_inline, so that it is compiled inside each), one picked per call by
+ * the CPU's features. Where the machine's vectors are narrower than 16 floats, GCC keeps a 16-lane vector
+ * in memory and lowers its comparisons, run-time permutes, broadcasts and narrowing lane by lane; there
+ * they go in halves of 8 lanes (`wide`), the same operations on the same values. -DDGPIPE_ROWS_ONE_TARGET
+ * builds one variant, for the -march given (benchmarks/rows_compilers.py measures AVX2 on an AVX-512
+ * machine so). Builds with GCC 11+ and clang 14+, on x86-64 and aarch64.
  * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
  * Max 1960, Lloyd 1982.
  */
@@ -48,36 +52,37 @@ typedef float vf8 __attribute__((vector_size(32)));  /* half a vf */
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef uint8_t vb32 __attribute__((vector_size(32))); /* the bytes of a vi8 */
 
-/* x86-64: AVX-512, AVX2 and baseline variants, one picked at load time. GCC 11 dispatches on single ISA
- * names only (no "arch=x86-64-vN"), so its variants are AVX-512F and AVX2 without FMA -- the same bytes
- * (see above), a little slower. Elsewhere (aarch64: NEON) one build for the target. */
-#if defined(DGPIPE_ROWS_ONE_TARGET)
-#define CLONES
-#elif defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#elif defined(__x86_64__) && defined(__GNUC__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+/* x86-64: AVX-512, AVX2 and baseline variants of the entry points (VARIANT, below), one picked per call by
+ * the CPU's features. GCC 11 takes single ISA names only in a target attribute (no "arch=x86-64-vN"), so
+ * its variants are AVX-512F and AVX2 without FMA -- the same bytes (see above), a little slower.
+ * -DDGPIPE_ROWS_ONE_TARGET, and every other machine (aarch64: NEON): one build for the target. */
+#if defined(__x86_64__) && !defined(DGPIPE_ROWS_ONE_TARGET)
+#define VARIANTS 1
+#if defined(__clang__) || __GNUC__ >= 12
+#define TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
 #else
-#define CLONES
+#define TARGET_AVX512 __attribute__((target("avx512f")))
+#define TARGET_AVX2 __attribute__((target("avx2")))
+#endif
+#else
+#define VARIANTS 0
 #endif
 
-/* Whether the variant running takes comparisons and run-time permutes of 16 lanes whole (`wide`), or in
- * halves of 8 lanes. GCC lowers those of a vector wider than the machine's lane by lane, through memory
+/* `wide`: whether comparisons, run-time permutes, broadcasts and narrowing take the 16 lanes whole, or in
+ * halves of 8 lanes. GCC keeps a vector wider than the machine's in memory and lowers those lane by lane
  * (AVX2 and below: 2-4x slower than AVX-512), but not halves that fit; on AVX-512 halves cost 1.5-2x.
- * x86-64 with GCC: AVX-512 or not, read at run time where the variants are (the kernels are compiled for
- * both, chosen once per call); clang splits wide vectors itself; aarch64 keeps the compiler's lowering. */
-#if defined(__x86_64__) && !defined(__clang__) && !defined(DGPIPE_ROWS_ONE_TARGET)
-#define WIDE_VECTORS __builtin_cpu_supports("avx512f")
-#elif defined(__x86_64__) && !defined(__clang__) && !defined(__AVX512F__)
-#define WIDE_VECTORS 0
+ * NARROW_WIDE: `wide` where the machine's vectors are narrower -- clang splits wide vectors itself. */
+#if defined(__clang__) || !defined(__x86_64__)
+#define NARROW_WIDE 1
 #else
-#define WIDE_VECTORS 1
+#define NARROW_WIDE 0
 #endif
 
 static inline INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* x in every lane, whole or through a half (WIDE_VECTORS, below). */
+/* x in every lane, whole or through a half (`wide`, above). */
 static inline INLINE vf splat(float x, int wide) {
     if (wide)
         return (vf){} + x;
@@ -87,7 +92,7 @@ static inline INLINE vf splat(float x, int wide) {
     return v;
 }
 
-/* The low byte of each lane, whole or in halves (WIDE_VECTORS, below). */
+/* The low byte of each lane, whole or in halves (`wide`, above). */
 static inline INLINE vb narrow(vi v, int wide) {
 #if defined(__clang__) /* always wide */
     (void)wide;
@@ -336,7 +341,7 @@ static inline INLINE float ceil_meta(float t, int mant, int emin, double top) {
     return mant == 0 || !(t > 0 && t < INFINITY) ? t : rounded;
 }
 
-/* a > b, lane by lane (-1 or 0), whole or in halves (WIDE_VECTORS). */
+/* a > b, lane by lane (-1 or 0), whole or in halves (`wide`). */
 static inline INLINE vi greater(vf a, vf b, int wide) {
     if (wide)
         return a > b;
@@ -561,21 +566,30 @@ static inline INLINE int encode_width(const float *x, const float *signs, long r
  * Returns 0, 1 if a row holds inf/NaN or its scale overflows the scale dtype, 2 if out of memory.
  * The per-bits bodies are inlined so that the compiler sees the constants of the layout and of the
  * level comparisons. */
-CLONES static int encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
-                              float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
-                              long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
+#define ENCODE_ROWS(name, attr, wide) \
+    attr static int name(const float *x, const float *signs, long rows, long d, long width, long block, \
+                         float inv_sqrt, const float *mids, int bits, int mant, int emin, double top, long start, \
+                         long stop, long full, uint8_t *out, float *scales, uint8_t *tail) { \
+        switch (bits) { \
+        case 1: return ENCODE(1, wide); \
+        case 2: return ENCODE(2, wide); \
+        case 3: return ENCODE(3, wide); \
+        case 4: return ENCODE(4, wide); \
+        default: return 3; \
+        } \
+    }
 #define ENCODE(b, w) encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, b, mant, emin, top, start, stop, \
                                  full, out, scales, tail, w)
-    int wide = WIDE_VECTORS;
-    switch (bits) {
-    case 1: return wide ? ENCODE(1, 1) : ENCODE(1, 0);
-    case 2: return wide ? ENCODE(2, 1) : ENCODE(2, 0);
-    case 3: return wide ? ENCODE(3, 1) : ENCODE(3, 0);
-    case 4: return wide ? ENCODE(4, 1) : ENCODE(4, 0);
-    default: return 3;
-    }
+#if VARIANTS
+ENCODE_ROWS(encode_rows_avx512, TARGET_AVX512, 1)
+ENCODE_ROWS(encode_rows_avx2, TARGET_AVX2, NARROW_WIDE)
+ENCODE_ROWS(encode_rows_baseline, , NARROW_WIDE)
+#elif defined(__x86_64__) && !defined(__AVX512F__)
+ENCODE_ROWS(encode_rows, , NARROW_WIDE)
+#else
+ENCODE_ROWS(encode_rows, , 1)
+#endif
 #undef ENCODE
-}
 
 
 static inline INLINE void widen(int32_t *to, const uint8_t *from, long n) {
@@ -662,33 +676,50 @@ static inline INLINE int decode_width(const uint8_t *packed, int bits, const flo
 
 /* Decode rows [r0, r1): out[r * d + k] for k < d. tail: the codes from position `full` on, one byte
  * each. Returns 0, or 2 if out of memory. */
-CLONES static int decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
-                              long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
-                              long full, long r0, long r1, float *out) {
-#define DECODE(b, w) decode_width(packed, b, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out, w)
-    int wide = WIDE_VECTORS;
-    switch (bits) {
-    case 1: return wide ? DECODE(1, 1) : DECODE(1, 0);
-    case 2: return wide ? DECODE(2, 1) : DECODE(2, 0);
-    case 3: return wide ? DECODE(3, 1) : DECODE(3, 0);
-    case 4: return wide ? DECODE(4, 1) : DECODE(4, 0);
-    default: return 3;
+#define DECODE_ROWS(name, attr, wide) \
+    attr static int name(const uint8_t *packed, int bits, const float *table, const float *scales, long d, \
+                         long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail, long full, \
+                         long r0, long r1, float *out) { \
+        switch (bits) { \
+        case 1: return DECODE(1, wide); \
+        case 2: return DECODE(2, wide); \
+        case 3: return DECODE(3, wide); \
+        case 4: return DECODE(4, wide); \
+        default: return 3; \
+        } \
     }
+#define DECODE(b, w) decode_width(packed, b, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out, w)
+#if VARIANTS
+DECODE_ROWS(decode_rows_avx512, TARGET_AVX512, 1)
+DECODE_ROWS(decode_rows_avx2, TARGET_AVX2, NARROW_WIDE)
+DECODE_ROWS(decode_rows_baseline, , NARROW_WIDE)
+#elif defined(__x86_64__) && !defined(__AVX512F__)
+DECODE_ROWS(decode_rows, , NARROW_WIDE)
+#else
+DECODE_ROWS(decode_rows, , 1)
+#endif
 #undef DECODE
-}
 
 
-/* The exported entry points call the variant picked at load time by name: clang 14 exports a target_clones
- * function's dispatcher as "<name>.ifunc" only, so the dispatched functions stay internal. */
+/* The exported entry points: the variant of the CPU's features where there are several. */
+#if VARIANTS
+#define VARIANT(name, ...) \
+    (__builtin_cpu_supports("avx512f") ? name##_avx512(__VA_ARGS__) \
+     : __builtin_cpu_supports("avx2") ? name##_avx2(__VA_ARGS__) : name##_baseline(__VA_ARGS__))
+#else
+#define VARIANT(name, ...) name(__VA_ARGS__)
+#endif
+
 int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
                        float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
                        long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
-    return encode_rows(x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop, full,
-                       out, scales, tail);
+    return VARIANT(encode_rows, x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop,
+                   full, out, scales, tail);
 }
 
 int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                        long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
                        long full, long r0, long r1, float *out) {
-    return decode_rows(packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out);
+    return VARIANT(decode_rows, packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1,
+                   out);
 }

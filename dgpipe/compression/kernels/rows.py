@@ -19,9 +19,9 @@ random and adversarial tensors). Rows stay in row-major order: the butterflies o
 to 8 run inside a vector register with lane permutations, the longer ones on whole
 vectors; the level of a value is found by a binary search over the midpoints held in a
 register (``bits`` comparisons, the same count as one comparison per midpoint). The C source
-uses the vector extensions of GCC and clang and ``target_clones`` (AVX-512, AVX2 and baseline
-x86-64 builds, one picked at load time; GCC 11+, clang 14+, x86-64 and aarch64) and is compiled
-with ``-ffp-contract=fast``: the only
+uses the vector extensions of GCC and clang, built on x86-64 as AVX-512, AVX2 and baseline variants
+(target attributes, one picked per call by the CPU's features; GCC 11+, clang 14+, x86-64 and aarch64)
+and is compiled with ``-ffp-contract=fast``: the only
 products a fused multiply-add can take are exact ones (a value times +-1, a float32 squared in
 float64), so it rounds as the separate operations do (see the head of ``rows.c``).
 
