@@ -701,10 +701,11 @@ DECODE_ROWS(decode_rows, , 1)
 #undef DECODE
 
 
-/* The exported entry points: the variant of the CPU's features where there are several. */
+/* The exported entry points: the variant of the CPU's features where there are several (__builtin_cpu_init:
+ * the feature bits read once, whichever library's constructors have run). */
 #if VARIANTS
 #define VARIANT(name, ...) \
-    (__builtin_cpu_supports("avx512f") ? name##_avx512(__VA_ARGS__) \
+    (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") ? name##_avx512(__VA_ARGS__) \
      : __builtin_cpu_supports("avx2") ? name##_avx2(__VA_ARGS__) : name##_baseline(__VA_ARGS__))
 #else
 #define VARIANT(name, ...) name(__VA_ARGS__)
