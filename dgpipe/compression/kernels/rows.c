@@ -580,16 +580,6 @@ static inline INLINE int encode_width(const float *x, const float *signs, long r
     }
 #define ENCODE(b, w) encode_width(x, signs, rows, d, width, block, inv_sqrt, mids, b, mant, emin, top, start, stop, \
                                  full, out, scales, tail, w)
-#if VARIANTS
-ENCODE_ROWS(encode_rows_avx512, TARGET_AVX512, 1)
-ENCODE_ROWS(encode_rows_avx2, TARGET_AVX2, NARROW_WIDE)
-ENCODE_ROWS(encode_rows_baseline, , NARROW_WIDE)
-#elif defined(__x86_64__) && !defined(__AVX512F__)
-ENCODE_ROWS(encode_rows, , NARROW_WIDE)
-#else
-ENCODE_ROWS(encode_rows, , 1)
-#endif
-#undef ENCODE
 
 
 static inline INLINE void widen(int32_t *to, const uint8_t *from, long n) {
@@ -689,15 +679,20 @@ static inline INLINE int decode_width(const uint8_t *packed, int bits, const flo
         } \
     }
 #define DECODE(b, w) decode_width(packed, b, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1, out, w)
+
+/* Both entry points in each variant (VARIANTS), or once for the one target. */
 #if VARIANTS
-DECODE_ROWS(decode_rows_avx512, TARGET_AVX512, 1)
-DECODE_ROWS(decode_rows_avx2, TARGET_AVX2, NARROW_WIDE)
-DECODE_ROWS(decode_rows_baseline, , NARROW_WIDE)
+#define EACH_VARIANT(ROWS, name) \
+    ROWS(name##_avx512, TARGET_AVX512, 1) ROWS(name##_avx2, TARGET_AVX2, NARROW_WIDE) \
+    ROWS(name##_baseline, , NARROW_WIDE)
 #elif defined(__x86_64__) && !defined(__AVX512F__)
-DECODE_ROWS(decode_rows, , NARROW_WIDE)
+#define EACH_VARIANT(ROWS, name) ROWS(name, , NARROW_WIDE)
 #else
-DECODE_ROWS(decode_rows, , 1)
+#define EACH_VARIANT(ROWS, name) ROWS(name, , 1)
 #endif
+EACH_VARIANT(ENCODE_ROWS, encode_rows)
+EACH_VARIANT(DECODE_ROWS, decode_rows)
+#undef ENCODE
 #undef DECODE
 
 
