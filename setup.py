@@ -1,13 +1,25 @@
 from setuptools import Extension, find_packages, setup
 
-# The codebook codec's one-pass row kernels (dgpipe/compression/kernels/rows.c), a plain C library that
-# dgpipe loads with ctypes. -ffp-contract=fast: the products the compiler may fuse with a sum are exact
-# ones, so the bytes stay the reference's (see the head of rows.c); -fno-math-errno lets a loop of square
-# roots vectorise (the arguments are >= 0).
-# Optional: without a C compiler the package installs and runs the reference steps.
+# The compiled CPU kernels, plain C libraries that dgpipe loads with ctypes. Optional: without a C compiler the
+# package installs and runs the reference torch steps (and says so once).
+KERNELS = "dgpipe/compression/kernels/"
+# The per-value codec steps (codes.c). -ffp-contract=off: a fused multiply-add would round a decode's
+# lo + code * step once where the reference rounds twice; -fno-math-errno lets rintf vectorise.
+CODES = Extension(
+    "dgpipe.compression.kernels._codes",
+    sources=[KERNELS + "codes.c"],
+    depends=[KERNELS + "variants.h"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
+    libraries=["m"],
+    optional=True,
+)
+# The codebook codec's one-pass row kernels (rows.c). -ffp-contract=fast: the products the compiler may fuse
+# with a sum are exact ones, so the bytes stay the reference's (see the head of rows.c); -fno-math-errno lets
+# a loop of square roots vectorise (the arguments are >= 0).
 ROWS = Extension(
     "dgpipe.compression.kernels._rows",
-    sources=["dgpipe/compression/kernels/rows.c"],
+    sources=[KERNELS + "rows.c"],
+    depends=[KERNELS + "variants.h"],
     extra_compile_args=["-O3", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"],
     libraries=["m"],
     optional=True,
@@ -18,7 +30,7 @@ setup(
     version="0.1.0",
     description="GPipe-style micro-batch pipeline training with compressed stage boundaries",
     packages=find_packages(include=["dgpipe", "dgpipe.*"]),
-    ext_modules=[ROWS],
+    ext_modules=[CODES, ROWS],
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.13,<2.15",  # the releases the suite ran on (benchmarks/torch_versions.sh)
@@ -26,7 +38,6 @@ setup(
         "transformers",
         "datasets",
         "numpy",
-        "numba",
         "tqdm",
         "pillow",
         "scikit-learn",

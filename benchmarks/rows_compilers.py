@@ -3,7 +3,7 @@ one instruction set at a time, timed side by side in one run against the install
 checked against it.
 
 Each compiler of :data:`COMPILERS` that is on ``PATH`` builds the extension with ``setup.py``'s own flags
-(:func:`build_rows`: ``python setup.py build_ext`` with ``CC`` set, into a temporary folder); every library
+(:func:`build_kernels`: ``python setup.py build_ext`` with ``CC`` set, into a temporary folder); every library
 then runs the codebook codec's one-pass encode + decode (token groups, Hadamard rotation, bfloat16 scales; 2
 and 4 bits) on a MiniLM micro-batch (16x64x384) and the 25.7 MB tensor, interleaved with the installed build
 and a clone of the tensor (``codec_speed.timed``: medians). On x86-64 the default compiler (``cc``) also
@@ -31,7 +31,7 @@ import torch
 
 from codec_speed import ONE_PASS_TENSORS, one_pass_data, roundtrip, same_payload, timed
 from dgpipe.compression import get_codec
-from dgpipe.compression.kernels import rows
+from dgpipe.compression.kernels import backend, rows
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The compilers tried, oldest supported first (GCC 11+ and clang 14+ are the project's floor).
@@ -41,9 +41,9 @@ COMPILERS = ("gcc-11", "gcc-12", "gcc-13", "gcc-14", "clang-14", "clang-15", "cl
 ISA_LEVELS = {"x86-64-v4 (AVX-512)": "x86-64-v4", "x86-64-v3 (AVX2)": "x86-64-v3", "x86-64-v2 (SSE4.2)": "x86-64-v2"}
 
 
-def build_rows(cc: str, out: Path, cflags: str = "") -> Path:
-    """Build the row kernels with compiler ``cc`` and ``setup.py``'s flags (plus ``cflags``) into ``out``; the
-    library's path.
+def build_kernels(cc: str, out: Path, cflags: str = "") -> dict[str, Path]:
+    """Build the C kernels (``codes.c``, ``rows.c``) with compiler ``cc`` and ``setup.py``'s flags (plus
+    ``cflags``) into ``out``; the libraries' paths by extension name (``_codes``, ``_rows``).
 
     Raises:
         RuntimeError: the build failed or wrote no library (the message ends with the compiler's output).
@@ -52,10 +52,10 @@ def build_rows(cc: str, out: Path, cflags: str = "") -> Path:
     env.pop("LDSHARED", None)  # linked by the same compiler
     proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out / "lib"),
                            "--build-temp", str(out / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
-    found = sorted((out / "lib").rglob("_rows*"))
-    if proc.returncode or not found:
-        raise RuntimeError(f"{cc} did not build rows.c:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return found[0]
+    found = {name: sorted((out / "lib").rglob(name + "*")) for name in ("_codes", "_rows")}
+    if proc.returncode or not all(found.values()):
+        raise RuntimeError(f"{cc} did not build the kernels:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return {name: paths[0] for name, paths in found.items()}
 
 
 def main() -> int:
@@ -63,7 +63,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=15, help="timed rounds (medians)")
     args = parser.parse_args()
     if not rows.available():
-        print(rows.MISSING)
+        print(backend.MISSING)
         return 1
     installed = rows._load()
     libs = {"installed": installed}
@@ -71,12 +71,12 @@ def main() -> int:
         for cc in COMPILERS:
             if shutil.which(cc):
                 print(f"building with {cc} ...", flush=True)
-                libs[cc] = rows.open_library(str(build_rows(cc, Path(tmp) / cc)))
+                libs[cc] = rows.open_library(str(build_kernels(cc, Path(tmp) / cc)["_rows"]))
         if platform.machine() in ("x86_64", "AMD64"):
             for label, march in ISA_LEVELS.items():
                 print(f"building for {march} alone ...", flush=True)
-                libs[label] = rows.open_library(str(build_rows(
-                    "cc", Path(tmp) / march, f"-march={march} -DDGPIPE_ROWS_ONE_TARGET")))
+                libs[label] = rows.open_library(str(build_kernels(
+                    "cc", Path(tmp) / march, f"-march={march} -DDGPIPE_ROWS_ONE_TARGET")["_rows"]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; builds: {', '.join(list(libs)[1:])}")
     print("| tensor | codec | library | ms, encode + decode | x installed | x AVX-512 | x a clone | same bytes |")
     print("|---|---|---|---|---|---|---|---|")
@@ -88,11 +88,11 @@ def main() -> int:
             codec = get_codec("codebook", bits=bits, group="token", rotate="hadamard", scale_dtype="bfloat16")
 
             def run(lib, c=codec):
-                rows._lib["lib"] = lib
+                backend._libraries["_rows"] = lib
                 try:
                     return roundtrip(c, x)
                 finally:
-                    rows._lib["lib"] = installed
+                    backend._libraries["_rows"] = installed
 
             fns = {"clone": x.clone, **{name: (lambda lib=lib: run(lib)) for name, lib in libs.items()}}
             measured = timed(fns, args.reps, inner=1)

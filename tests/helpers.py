@@ -7,7 +7,7 @@
   its outcome per check to a file, and let every test read the outcome of its own check.
 - :func:`message_bytes` / :func:`wire_message`: a transport message's size and bytes,
   computed independently of :mod:`dgpipe.comm.transport`.
-- :data:`needs_rows`: skip a test of the compiled row kernels where they were not built.
+- :data:`needs_c`: skip a test of the compiled C kernels where they were not built.
 - :func:`default_sigint`: a child's ``preexec_fn`` that gives it the default Ctrl-C handling.
 """
 
@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dgpipe.compression.kernels import rows
+from dgpipe.compression.kernels import backend, compiled, rows
 from dgpipe.pipeline import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +51,11 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-needs_rows = pytest.mark.skipif(not rows.available(), reason=rows.MISSING)
-"""Marks a test that asserts the compiled row kernels (``kernels.rows``) ran: skipped, with the notice the
-package gives, where the extension was not built (no C compiler when dgpipe was installed)."""
+HAVE_C = compiled.available() and rows.available()
+"""Whether the C extensions were built (no C compiler when dgpipe was installed: not)."""
+needs_c = pytest.mark.skipif(not HAVE_C, reason=backend.MISSING)
+"""Marks a test that asserts the compiled CPU kernels (``kernels.compiled``, ``kernels.rows``) ran: skipped, with
+the notice the package gives, where the extensions were not built (no C compiler when dgpipe was installed)."""
 
 
 def load_cli(name: str) -> ModuleType:

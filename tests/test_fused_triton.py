@@ -113,7 +113,7 @@ def test_cpu_tensors_go_to_triton_only_when_asked():
     assert dispatch.choose(x) == "triton"
     fused_triton.run_on_cpu(False)
     try:
-        assert dispatch.choose(x) == "numba"
+        assert dispatch.choose(x) == "c"
     finally:
         fused_triton.run_on_cpu(True)
     previous = backend.set_enabled(False)

@@ -86,7 +86,7 @@ WARM_UP_SHAPES = ((4, 4096), (4, 20, 384), (20, 384))
 def warm_up_codecs(specs: Sequence[CodecSpec], device: torch.device) -> None:
     """Encode and decode random float32 tensors of :data:`WARM_UP_SHAPES` on ``device`` once
     with each codec of ``specs``, on this rank alone, so that the kernels' one-time
-    compilation (Numba on CPU, Triton on CUDA: seconds) happens before training is timed."""
+    compilation (Triton on CUDA: seconds) happens before training is timed."""
     generator = torch.Generator().manual_seed(0)
     distinct = [spec for i, spec in enumerate(specs) if spec not in specs[:i]]
     for spec in distinct:

@@ -1,7 +1,7 @@
 """Kernels: one function per codec step, each with a plain-torch reference and accelerated backends.
 
 A codec calls each step once and gets its result; which implementation runs it --
-the reference torch ops, compiled CPU loops (Numba) or GPU programs (Triton) -- is
+the reference torch ops, compiled CPU loops (C) or GPU programs (Triton) -- is
 chosen here once per tensor (:func:`.dispatch.choose`: device, size), the ``n % CHUNK``
 tail of a compiled kernel's output is completed here, and a kernel that fails is
 switched off alone, with one warning (:func:`.backend.run`). Every backend gives the
@@ -22,9 +22,10 @@ message in one pass         :func:`level_rows_values`
 Hadamard butterflies        :func:`fwht`                                 :mod:`.fwht`
 ==========================  ==========================================  ===================
 
-Backends: :mod:`.numba_codes`, :mod:`.numba_message`, :mod:`.rows` (CPU, compiled C), :mod:`.triton_codes` (CUDA);
-:mod:`.dispatch` chooses among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or
-:func:`set_enabled`), the thread parts and the per-kernel failure record.
+Backends: :mod:`.compiled` (``codes.c``) and :mod:`.rows` (``rows.c``: the token-grouped codebook in one pass
+per row), compiled C built at install time, on CPU; :mod:`.triton_codes` on CUDA. :mod:`.dispatch` chooses
+among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the C libraries,
+the thread parts and the per-kernel failure record.
 """
 
 from .backend import MIN_VALUES, enabled, failed_kernels, set_enabled

@@ -1,13 +1,18 @@
-"""What runs a compiled codec kernel, and what happens when one fails: the switch, the threads, the
-failure record. Which implementation a step takes is chosen in :mod:`.dispatch`; this module imports
+"""What runs a compiled codec kernel, and what happens when one fails: the switch, the libraries, the threads,
+the failure record. Which implementation a step takes is chosen in :mod:`.dispatch`; this module imports
 no kernel module (the kernels import it).
 
 Switch: on by default; ``DGPIPE_FUSED=0`` in the environment or :func:`set_enabled`
 turns the accelerated implementations off (the benchmarks measure both in one run).
 
+Libraries: the C kernels (``codes.c``, ``rows.c``) are built with the package as the optional extensions
+``_codes`` and ``_rows`` and loaded with ctypes (:func:`library`). Where they were not built (no C compiler at
+install time), the first use says so once (:data:`MISSING`, a ``RuntimeWarning``) and the steps run the
+reference.
+
 Failures: a compiled kernel is identified by a key (its name and the constants it is
-specialised on, e.g. ``("encode_uniform", 6)``). If one fails to compile or run -- Numba
-or Triton missing, a typing or LLVM error, a launch error -- :func:`run` issues one
+specialised on, e.g. ``("encode_uniform", 6)``). If one fails to build or run -- Triton
+missing, a typing or LLVM error, a launch error -- :func:`run` issues one
 ``RuntimeWarning`` naming it, the step falls back to the reference for that call, and
 that kernel alone stays off for the rest of the process (:func:`failed_kernels`); every
 other kernel keeps running.
@@ -22,6 +27,8 @@ takes fewer. The parts are disjoint, so payloads do not depend on the number of 
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import os
 import threading
 import warnings
@@ -33,8 +40,8 @@ import torch
 
 from .bitpack import CHUNK
 
-__all__ = ["MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "PARTS_PER_THREAD", "ENV", "enabled", "set_enabled", "parts", "run",
-           "failure", "failed_kernels", "empty"]
+__all__ = ["MISSING", "library", "typed", "MIN_VALUES", "MIN_CHUNKS_PER_THREAD", "PARTS_PER_THREAD", "ENV", "enabled",
+           "set_enabled", "parts", "run", "failure", "failed_kernels", "empty"]
 
 MIN_VALUES = 2 * CHUNK
 """Smallest tensor (values) the accelerated kernels take; below it the reference is as fast."""
@@ -52,6 +59,38 @@ _state = {"enabled": os.environ.get(ENV, "1").strip() not in ("0", "false", "no"
 _kernels: dict[tuple, Callable] = {}
 _failed: set[tuple] = set()
 _pool: dict = {}
+_libraries: dict = {}
+
+MISSING = ("dgpipe: the compiled CPU kernels (extensions dgpipe.compression.kernels._codes and _rows) were not "
+           "built when dgpipe was installed, most likely for want of a C compiler; the codec steps run the "
+           "reference torch path instead (same bytes, slower). Install gcc or clang and reinstall dgpipe to "
+           "build them.")
+"""The notice, given once per process, where an extension is missing."""
+
+
+def typed(lib: ctypes.CDLL, signatures: dict[str, list]) -> ctypes.CDLL:
+    """``lib`` with its functions typed: ``signatures`` maps a function's name to its ctypes argument types;
+    each returns a C int."""
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+def library(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The compiled extension ``dgpipe.compression.kernels.<name>`` (a plain C library) loaded with ctypes and
+    :func:`typed` by ``signatures``, or None where it was not built: then :data:`MISSING`, once per process.
+
+    Raises:
+        OSError: the extension exists but does not load.
+    """
+    if name not in _libraries:
+        spec = importlib.util.find_spec(f"{__package__}.{name}")
+        _libraries[name] = typed(ctypes.CDLL(spec.origin), signatures) if spec is not None and spec.origin else None
+        if _libraries[name] is None and not _libraries.get("told"):
+            _libraries["told"] = True
+            warnings.warn(MISSING, RuntimeWarning, stacklevel=3)
+    return _libraries[name]
 
 
 def enabled() -> bool:
@@ -135,7 +174,7 @@ def run(key: tuple, build: Callable[[], Callable], calls: list[tuple]) -> bool:
             for f in others:
                 f.result()
         return True
-    except Exception as e:  # Numba missing, a typing or LLVM error: this kernel falls back for good
+    except Exception as e:  # Triton missing, a compile or launch error: this kernel falls back for good
         return failure(key, e)
 
 

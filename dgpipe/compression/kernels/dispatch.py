@@ -1,13 +1,13 @@
 """Which implementation runs a codec step, chosen once per tensor: the one dispatch of the kernel layer.
 
 Every step of :mod:`dgpipe.compression.kernels` has a plain-torch reference and may have
-accelerated implementations: compiled CPU loops (Numba, :mod:`.numba_codes`,
-:mod:`.numba_message`) and GPU programs (Triton, :mod:`.triton_codes`). :func:`choose`
-picks one per tensor from its device and size:
+accelerated implementations: compiled CPU loops (C, :mod:`.compiled`) and GPU programs
+(Triton, :mod:`.triton_codes`). :func:`choose` picks one per tensor from its device and size:
 
 - ``"triton"``: a CUDA tensor (or a CPU one after :func:`.triton_codes.run_on_cpu`, the
   interpreter the tests use) of at least :data:`.backend.MIN_VALUES` values, Triton importable;
-- ``"numba"``: a CPU tensor of at least :data:`.backend.MIN_VALUES` values;
+- ``"c"``: a CPU tensor of at least :data:`.backend.MIN_VALUES` values (where the extension was not
+  built, each C step says no and its caller runs the reference);
 - ``"torch"``: everything else, and every tensor with the switch (:func:`.backend.enabled`) off.
 
 All give the same bytes (golden payloads, ``tests/test_golden_payloads.py``). The kernel modules
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from . import numba_codes
+from . import compiled
 from .backend import MIN_VALUES, enabled
 
 __all__ = ["choose", "triton_takes", "kernels_of"]
@@ -39,7 +39,7 @@ def triton_takes(t: torch.Tensor) -> bool:
 
 
 def choose(t: torch.Tensor, n: int | None = None) -> str:
-    """The backend of a step on ``t``: ``"triton"``, ``"numba"`` or ``"torch"`` (module docstring).
+    """The backend of a step on ``t``: ``"triton"``, ``"c"`` or ``"torch"`` (module docstring).
 
     Args:
         t: the step's main tensor (its values, or its packed code stream).
@@ -49,14 +49,14 @@ def choose(t: torch.Tensor, n: int | None = None) -> str:
         return "torch"
     if triton_takes(t):
         return "triton"
-    return "numba" if t.is_cpu else "torch"
+    return "c" if t.is_cpu else "torch"
 
 
 def kernels_of(backend: str):
-    """The module of compiled kernels of ``backend`` (``"numba"``: :mod:`.numba_codes`, ``"triton"``:
+    """The module of compiled kernels of ``backend`` (``"c"``: :mod:`.compiled`, ``"triton"``:
     :mod:`.triton_codes`, imported on first use)."""
     if backend == "triton":
         from . import triton_codes
 
         return triton_codes
-    return numba_codes
+    return compiled

@@ -1,7 +1,7 @@
 """The orthonormal fast Walsh-Hadamard transform: the butterflies of the Hadamard rotation.
 
 Reference: Fino and Algazi, "Unified matrix treatment of the fast Walsh-Hadamard
-transform", IEEE Trans. Computers 1976. Compiled on CPU (:func:`.numba_codes.fwht`, the
+transform", IEEE Trans. Computers 1976. Compiled on CPU (:func:`.compiled.fwht`, the
 same butterflies in the same order, so the same bits) for float32 tensors of at least
 :data:`.backend.MIN_VALUES` values.
 """
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import numba_codes
+from . import compiled
 from .dispatch import choose
 
 __all__ = ["fwht"]
@@ -35,8 +35,8 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     b = x.shape[-1]
     if b < 1 or b & (b - 1):
         raise ValueError(f"fwht needs a power-of-two last axis, got {b}")
-    if choose(x) == "numba":
-        y = numba_codes.fwht(x)
+    if choose(x) == "c":
+        y = compiled.fwht(x)
         if y is not None:
             return y
     y = x.reshape(-1, b)

@@ -11,8 +11,8 @@
   row on CPU (:mod:`.rows`, compiled C), and its decode; None where that does not apply (the
   codec then runs the steps one by one: the reference).
 
-Compiled on CPU (:mod:`.numba_codes`) and GPU (:mod:`.triton_codes`) for codes of up to
-:data:`.numba_codes.MAX_LEVEL_BITS` bits: the whole chunks there, the ``n % CHUNK`` tail
+Compiled on CPU (:mod:`.compiled`) and GPU (:mod:`.triton_codes`) for codes of up to
+:data:`.compiled.MAX_LEVEL_BITS` bits: the whole chunks there, the ``n % CHUNK`` tail
 here; the same bytes (golden payloads).
 
 Reference: Lloyd-Max quantization (Max, IRE Trans. IT 1960; Lloyd, IEEE Trans. IT 1982):
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import numba_codes
+from . import compiled
 from . import rows as row_pass
 from .backend import empty
 from .dispatch import choose, kernels_of
@@ -62,7 +62,7 @@ def level_codes(v: torch.Tensor, levels: torch.Tensor, bits: int, stochastic: bo
     Returns:
         uint8 ``(ceil(n * bits / 8),)`` on ``v``'s device.
     """
-    backend = "torch" if stochastic or bits > numba_codes.MAX_LEVEL_BITS else choose(v)
+    backend = "torch" if stochastic or bits > compiled.MAX_LEVEL_BITS else choose(v)
     if backend != "torch":
         n = v.numel()
         out = empty(packed_nbytes(n, bits), torch.uint8, v)
@@ -81,7 +81,7 @@ def level_values(packed: torch.Tensor, bits: int, n: int, levels: torch.Tensor, 
         scale: float32 ``(n_groups,)`` per-group scales; group ``i // group_len`` holds value ``i``.
     """
     scale = scale.reshape(-1)
-    backend = "torch" if bits > numba_codes.MAX_LEVEL_BITS else choose(packed, n)
+    backend = "torch" if bits > compiled.MAX_LEVEL_BITS else choose(packed, n)
     if backend != "torch":
         y = empty(n, torch.float32, packed)
         if kernels_of(backend).decode_levels(packed, bits, levels, scale, group_len, y):

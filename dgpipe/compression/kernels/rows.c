@@ -39,9 +39,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "variants.h"
+
 #define CHUNK 4096 /* codes per chunk of the packed layout (bitpack.CHUNK) */
 #define V 16       /* floats per vector */
-#define INLINE __attribute__((always_inline))
 
 typedef float vf __attribute__((vector_size(4 * V)));
 typedef int32_t vi __attribute__((vector_size(4 * V)));
@@ -52,22 +53,6 @@ typedef float vf8 __attribute__((vector_size(32)));  /* half a vf */
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef uint8_t vb32 __attribute__((vector_size(32))); /* the bytes of a vi8 */
 
-/* x86-64: AVX-512, AVX2 and baseline variants of the entry points (VARIANT, below), one picked per call by
- * the CPU's features. GCC 11 takes single ISA names only in a target attribute (no "arch=x86-64-vN"), so
- * its variants are AVX-512F and AVX2 without FMA -- the same bytes (see above), a little slower.
- * -DDGPIPE_ROWS_ONE_TARGET, and every other machine (aarch64: NEON): one build for the target. */
-#if defined(__x86_64__) && !defined(DGPIPE_ROWS_ONE_TARGET)
-#define VARIANTS 1
-#if defined(__clang__) || __GNUC__ >= 12
-#define TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
-#define TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
-#else
-#define TARGET_AVX512 __attribute__((target("avx512f")))
-#define TARGET_AVX2 __attribute__((target("avx2")))
-#endif
-#else
-#define VARIANTS 0
-#endif
 
 /* `wide`: whether comparisons, run-time permutes, broadcasts and narrowing take the 16 lanes whole, or in
  * halves of 8 lanes. GCC keeps a vector wider than the machine's in memory and lowers those lane by lane
@@ -696,26 +681,17 @@ EACH_VARIANT(DECODE_ROWS, decode_rows)
 #undef DECODE
 
 
-/* The exported entry points: the variant of the CPU's features where there are several (__builtin_cpu_init:
- * the feature bits read once, whichever library's constructors have run). */
-#if VARIANTS
-#define VARIANT(name, ...) \
-    (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") ? name##_avx512(__VA_ARGS__) \
-     : __builtin_cpu_supports("avx2") ? name##_avx2(__VA_ARGS__) : name##_baseline(__VA_ARGS__))
-#else
-#define VARIANT(name, ...) name(__VA_ARGS__)
-#endif
-
+/* The exported entry points: the variant of the CPU's features where there are several (variants.h). */
 int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
                        float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
                        long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
-    return VARIANT(encode_rows, x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop,
-                   full, out, scales, tail);
+    return PICK(encode_rows, (x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop,
+                               full, out, scales, tail));
 }
 
 int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                        long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
                        long full, long r0, long r1, float *out) {
-    return VARIANT(decode_rows, packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1,
-                   out);
+    return PICK(decode_rows, (packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1,
+                               out));
 }

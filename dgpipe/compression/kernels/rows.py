@@ -30,7 +30,7 @@ the last run also takes the ``n % CHUNK`` tail, which the caller packs), a row t
 two runs is rotated by both; the decode splits the rows. The calls release the GIL (ctypes).
 
 Where the extension was not built (no C compiler at install time), the first use says so once
-(:data:`MISSING`, a ``RuntimeWarning``); then, and where the input holds inf/NaN, the functions
+(:data:`.backend.MISSING`, a ``RuntimeWarning``); then, and where the input holds inf/NaN, the functions
 return None and the caller runs the reference steps (which raise the error).
 
 Reference: the Hadamard rotation as in QuaRot (Ashkboos et al., 2024); the fast
@@ -41,9 +41,7 @@ the single-pass structure is ours.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -53,7 +51,8 @@ from .backend import parts
 from .dispatch import triton_takes
 from .bitpack import CHUNK, packed_nbytes
 
-__all__ = ["MAX_BITS", "META_DTYPES", "MISSING", "available", "applies", "decode_rows", "encode_rows", "open_library"]
+__all__ = ["MAX_BITS", "META_DTYPES", "SIGNATURES", "available", "applies", "decode_rows", "encode_rows",
+           "open_library"]
 
 MAX_BITS = 4
 """Widest code of the kernels (16 levels: the midpoints fit one vector register)."""
@@ -61,8 +60,14 @@ MAX_BITS = 4
 META_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Scale dtypes the kernels round to."""
 
-_EXTENSION = __name__.rsplit(".", 1)[0] + "._rows"
-_lib: dict = {}
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+SIGNATURES = {
+    "dgpipe_encode_rows": [_P, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I, _I, _I, ctypes.c_double, _L, _L, _L, _P,
+                           _P, _P],
+    "dgpipe_decode_rows": [_P, _I, _P, _P, _L, _L, _L, ctypes.c_float, _P, _P, _L, _L, _L, _P],
+}
+"""ctypes argument types of the entry points of ``rows.c`` (both return an int: 0 done, 1 a row refused, 2 out of
+memory)."""
 
 
 def open_library(path: str) -> ctypes.CDLL:
@@ -71,28 +76,12 @@ def open_library(path: str) -> ctypes.CDLL:
     Raises:
         OSError: ``path`` is not a loadable library.
     """
-    lib = ctypes.CDLL(path)
-    P, L, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.dgpipe_encode_rows.argtypes = [P, P, L, L, L, L, ctypes.c_float, P, Int, Int, Int, ctypes.c_double, L, L, L, P,
-                                       P, P]
-    lib.dgpipe_decode_rows.argtypes = [P, Int, P, P, L, L, L, ctypes.c_float, P, P, L, L, L, P]
-    lib.dgpipe_encode_rows.restype = lib.dgpipe_decode_rows.restype = Int
-    return lib
-
-
-MISSING = ("dgpipe: the compiled row kernels (extension dgpipe.compression.kernels._rows) were not built when "
-           "dgpipe was installed, most likely for want of a C compiler; the codebook codec's token groups run "
-           "the step-by-step path instead (same bytes, slower). Install gcc or clang and reinstall dgpipe to "
-           "build them.")
-"""The notice, given once per process, where the extension is missing."""
+    return backend.typed(ctypes.CDLL(path), SIGNATURES)
 
 
 def _load():
-    """The compiled library (ctypes), or None where the extension was not built."""
-    if "lib" not in _lib:
-        spec = importlib.util.find_spec(_EXTENSION)
-        _lib["lib"] = open_library(spec.origin) if spec is not None and spec.origin else None
-    return _lib["lib"]
+    """The compiled library (ctypes), or None where the extension was not built (:func:`.backend.library`)."""
+    return backend.library("_rows", SIGNATURES)
 
 
 def available() -> bool:
@@ -113,15 +102,12 @@ def applies(bits: int, t: torch.Tensor, meta_dtype: torch.dtype = torch.float32)
     """Whether the kernels take codes of ``bits`` bits on ``t``'s device with scales in ``meta_dtype``:
     kernels on, the extension built, a CPU tensor that the Triton kernels do not take
     (:func:`.dispatch.triton_takes`: the tests' interpreter mode), ``bits <= MAX_BITS``, a dtype of
-    :data:`META_DTYPES` (where all else holds but the extension is missing: :data:`MISSING`, once).
+    :data:`META_DTYPES` (where all else holds but the extension is missing: :data:`.backend.MISSING`, once).
     Any size: one compiled call costs less than the dozen torch calls of the
     steps even on a small message."""
     if not (backend.enabled() and t.is_cpu and bits <= MAX_BITS and meta_dtype in META_DTYPES
             and not triton_takes(t)):
         return False
-    if not available() and not _lib.get("told"):
-        _lib["told"] = True
-        warnings.warn(MISSING, RuntimeWarning, stacklevel=2)
     return available()
 
 

@@ -1,6 +1,6 @@
 """Fused GPU kernels (Triton) for the hot quantizers: values read once, packed codes written once.
 
-The GPU twin of :mod:`.numba_codes` (whose kernels are CPU loops compiled by Numba). One
+The GPU twin of :mod:`.compiled` (whose kernels are CPU loops compiled from C). One
 Triton program codes one chunk of :data:`.bitpack.CHUNK` values: it loads them as a
 ``(g, CHUNK / g)`` block -- lane ``l`` of the :mod:`.bitpack` layout is row ``l`` --
 computes their codes, ORs the lanes into words (a sum over the lane axis: the bit
@@ -36,7 +36,7 @@ lengths are not specialised on (``do_not_specialize``), so a last partial batch 
 another sequence length reuses the compiled kernel.
 
 Scope: float32 values in wire order with at least :data:`.backend.MIN_VALUES` of them,
-rounding to nearest; codes of 1..16 bits (codebooks up to :data:`.numba_codes.MAX_LEVEL_BITS`).
+rounding to nearest; codes of 1..16 bits (codebooks up to :data:`.compiled.MAX_LEVEL_BITS`).
 The whole chunks come from here, the ``n % CHUNK`` tail from the reference (the
 calling steps). Each function returns False where it does not apply
 (Triton missing, or a compilation or launch of that kernel that failed: one
@@ -78,7 +78,7 @@ def interpreting() -> bool:
 
 
 def run_on_cpu(flag: bool) -> bool:
-    """Also take CPU tensors (instead of :mod:`.numba_codes`' Numba kernels), run by Triton's interpreter:
+    """Also take CPU tensors (instead of :mod:`.compiled`'s C kernels), run by Triton's interpreter:
     how the GPU kernels are tested without a GPU. Returns the previous setting.
 
     Raises:
@@ -269,7 +269,7 @@ if triton is not None:
 
 def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: int, group_len: int,
                    out: torch.Tensor) -> bool:
-    """:func:`.numba_codes.encode_uniform` on the GPU: ``clamp(round((x - lo[g]) / div[g]), 0, 2**bits - 1)``
+    """:func:`.compiled.encode_uniform` on the GPU: ``clamp(round((x - lo[g]) / div[g]), 0, 2**bits - 1)``
     of the whole chunks of ``x``, packed into ``out``.
 
     Args:
@@ -289,7 +289,7 @@ def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: i
 
 def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torch.Tensor, group_len: int,
                    y: torch.Tensor) -> bool:
-    """:func:`.numba_codes.decode_uniform` on the GPU: ``y[i] = lo[g] + code[i] * step[g]`` for the whole chunks.
+    """:func:`.compiled.decode_uniform` on the GPU: ``y[i] = lo[g] + code[i] * step[g]`` for the whole chunks.
 
     Args:
         packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits, on the GPU.
@@ -306,13 +306,13 @@ def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torc
 
 
 def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Tensor) -> bool:
-    """:func:`.numba_codes.encode_levels` on the GPU: the nearest level's index ``#{j : v > mids[j]}`` of the whole
+    """:func:`.compiled.encode_levels` on the GPU: the nearest level's index ``#{j : v > mids[j]}`` of the whole
     chunks of ``v``, packed into ``out``.
 
     Args:
         v: 1-D float32 values (scaled), wire order, contiguous, on the GPU.
         mids: float32 ``(2**bits - 1,)`` ascending midpoints, on ``v``'s device.
-        bits: 1..:data:`.numba_codes.MAX_LEVEL_BITS`.
+        bits: 1..:data:`.compiled.MAX_LEVEL_BITS`.
         out: uint8 stream of ``v.numel()`` codes on ``v``'s device (the tail is left to the caller).
 
     Returns:
@@ -324,7 +324,7 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
 
 def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: torch.Tensor, group_len: int,
                   y: torch.Tensor) -> bool:
-    """:func:`.numba_codes.decode_levels` on the GPU: ``y[i] = table[code[i]] * scale[i // group_len]`` (whole chunks).
+    """:func:`.compiled.decode_levels` on the GPU: ``y[i] = table[code[i]] * scale[i // group_len]`` (whole chunks).
 
     Args:
         packed: uint8 stream of ``n = y.numel()`` codes of ``bits`` bits, on the GPU.
@@ -365,7 +365,7 @@ def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> 
 
 def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, div: torch.Tensor, quant_bits: int,
                    out: torch.Tensor) -> bool:
-    """:func:`.numba_codes.encode_buckets` on the GPU: codes ``bucket * 2**Q + level`` of the whole chunks of ``x``.
+    """:func:`.compiled.encode_buckets` on the GPU: codes ``bucket * 2**Q + level`` of the whole chunks of ``x``.
 
     Args:
         x: 1-D float32 values (contiguous) on the GPU.
@@ -383,7 +383,7 @@ def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, di
 
 def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,
                    y: torch.Tensor) -> bool:
-    """:func:`.numba_codes.decode_buckets` on the GPU: ``y = mins[b] + level * step[b]`` for the whole chunks.
+    """:func:`.compiled.decode_buckets` on the GPU: ``y = mins[b] + level * step[b]`` for the whole chunks.
 
     Args:
         packed: uint8 stream of ``n = y.numel()`` codes of ``Q + S`` bits, on the GPU.

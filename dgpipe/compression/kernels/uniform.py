@@ -11,10 +11,10 @@ Steps (each returns its result, whichever backend ran it, :mod:`.backend`):
   ``group_len`` values;
 - :func:`uniform_values`: their decoded values from the metadata as sent;
 - :func:`uniform_message`: one group's grid (from its range) and codes -- for a small CPU
-  message in one compiled call (:func:`.numba_message.uniform_message`).
+  message in one compiled call (:func:`.compiled.uniform_message`).
 
-The reference is whole-block torch ops, block by block on CPU (:func:`blocks`); Numba
-(:mod:`.numba_codes`) and Triton (:mod:`.triton_codes`) compute the whole chunks, the
+The reference is whole-block torch ops, block by block on CPU (:func:`blocks`); C
+(:mod:`.compiled`) and Triton (:mod:`.triton_codes`) compute the whole chunks, the
 reference the ``n % CHUNK`` tail. Same bytes everywhere (golden payloads).
 """
 
@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import numba_message
+from . import compiled
 from .backend import empty
 from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
@@ -241,8 +241,8 @@ def uniform_values(packed: torch.Tensor, bits: int, n: int, meta: torch.Tensor, 
         n_groups, group_len: the grouping (group ``i // group_len`` holds value ``i``).
     """
     backend = choose(packed, n)
-    if backend == "numba" and n_groups == 1:  # a small message in one call, where that applies
-        y = numba_message.message_values(packed, bits, 0, meta, n)
+    if backend == "c" and n_groups == 1:  # a small message in one call, where that applies
+        y = compiled.message_values(packed, bits, 0, meta, n)
         if y is not None:
             return y
     lo, step = meta[:n_groups].float(), meta[n_groups:].float()
@@ -281,11 +281,11 @@ def uniform_message(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bi
     Raises:
         ValueError: the range is not finite (:func:`finite_range`).
     """
-    if not stochastic and choose(values) == "numba" and numba_message.one_call(values) and values.is_contiguous():
+    if not stochastic and choose(values) == "c" and compiled.one_call(values) and values.is_contiguous():
         a, b = lo.item(), hi.item()
         if not tame(a, b):
             finite_range(lo, hi, codec_name)  # raises
-        done = numba_message.uniform_message(values, a, b, bits)
+        done = compiled.uniform_message(values, a, b, bits)
         if done is not None:
             return done
     finite_range(lo, hi, codec_name)

@@ -1,0 +1,610 @@
+/*
+ * The per-value codec steps in compiled C (see compiled.py): values read once, packed codes written once.
+ *
+ * Each entry point takes a run of whole chunks [c0, c1) of CHUNK codes (the caller packs the n % CHUNK tail)
+ * of the packed layout of bitpack.py -- k = (bits - 1) / 8 planes of low bytes (n bytes each), then per
+ * chunk the r = bits - 8k high bits of each code, g = 8 / gcd(r, 8) lanes of CHUNK / g codes sharing a word
+ * of w = g * r / 8 bytes, stored as w byte planes -- and runs the same float32 operations, in the same order,
+ * as the reference steps (uniform.py, buckets.py, levels.py, fwht.py), so payloads and decoded values are
+ * bit for bit theirs (golden payloads). Built with -ffp-contract=off: a fused multiply-add would round a
+ * decode's `lo + code * step` once where the reference rounds twice. Codes are integers (uint16, at most 16
+ * bits); the code width and the bucket count are constants inside each specialised body (a switch over
+ * always_inline functions), so the lane and plane loops unroll and the value loops vectorise.
+ *
+ * - encode_uniform / decode_uniform: clamp(rint((x - lo[g]) / div[g]), 0, 2**bits - 1) per group g of
+ *   group_len values, and lo[g] + code * step[g];
+ * - encode_buckets / decode_buckets: sort quantization's bucket * 2**Q + level, the bucket being the number
+ *   of boundaries <= x (S <= 4 split bits), and mins[b] + level * step[b];
+ * - encode_levels / decode_levels: the codebook's nearest level, the number of midpoints < x (bits <= 4),
+ *   and table[code] * scale[g];
+ * - fwht: the Walsh-Hadamard butterflies of each row, in place, then the orthonormal factor;
+ * - sort_sample: an LSD radix sort of float32 keys (three passes of 11-bit digits);
+ * - bucket_extrema: the min and each bucket's max in one pass;
+ * - sampled_grid / uniform_message / message_values: a small message's grid and codes, or its values, in one
+ *   call (a call after a stage's compute has evicted the caches costs 15-25 us).
+ *
+ * x86-64: AVX-512, AVX2 and baseline variants of each entry point (variants.h). Builds with GCC 11+ and
+ * clang 14+, on x86-64 and aarch64. References: the radix sort is the textbook LSD radix sort of IEEE-754
+ * keys (Knuth, TAOCP vol. 3, 5.2.5); the fast Walsh-Hadamard transform: Fino and Algazi, IEEE Trans.
+ * Computers 1976.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "variants.h"
+
+#define CHUNK 4096      /* codes per chunk of the packed layout (bitpack.CHUNK) */
+#define RADIX_BITS 11   /* bits per digit of the radix sort */
+#define MAX_SPLIT 4     /* split bits of the bucket kernels (16 buckets) */
+
+static inline INLINE long min_l(long a, long b) { return a < b ? a : b; }
+
+/* a where take (0 or 1), else b, with no branch: GCC vectorises the selects of a loop over buckets in this
+ * integer form (a conditional it may turn into a branch), clang in the conditional form. */
+static inline INLINE float pick(int take, float a, float b) {
+#if defined(__clang__)
+    return take ? a : b;
+#else
+    uint32_t ua, ub;
+    memcpy(&ua, &a, 4);
+    memcpy(&ub, &b, 4);
+    const uint32_t mask = -(uint32_t)take, r = (ua & mask) | (ub & ~mask);
+    float f;
+    memcpy(&f, &r, 4);
+    return f;
+#endif
+}
+
+/* A small table (boundaries, minima, levels) copied into a local array: read from there, GCC vectorises the
+ * loops that pick from it (from the caller's pointer it does not). */
+static inline INLINE void copy_table(const float *from, int n, float *to) {
+    for (int j = 0; j < n; j++)
+        to[j] = from[j];
+}
+
+/* ---- the packed layout ---------------------------------------------------------------------------- */
+
+/* Codes (each < 2**bits, bits 1..16) of chunk c into the stream `out` of n codes. */
+static inline INLINE void pack_chunk(const uint16_t *codes, int bits, uint8_t *out, long n, long c) {
+    const int k = (bits - 1) / 8, r = bits - 8 * k, g = 8 >> __builtin_ctz(r), w = g * r / 8, cg = CHUNK / g;
+    uint8_t *high = out + k * n + c * (CHUNK * r / 8);
+    if (k) {
+        uint8_t *low = out + c * CHUNK;
+        for (int t = 0; t < CHUNK; t++)
+            low[t] = (uint8_t)codes[t];
+    }
+    const int s = 8 * k;
+    if (g == 1) {
+        for (int t = 0; t < CHUNK; t++)
+            high[t] = (uint8_t)(codes[t] >> s);
+    } else if (w <= 4) {
+        for (int j = 0; j < cg; j++) {
+            uint32_t word = 0;
+            for (int l = 0; l < g; l++)
+                word |= (uint32_t)(codes[l * cg + j] >> s) << (l * r);
+            for (int q = 0; q < w; q++)
+                high[q * cg + j] = (uint8_t)(word >> (8 * q));
+        }
+    } else {
+        for (int j = 0; j < cg; j++) {
+            uint64_t word = 0;
+            for (int l = 0; l < g; l++)
+                word |= (uint64_t)(codes[l * cg + j] >> s) << (l * r);
+            for (int q = 0; q < w; q++)
+                high[q * cg + j] = (uint8_t)(word >> (8 * q));
+        }
+    }
+}
+
+/* Inverse of pack_chunk: the codes of chunk c of the stream `packed` of n codes. */
+static inline INLINE void unpack_chunk(const uint8_t *packed, int bits, long n, long c, uint16_t *codes) {
+    const int k = (bits - 1) / 8, r = bits - 8 * k, g = 8 >> __builtin_ctz(r), w = g * r / 8, cg = CHUNK / g;
+    const uint8_t *high = packed + k * n + c * (CHUNK * r / 8);
+    const uint32_t mask = (1u << r) - 1;
+    if (g == 1) {
+        for (int t = 0; t < CHUNK; t++)
+            codes[t] = high[t];
+    } else if (w <= 4) {
+        for (int j = 0; j < cg; j++) {
+            uint32_t word = 0;
+            for (int q = 0; q < w; q++)
+                word |= (uint32_t)high[q * cg + j] << (8 * q);
+            for (int l = 0; l < g; l++)
+                codes[l * cg + j] = (uint16_t)((word >> (l * r)) & mask);
+        }
+    } else {
+        for (int j = 0; j < cg; j++) {
+            uint64_t word = 0;
+            for (int q = 0; q < w; q++)
+                word |= (uint64_t)high[q * cg + j] << (8 * q);
+            for (int l = 0; l < g; l++)
+                codes[l * cg + j] = (uint16_t)((word >> (l * r)) & mask);
+        }
+    }
+    if (k) {
+        const uint8_t *low = packed + c * CHUNK;
+        for (int t = 0; t < CHUNK; t++)
+            codes[t] = (uint16_t)(codes[t] << 8 | low[t]);
+    }
+}
+
+/* A body specialised on its code width: `BODY(bits)` for bits 1..16 (a constant in each case). */
+#define EACH_WIDTH(bits, BODY)                                                                              \
+    switch (bits) {                                                                                         \
+    case 1: BODY(1); break;   case 2: BODY(2); break;   case 3: BODY(3); break;   case 4: BODY(4); break;   \
+    case 5: BODY(5); break;   case 6: BODY(6); break;   case 7: BODY(7); break;   case 8: BODY(8); break;   \
+    case 9: BODY(9); break;   case 10: BODY(10); break; case 11: BODY(11); break; case 12: BODY(12); break; \
+    case 13: BODY(13); break; case 14: BODY(14); break; case 15: BODY(15); break; case 16: BODY(16); break; \
+    default: return 1;                                                                                      \
+    }
+
+/* ---- uniform grids, per run of group_len values ---------------------------------------------------- */
+
+/* Codes clamp(rint((x - a) / d), 0, top) of x[t0, t1) into codes[t0, t1). */
+static inline INLINE void grid_codes(const float *x, float a, float d, float top, int t0, int t1, uint16_t *codes) {
+    for (int t = t0; t < t1; t++) {
+        float v = rintf((x[t] - a) / d);
+        v = v > 0.0f ? v : 0.0f;
+        codes[t] = (uint16_t)(v < top ? v : top);
+    }
+}
+
+static inline INLINE void encode_uniform_w(const float *x, const float *lo, const float *div, long group_len,
+                                           long n, long c0, long c1, int bits, uint8_t *out) {
+    uint16_t codes[CHUNK];
+    const float top = (float)((1 << bits) - 1);
+    for (long c = c0; c < c1; c++) {
+        const long i0 = c * CHUNK;
+        for (int t = 0; t < CHUNK;) { /* runs of one group inside the chunk */
+            const long grp = (i0 + t) / group_len;
+            const int stop = (int)min_l(CHUNK, (grp + 1) * group_len - i0);
+            grid_codes(x + i0, lo[grp], div[grp], top, t, stop, codes);
+            t = stop;
+        }
+        pack_chunk(codes, bits, out, n, c);
+    }
+}
+
+static inline INLINE int encode_uniform(const float *x, const float *lo, const float *div, long group_len, long n,
+                                        long c0, long c1, int bits, uint8_t *out) {
+#define BODY(b) encode_uniform_w(x, lo, div, group_len, n, c0, c1, b, out)
+    EACH_WIDTH(bits, BODY)
+#undef BODY
+    return 0;
+}
+
+static inline INLINE void decode_uniform_w(const uint8_t *packed, int bits, const float *lo, const float *step,
+                                           long group_len, long n, long c0, long c1, float *y) {
+    uint16_t codes[CHUNK];
+    for (long c = c0; c < c1; c++) {
+        unpack_chunk(packed, bits, n, c, codes);
+        const long i0 = c * CHUNK;
+        for (int t = 0; t < CHUNK;) {
+            const long grp = (i0 + t) / group_len;
+            const int stop = (int)min_l(CHUNK, (grp + 1) * group_len - i0);
+            const float a = lo[grp], s = step[grp];
+            for (int u = t; u < stop; u++)
+                y[i0 + u] = a + (float)codes[u] * s;
+            t = stop;
+        }
+    }
+}
+
+static inline INLINE int decode_uniform(const uint8_t *packed, int bits, const float *lo, const float *step,
+                                        long group_len, long n, long c0, long c1, float *y) {
+#define BODY(b) decode_uniform_w(packed, b, lo, step, group_len, n, c0, c1, y)
+    EACH_WIDTH(bits, BODY)
+#undef BODY
+    return 0;
+}
+
+/* ---- sort quantization's buckets ---------------------------------------------------------------------- */
+
+/* A body specialised on split bits and code width: `BODY(bits, s)` for s 1..4 and bits 1..16 (constants). */
+#define EACH_SPLIT(bits, s, BODY)                    \
+    switch (s) {                                     \
+    case 1: { EACH_WIDTH(bits, BODY##_1) } break;    \
+    case 2: { EACH_WIDTH(bits, BODY##_2) } break;    \
+    case 3: { EACH_WIDTH(bits, BODY##_3) } break;    \
+    case 4: { EACH_WIDTH(bits, BODY##_4) } break;    \
+    default: return 1;                               \
+    }
+
+/* The bucket of v: how many of the nb non-decreasing boundaries are <= v. */
+static inline INLINE int bucket_of(float v, const float *bounds, int nb) {
+    int b = 0;
+    for (int j = 0; j < nb; j++)
+        b += v >= bounds[j];
+    return b;
+}
+
+static inline INLINE void encode_buckets_w(const float *x, const float *bounds, const float *mins, const float *div,
+                                           int quant_bits, int split_bits, long n, long c0, long c1,
+                                           uint8_t *out) {
+    uint16_t codes[CHUNK];
+    const int nb = (1 << split_bits) - 1;
+    const float top = (float)((1 << quant_bits) - 1);
+    float bound[1 << MAX_SPLIT], min[1 << MAX_SPLIT], dv[1 << MAX_SPLIT]; /* in locals: GCC vectorises then */
+    copy_table(bounds, nb, bound);
+    copy_table(mins, nb + 1, min);
+    copy_table(div, nb + 1, dv);
+    for (long c = c0; c < c1; c++) {
+        const float *xs = x + c * CHUNK;
+        for (int t = 0; t < CHUNK; t++) {
+            const float v = xs[t];
+            float m = min[0], d = dv[0];
+            int b = 0;
+            for (int j = 0; j < nb; j++) { /* the boundaries are non-decreasing: the last one <= v wins */
+                const int above = v >= bound[j];
+                m = pick(above, min[j + 1], m);
+                d = pick(above, dv[j + 1], d);
+                b += above;
+            }
+            float q = rintf((v - m) / d);
+            q = q > 0.0f ? q : 0.0f;
+            codes[t] = (uint16_t)((int)(q < top ? q : top) + (b << quant_bits));
+        }
+        pack_chunk(codes, quant_bits + split_bits, out, n, c);
+    }
+}
+
+static inline INLINE int encode_buckets(const float *x, const float *bounds, const float *mins, const float *div,
+                                        int quant_bits, int split_bits, long n, long c0, long c1, uint8_t *out) {
+#define BODY(b, s) encode_buckets_w(x, bounds, mins, div, b - s, s, n, c0, c1, out)
+#define BODY_1(b) BODY(b, 1)
+#define BODY_2(b) BODY(b, 2)
+#define BODY_3(b) BODY(b, 3)
+#define BODY_4(b) BODY(b, 4)
+    EACH_SPLIT(quant_bits + split_bits, split_bits, BODY)
+#undef BODY
+    return 0;
+}
+
+static inline INLINE void decode_buckets_w(const uint8_t *packed, int quant_bits, int split_bits, const float *mins,
+                                           const float *step, long n, long c0, long c1, float *y) {
+    uint16_t codes[CHUNK];
+    const int nb = 1 << split_bits, mask = (1 << quant_bits) - 1;
+    float min[1 << MAX_SPLIT], st[1 << MAX_SPLIT];
+    copy_table(mins, nb, min);
+    copy_table(step, nb, st);
+    for (long c = c0; c < c1; c++) {
+        unpack_chunk(packed, quant_bits + split_bits, n, c, codes);
+        float *ys = y + c * CHUNK;
+        for (int t = 0; t < CHUNK; t++) {
+            const int32_t code = codes[t], b = code >> quant_bits;
+            float m = min[0], s = st[0];
+            for (int j = 1; j < nb; j++) { /* min[b] and st[b] by selects: gathers are slower */
+                m = pick(b >= j, min[j], m);
+                s = pick(b >= j, st[j], s);
+            }
+            ys[t] = m + (float)(code & mask) * s;
+        }
+    }
+}
+
+static inline INLINE int decode_buckets(const uint8_t *packed, int quant_bits, int split_bits, const float *mins,
+                                        const float *step, long n, long c0, long c1, float *y) {
+#define BODY(b, s) decode_buckets_w(packed, b - s, s, mins, step, n, c0, c1, y)
+    EACH_SPLIT(quant_bits + split_bits, split_bits, BODY)
+#undef BODY
+#undef BODY_1
+#undef BODY_2
+#undef BODY_3
+#undef BODY_4
+    return 0;
+}
+
+/* ---- codebook levels ----------------------------------------------------------------------------------- */
+
+static inline INLINE void encode_levels_w(const float *v, const float *mids, int bits, long n, long c0, long c1,
+                                          uint8_t *out) {
+    uint16_t codes[CHUNK];
+    const int nm = (1 << bits) - 1;
+    float mid[15];
+    copy_table(mids, nm, mid);
+    for (long c = c0; c < c1; c++) {
+        const float *vs = v + c * CHUNK;
+        for (int t = 0; t < CHUNK; t++) {
+            int k = 0;
+            for (int j = 0; j < nm; j++)
+                k += vs[t] > mid[j]; /* torch.bucketize(v, mids): the midpoints below v */
+            codes[t] = (uint16_t)k;
+        }
+        pack_chunk(codes, bits, out, n, c);
+    }
+}
+
+static inline INLINE int encode_levels(const float *v, const float *mids, int bits, long n, long c0, long c1,
+                                       uint8_t *out) {
+    switch (bits) {
+    case 1: encode_levels_w(v, mids, 1, n, c0, c1, out); break;
+    case 2: encode_levels_w(v, mids, 2, n, c0, c1, out); break;
+    case 3: encode_levels_w(v, mids, 3, n, c0, c1, out); break;
+    case 4: encode_levels_w(v, mids, 4, n, c0, c1, out); break;
+    default: return 1;
+    }
+    return 0;
+}
+
+static inline INLINE void decode_levels_w(const uint8_t *packed, int bits, const float *table, const float *scale,
+                                          long group_len, long n, long c0, long c1, float *y) {
+    uint16_t codes[CHUNK];
+    float level[16];
+    copy_table(table, 1 << bits, level);
+    for (long c = c0; c < c1; c++) {
+        unpack_chunk(packed, bits, n, c, codes);
+        const long i0 = c * CHUNK;
+        for (int t = 0; t < CHUNK;) {
+            const long grp = (i0 + t) / group_len;
+            const int stop = (int)min_l(CHUNK, (grp + 1) * group_len - i0);
+            const float s = scale[grp];
+            for (int u = t; u < stop; u++) {
+                const int32_t code = codes[u];
+                float v = level[0];
+                for (int j = 1; j < 1 << bits; j++) /* level[code] by selects (see decode_buckets) */
+                    v = pick(code >= j, level[j], v);
+                y[i0 + u] = v * s;
+            }
+            t = stop;
+        }
+    }
+}
+
+static inline INLINE int decode_levels(const uint8_t *packed, int bits, const float *table, const float *scale,
+                                       long group_len, long n, long c0, long c1, float *y) {
+    switch (bits) {
+    case 1: decode_levels_w(packed, 1, table, scale, group_len, n, c0, c1, y); break;
+    case 2: decode_levels_w(packed, 2, table, scale, group_len, n, c0, c1, y); break;
+    case 3: decode_levels_w(packed, 3, table, scale, group_len, n, c0, c1, y); break;
+    case 4: decode_levels_w(packed, 4, table, scale, group_len, n, c0, c1, y); break;
+    default: return 1;
+    }
+    return 0;
+}
+
+/* ---- the Walsh-Hadamard transform ------------------------------------------------------------------------ */
+
+/* In place, rows [r0, r1) of b values: the butterflies of fwht.py in the same order, then the factor. */
+static inline INLINE int fwht(float *y, long b, long r0, long r1, float scale) {
+    for (long r = r0; r < r1; r++) {
+        float *row = y + r * b;
+        for (long h = 1; h < b; h *= 2)
+            for (long i = 0; i < b; i += 2 * h)
+                for (long j = i; j < i + h; j++) {
+                    const float a = row[j], c = row[j + h];
+                    row[j] = a + c;
+                    row[j + h] = a - c;
+                }
+        for (long j = 0; j < b; j++)
+            row[j] *= scale;
+    }
+    return 0;
+}
+
+/* ---- the radix sort of a sample ---------------------------------------------------------------------------- */
+
+/* out[0, m) = the values x[pos[i]] (x[i] where pos is NULL) in ascending order of their float32 bits made
+ * unsigned-monotone (negatives flipped, positives' sign bit set): numpy's order but for -0.0 before +0.0 and
+ * NaN at the end of its sign; m < 2**32. Returns 2 where memory runs out. */
+static inline INLINE int sort_sample(const float *x, const int64_t *pos, long m, float *out) {
+    enum { D = 1 << RADIX_BITS };
+    const uint32_t sign = 1u << 31, mask = D - 1;
+    uint32_t *keys = malloc(2 * (size_t)m * sizeof *keys), hist[3 * D];
+    if (!keys)
+        return 2;
+    memset(hist, 0, sizeof hist);
+    uint32_t *tmp = keys + m;
+    for (long i = 0; i < m; i++) {
+        uint32_t u;
+        memcpy(&u, x + (pos ? pos[i] : i), 4);
+        const uint32_t k = u & sign ? ~u : u | sign;
+        keys[i] = k;
+        for (int p = 0; p < 3; p++)
+            hist[p * D + ((k >> (p * RADIX_BITS)) & mask)]++;
+    }
+    for (int p = 0; p < 3; p++) { /* least significant digit first; each pass is stable */
+        uint32_t *h = hist + p * D;
+        const int shift = p * RADIX_BITS;
+        if (h[(keys[0] >> shift) & mask] == (uint32_t)m)
+            continue; /* one digit for all keys: the pass would move nothing */
+        uint32_t total = 0;
+        for (int d = 0; d < D; d++) {
+            const uint32_t count = h[d];
+            h[d] = total;
+            total += count;
+        }
+        for (long i = 0; i < m; i++)
+            tmp[h[(keys[i] >> shift) & mask]++] = keys[i];
+        uint32_t *swap = keys;
+        keys = tmp;
+        tmp = swap;
+    }
+    for (long i = 0; i < m; i++) {
+        const uint32_t k = keys[i], u = k & sign ? k ^ sign : ~k;
+        memcpy(out + i, &u, 4);
+    }
+    free(keys < tmp ? keys : tmp);
+    return 0;
+}
+
+/* ---- the min and the per-bucket maxima ------------------------------------------------------------------------ */
+
+/* Fold v into ext = [min, max of bucket 0, ...]; 1 if v is NaN. */
+static inline INLINE int fold(float v, const float *bounds, int nb, float *ext) {
+    const int b = bucket_of(v, bounds, nb);
+    ext[1 + b] = v > ext[1 + b] ? v : ext[1 + b];
+    ext[0] = v < ext[0] ? v : ext[0];
+    return v != v;
+}
+
+/* ext (nb + 2 floats) starts at values the min and the maxima are known to reach: only values above lows[b]
+ * of their bucket b can raise its maximum, and only values below `low` can lower the min. A vectorised pass
+ * flags them (and NaN), a scalar pass folds the flagged few in; ties at those values (the zeros of a ReLU, a
+ * saturated top) are never flagged. ext[0] ends NaN where x holds a NaN. */
+static inline INLINE void bucket_extrema_s(const float *x, long n, const float *bounds, int split_bits,
+                                           const float *lows, float low, float *ext) {
+    const int nb = (1 << split_bits) - 1;
+    uint8_t flags[CHUNK];
+    int nan = 0;
+    float bound[1 << MAX_SPLIT], window[1 << MAX_SPLIT];
+    copy_table(bounds, nb, bound);
+    copy_table(lows, nb + 1, window);
+    for (long c = 0; c < n / CHUNK; c++) {
+        const float *xs = x + c * CHUNK;
+        for (int t = 0; t < CHUNK; t++) {
+            const float v = xs[t];
+            float w = window[0];
+            for (int j = 0; j < nb; j++)
+                w = pick(v >= bound[j], window[j + 1], w);
+            flags[t] = (uint8_t)((v > w) | (v < low) | (v != v));
+        }
+        for (int q = 0; q < CHUNK; q += 8) {
+            uint64_t word;
+            memcpy(&word, flags + q, 8);
+            if (!word)
+                continue;
+            for (int t = q; t < q + 8; t++)
+                if (flags[t])
+                    nan |= fold(xs[t], bounds, nb, ext);
+        }
+    }
+    for (long i = n / CHUNK * CHUNK; i < n; i++)
+        nan |= fold(x[i], bounds, nb, ext);
+    if (nan)
+        ext[0] = NAN;
+}
+
+static inline INLINE int bucket_extrema(const float *x, long n, const float *bounds, int split_bits,
+                                        const float *lows, float low, float *ext) {
+    switch (split_bits) {
+    case 1: bucket_extrema_s(x, n, bounds, 1, lows, low, ext); break;
+    case 2: bucket_extrema_s(x, n, bounds, 2, lows, low, ext); break;
+    case 3: bucket_extrema_s(x, n, bounds, 3, lows, low, ext); break;
+    case 4: bucket_extrema_s(x, n, bounds, 4, lows, low, ext); break;
+    default: return 1;
+    }
+    return 0;
+}
+
+/* ---- a small message in one call ---------------------------------------------------------------------------- */
+
+/* Sort quantization's grid of a sampled split -- the sample's sort, its boundaries, the extrema, the steps --
+ * and, where the range is finite, the codes of chunks [0, chunks): the steps of buckets.py in one call.
+ * grid: float32 (4, 2**S): rows mins, step, divisor, and the min and max of x in row 3's first two entries.
+ * sample: m floats of scratch. */
+static inline INLINE int sampled_grid(const float *x, long n, const int64_t *pos, long m, const int64_t *ranks,
+                                      int split_bits, int quant_bits, float *sample, float *grid, long chunks,
+                                      uint8_t *out) {
+    const int nb = (1 << split_bits) - 1, w = nb + 1;
+    const float steps = (float)((1 << quant_bits) - 1), half_max = 0x1p127f;
+    float bounds[1 << MAX_SPLIT], lows[(1 << MAX_SPLIT) + 1], ext[(1 << MAX_SPLIT) + 2];
+    if (split_bits < 1 || split_bits > MAX_SPLIT)
+        return 1;
+    const int rc = sort_sample(x, pos, m, sample);
+    if (rc)
+        return rc;
+    const float *s = sample;
+    lows[0] = s[0];
+    lows[nb] = s[m - 1];
+    for (int j = 0; j < nb; j++) {
+        const float bound = s[ranks[j]] + 0.0f; /* a zero as +0.0 */
+        bounds[j] = bound;
+        grid[j + 1] = bound;
+        if (j + 1 < nb)
+            lows[j + 1] = bound;
+        long a = 0, b = m; /* np.searchsorted(s, bound): the first sampled value >= bound */
+        while (a < b) {
+            const long mid = (a + b) / 2;
+            if (s[mid] < bound)
+                a = mid + 1;
+            else
+                b = mid;
+        }
+        float below = s[a > 0 ? a - 1 : 0]; /* the largest sampled value below the boundary, if any */
+        below = below < bound ? below : -INFINITY;
+        lows[j] = lows[j] > below ? lows[j] : below;
+        if (j == 0)
+            ext[1] = below;
+    }
+    ext[0] = s[0];
+    for (int j = 1; j <= nb; j++)
+        ext[1 + j] = lows[j];
+    bucket_extrema(x, n, bounds, split_bits, lows, s[0], ext);
+    grid[0] = ext[0] + 0.0f; /* the min, a zero as +0.0 */
+    grid[3 * w] = ext[0];    /* the range, for the caller's check */
+    grid[3 * w + 1] = ext[nb + 1];
+    for (int j = 0; j <= nb; j++) {
+        const float top = (ext[1 + j] > grid[j] ? ext[1 + j] : grid[j]) + 0.0f;
+        const float step = (top - grid[j]) / steps;
+        grid[w + j] = step;
+        grid[2 * w + j] = step > 0.0f ? step : 1.0f;
+    }
+    if (fabsf(ext[0]) < half_max && fabsf(ext[nb + 1]) < half_max) /* else the caller raises (NaN fails too) */
+        return encode_buckets(x, grid + 1, grid, grid + 2 * w, quant_bits, split_bits, n, 0, chunks, out);
+    return 0;
+}
+
+/* Per-tensor uniform quantization of chunks [0, n / CHUNK): meta = [lo, step], step = (hi - lo) / (2**bits -
+ * 1) in float32 as steps/grid.py computes it, and the codes. */
+static inline INLINE int uniform_message(const float *x, long n, float lo, float hi, int bits, float *meta,
+                                         uint8_t *out) {
+    const float step = (hi - lo) / (float)((1 << bits) - 1), div = step > 0.0f ? step : 1.0f;
+    meta[0] = lo;
+    meta[1] = step;
+    return encode_uniform(x, meta, &div, n, n, 0, n / CHUNK, bits, out);
+}
+
+/* The values of a one-group message of n codes (whole chunks): sort quantization's with split_bits >= 1,
+ * meta = cat(mins, step); uniform quantization's with split_bits = 0, meta = [lo, step]. */
+static inline INLINE int message_values(const uint8_t *packed, int quant_bits, int split_bits, const float *meta,
+                                        long n, float *y) {
+    if (!split_bits)
+        return decode_uniform(packed, quant_bits, meta, meta + 1, n, n, 0, n / CHUNK, y);
+    return decode_buckets(packed, quant_bits, split_bits, meta, meta + (1 << split_bits), n, 0, n / CHUNK, y);
+}
+
+/* ---- the exported entry points: 0 done, 1 not specialised for these widths, 2 out of memory ------------------ */
+
+#if VARIANTS
+#define EXPORT(name, params, args)                                                  \
+    TARGET_AVX512 static int name##_avx512 params { return name args; }             \
+    TARGET_AVX2 static int name##_avx2 params { return name args; }                 \
+    static int name##_baseline params { return name args; }                         \
+    int dgpipe_##name params { return PICK(name, args); }
+#else
+#define EXPORT(name, params, args) \
+    int dgpipe_##name params { return name args; }
+#endif
+
+EXPORT(encode_uniform, (const float *x, const float *lo, const float *div, long group_len, long n, long c0, long c1,
+                        int bits, uint8_t *out),
+       (x, lo, div, group_len, n, c0, c1, bits, out))
+EXPORT(decode_uniform, (const uint8_t *packed, int bits, const float *lo, const float *step, long group_len, long n,
+                        long c0, long c1, float *y),
+       (packed, bits, lo, step, group_len, n, c0, c1, y))
+EXPORT(encode_buckets, (const float *x, const float *bounds, const float *mins, const float *div, int quant_bits,
+                        int split_bits, long n, long c0, long c1, uint8_t *out),
+       (x, bounds, mins, div, quant_bits, split_bits, n, c0, c1, out))
+EXPORT(decode_buckets, (const uint8_t *packed, int quant_bits, int split_bits, const float *mins, const float *step,
+                        long n, long c0, long c1, float *y),
+       (packed, quant_bits, split_bits, mins, step, n, c0, c1, y))
+EXPORT(encode_levels, (const float *v, const float *mids, int bits, long n, long c0, long c1, uint8_t *out),
+       (v, mids, bits, n, c0, c1, out))
+EXPORT(decode_levels, (const uint8_t *packed, int bits, const float *table, const float *scale, long group_len,
+                       long n, long c0, long c1, float *y),
+       (packed, bits, table, scale, group_len, n, c0, c1, y))
+EXPORT(fwht, (float *y, long b, long r0, long r1, float scale), (y, b, r0, r1, scale))
+EXPORT(sort_sample, (const float *x, const int64_t *pos, long m, float *out), (x, pos, m, out))
+EXPORT(bucket_extrema, (const float *x, long n, const float *bounds, int split_bits, const float *lows, float low,
+                        float *ext),
+       (x, n, bounds, split_bits, lows, low, ext))
+EXPORT(sampled_grid, (const float *x, long n, const int64_t *pos, long m, const int64_t *ranks, int split_bits,
+                      int quant_bits, float *sample, float *grid, long chunks, uint8_t *out),
+       (x, n, pos, m, ranks, split_bits, quant_bits, sample, grid, chunks, out))
+EXPORT(uniform_message, (const float *x, long n, float lo, float hi, int bits, float *meta, uint8_t *out),
+       (x, n, lo, hi, bits, meta, out))
+EXPORT(message_values, (const uint8_t *packed, int quant_bits, int split_bits, const float *meta, long n,
+                        float *y),
+       (packed, quant_bits, split_bits, meta, n, y))
