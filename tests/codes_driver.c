@@ -6,8 +6,8 @@
  *   levels[4], scale
  * runs, on all of x: uniform_message (8 bits) and message_values; sampled_grid (6+2 bits, packed) and
  * message_values; encode_levels and decode_levels (2 bits, one scale); fwht of rows of 64; and writes to stdout:
- *   float32 meta[2], uint8 codes8[n], float32 y8[n], float32 grid[4 * 4], uint8 codes62[n], float32 y62[n],
- *   uint8 codes2[n / 4], float32 y2[n], float32 rotated[n]
+ *   float32 meta[2], uint8 codes8[n], float32 y8[n], float32 grid[4 * 4] (zeros where unused), uint8 codes62[n],
+ *   float32 y62[n], uint8 codes2[n / 4], float32 y2[n], float32 rotated[n]
  * Exit status: the kernels' return code, or 9 on short input or out of memory.
  */
 #include <stdint.h>
@@ -46,8 +46,9 @@ int main(void) {
     if (fread(h, sizeof h[0], 2, stdin) != 2)
         return 9;
     const long n = h[0], m = h[1];
-    float *x = read_n(4, n), *tail = read_n(4, 2 + 3 + 4 + 1);
+    float *x = read_n(4, n);
     int64_t *pos = read_n(8, m), *ranks = read_n(8, 3);
+    float *tail = read_n(4, 2 + 3 + 4 + 1);
     uint8_t *codes = malloc(n), *codes2 = malloc(n / 4);
     float *y = malloc(4 * n), *sample = malloc(4 * m), *rotated = malloc(4 * n), meta[2], grid[16];
     if (!x || !tail || !pos || !ranks || !codes || !codes2 || !y || !sample || !rotated)
@@ -58,6 +59,7 @@ int main(void) {
     fwrite(meta, 4, 2, stdout);
     fwrite(codes, 1, n, stdout);
     fwrite(y, 4, n, stdout);
+    memset(grid, 0, sizeof grid); /* row 3 holds the min and max in its first two entries only */
     CHECK(dgpipe_sampled_grid(x, n, pos, m, ranks, 2, 6, sample, grid, n / 4096, codes));
     CHECK(dgpipe_message_values(codes, 6, 2, grid, n, y));
     fwrite(grid, 4, 16, stdout);
