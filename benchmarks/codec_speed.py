@@ -22,7 +22,7 @@ tensor, split the sorted values into ``2**S`` equal chunks, loop in Python over 
 chunks computing min and step, round, and scatter the codes back by the sort indices;
 codes held one per byte (``uint8``, <= 8 bits) or two (``int16``), no bit-packing.
 
-Every dgpipe codec is timed twice, ``eager`` (the torch ops) and ``fused`` (the Numba
+Every dgpipe codec is timed twice, ``eager`` (the torch ops) and ``fused`` (the compiled C
 kernels of :mod:`dgpipe.compression.kernels` on CPU: same bytes, tested), side by side in the same
 rounds. With ``hivemind`` importable (``pip install hivemind==1.1.12 "numpy<2"``, best in
 a separate environment: it is not a dependency), its ``Uniform8BitQuantization`` and

@@ -7,9 +7,10 @@ interleaved rounds (``codec_speed.timed``: medians), by every candidate:
 - ``torch.compile``: inductor's vectorised C++/OpenMP code of the same arithmetic, written as one torch
   function per step and compiled for the shape (``dynamic=False``; the compile seconds are printed --
   every new shape pays them again, and inductor needs a C++ compiler at run time);
-- ``C``: :mod:`dgpipe.compression.kernels.compiled` (``codes.c``, built at install time);
-- ``Numba``: the JIT-compiled loops the C kernels replace, where they are importable
-  (:mod:`dgpipe.compression.kernels.numba_codes`, :mod:`~dgpipe.compression.kernels.numba_message`).
+- ``C``: :mod:`dgpipe.compression.kernels.compiled` (``codes.c``, built at install time).
+
+The log of 2026-11-27 (``benchmarks/results/cpu_paths/``) also has a ``Numba`` column: the JIT-compiled
+loops the C kernels replaced, timed by this script at the last commit that held them.
 
 Per step: milliseconds, each candidate against the C kernel, and whether its bytes (or decoded values,
 bit for bit) equal the eager reference's. Then whole codecs, encode + decode, with the C kernels and
@@ -25,7 +26,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -39,10 +39,6 @@ from dgpipe.compression import get_codec  # noqa: E402
 from dgpipe.compression.kernels import backend, buckets, compiled, levels, uniform  # noqa: E402
 from dgpipe.compression.kernels.fwht import fwht  # noqa: E402
 from dgpipe.compression.kernels.bitpack import CHUNK, packed_nbytes  # noqa: E402
-
-NUMBA = importlib.util.find_spec("dgpipe.compression.kernels.numba_codes") is not None
-if NUMBA:
-    from dgpipe.compression.kernels import numba_codes, numba_message
 
 TENSORS = {"25.7 MB (64x32x56x56)": (SHAPE, "relu6"), "MiniLM micro-batch (16x64x384)": ((16, 64, 384), "outliers")}
 
@@ -121,21 +117,6 @@ def tc_fwht(x):
     return y * (1.0 / b ** 0.5)
 
 
-KERNELS: dict[str, dict] = {"C": {}, "Numba": {}}
-"""A kernel cache per compiled candidate: both key their kernels alike in :func:`.backend.run`."""
-
-
-def own_kernels(name: str, fn):
-    """``fn`` run with the kernel cache of candidate ``name`` (C or Numba; others as they are)."""
-    if name not in KERNELS:
-        return fn
-
-    def run():
-        backend._kernels = KERNELS[name]
-        return fn()
-    return run
-
-
 def compile_timed(fn, *args):
     """``(compiled fn, seconds to compile it)``: torch.compile for these shapes, first call included (in this
     process: a pool of compile workers would stay behind and slow every later measurement)."""
@@ -164,7 +145,7 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
 
     def add(step: str, candidates: dict, reference):
         """Time the candidates (name -> (fn, compile seconds or None)) and one row each."""
-        measured = timed({name: own_kernels(name, fn) for name, (fn, _) in candidates.items()}, reps, inner=1)
+        measured = timed({name: fn for name, (fn, _) in candidates.items()}, reps, inner=1)
         t_c = measured["C"][0]
         for name, (_, compile_s) in candidates.items():
             t, result = measured[name]
@@ -184,8 +165,6 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
 
         cands = {"eager": (eager(lambda bits=bits, div=div: uniform.uniform_codes(flat, lo, div, bits, n)), None),
                  "torch.compile": compile_timed(tc_uniform_codes, flat, lo, div, bits), "C": (kernel(compiled), None)}
-        if NUMBA:
-            cands["Numba"] = (kernel(numba_codes), None)
         cfn, cs = cands["torch.compile"]
         cands["torch.compile"] = (lambda cfn=cfn, div=div, bits=bits: cfn(flat, lo, div, bits), cs)
         add(f"uniform codes, {bits} bits", cands, ref)
@@ -201,8 +180,6 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
                      ref, bits, n, torch.cat((lo, step)), 1, n)), None),
                  "torch.compile": (lambda cfn=cfn, ref=ref, step=step, bits=bits: cfn(ref, lo, step, bits), cs),
                  "C": (dkernel(compiled), None)}
-        if NUMBA:
-            cands["Numba"] = (dkernel(numba_codes), None)
         add(f"uniform values, {bits} bits", cands, vref)
 
     # sort quantization 6+2 on its grid
@@ -216,8 +193,6 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
     cands = {"eager": (eager(lambda: buckets.bucket_codes(flat, sgrid, 6, 2)), None),
              "torch.compile": (lambda: cfn(flat, bounds, mins, div, 6), cs),
              "C": (lambda: (compiled.encode_buckets(flat, bounds, mins, div, 6, out), out)[1], None)}
-    if NUMBA:
-        cands["Numba"] = (lambda: (numba_codes.encode_buckets(flat, bounds, mins, div, 6, out), out)[1], None)
     add("bucket codes, 6+2", cands, ref)
     vref = eager(lambda: buckets.bucket_values(ref, 6, 2, n, grid.meta))()
     y = torch.empty(n)
@@ -225,8 +200,6 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
     cands = {"eager": (eager(lambda: buckets.bucket_values(ref, 6, 2, n, grid.meta)), None),
              "torch.compile": (lambda: cfn(ref, mins, step, 6), cs),
              "C": (lambda: (compiled.decode_buckets(ref, 6, mins, step, y), y)[1], None)}
-    if NUMBA:
-        cands["Numba"] = (lambda: (numba_codes.decode_buckets(ref, 6, mins, step, y), y)[1], None)
     add("bucket values, 6+2", cands, vref)
 
     # codebook levels, 2 bits, one scale
@@ -239,8 +212,6 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
     cands = {"eager": (eager(lambda: levels.level_codes(v, table, 2)), None),
              "torch.compile": (lambda: cfn(v, mids), cs),
              "C": (lambda: (compiled.encode_levels(v, mids, 2, out), out)[1], None)}
-    if NUMBA:
-        cands["Numba"] = (lambda: (numba_codes.encode_levels(v, mids, 2, out), out)[1], None)
     add("level codes, 2 bits", cands, ref)
     scale = torch.tensor([0.75])
     vref = eager(lambda: levels.level_values(ref, 2, n, table, scale, n))()
@@ -249,8 +220,6 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
     cands = {"eager": (eager(lambda: levels.level_values(ref, 2, n, table, scale, n)), None),
              "torch.compile": (lambda: cfn(ref, table, scale), cs),
              "C": (lambda: (compiled.decode_levels(ref, 2, table, scale, n, y), y)[1], None)}
-    if NUMBA:
-        cands["Numba"] = (lambda: (numba_codes.decode_levels(ref, 2, table, scale, n, y), y)[1], None)
     add("level values, 2 bits", cands, vref)
 
     # Hadamard butterflies of 512-wide rows
@@ -259,8 +228,6 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
     cfn, cs = compile_timed(tc_fwht, rows512)
     cands = {"eager": (eager(lambda: fwht(rows512)), None), "torch.compile": (lambda: cfn(rows512), cs),
              "C": (lambda: compiled.fwht(rows512), None)}
-    if NUMBA:
-        cands["Numba"] = (lambda: numba_codes.fwht(rows512), None)
     add("Hadamard butterflies, rows of 512", cands, ref)
 
     # sort quantization's sample sort and its extrema pass
@@ -268,17 +235,12 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
     positions = buckets._cpu_sample_positions(n, 16384)
     ref = np.sort(xs[positions])
     cands = {"eager": (lambda: np.sort(xs[positions]), None), "C": (lambda: compiled.sort_sample(xs, positions), None)}
-    if NUMBA:
-        cands["Numba"] = (lambda: numba_message.sort_sample(xs, positions), None)
     add("sort of a 16k sample (eager: numpy)", cands, torch.from_numpy(ref))
     bnd = ref[[4096, 8192, 12288]] + np.float32(0)
     below = ref[np.maximum(np.searchsorted(ref, bnd) - 1, 0)]
     below = np.where(below < bnd, below, np.float32(-np.inf))
     cands = {"C": (lambda: torch.from_numpy(compiled.bucket_extrema(xs, bnd, below, ref[0], ref[-1])[1]), None)}
-    if NUMBA:
-        cands["Numba"] = (lambda: torch.from_numpy(numba_message.bucket_extrema(xs, bnd, below, ref[0], ref[-1])[1]),
-                          None)
-    add("min and bucket maxima, 4 buckets (against C's)", cands, own_kernels("C", cands["C"][0])())
+    add("min and bucket maxima, 4 buckets (against C's)", cands, cands["C"][0]())
     return rows
 
 
@@ -319,8 +281,7 @@ def main() -> None:
     if not compiled.available():
         sys.exit(backend.MISSING)
     torch.set_num_threads(args.threads)
-    lines = [f"torch {torch.__version__}, {args.threads} thread(s), medians of {args.reps} interleaved rounds; "
-             f"Numba {'present' if NUMBA else 'absent'}", ""]
+    lines = [f"torch {torch.__version__}, {args.threads} thread(s), medians of {args.reps} interleaved rounds", ""]
     rows, fails = codec_rows(args.reps)  # first: before torch.compile has run in this process
     lines += ["### Whole codecs, encode + decode", "",
               "| tensor | codec | ms, C | ms, eager | x clone | x quant 8 | same bytes |",
