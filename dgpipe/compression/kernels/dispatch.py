@@ -38,14 +38,16 @@ def triton_takes(t: torch.Tensor) -> bool:
     return triton_codes.available(t)
 
 
-def choose(t: torch.Tensor, n: int | None = None) -> str:
+def choose(t: torch.Tensor, n: int | None = None, least: int = MIN_VALUES) -> str:
     """The backend of a step on ``t``: ``"triton"``, ``"c"`` or ``"torch"`` (module docstring).
 
     Args:
         t: the step's main tensor (its values, or its packed code stream).
         n: the number of values when ``t`` is a code stream (default ``t.numel()``).
+        least: the fewest values a compiled backend takes (:data:`.backend.MIN_VALUES`; the row kernels,
+            one call per message, take any size).
     """
-    if (t.numel() if n is None else n) < MIN_VALUES or not enabled():
+    if (t.numel() if n is None else n) < least or not enabled():
         return "torch"
     if triton_takes(t):
         return "triton"

@@ -48,7 +48,7 @@ import torch
 
 from . import backend
 from .backend import parts
-from .dispatch import triton_takes
+from .dispatch import choose
 from .bitpack import CHUNK, packed_nbytes
 
 __all__ = ["MAX_BITS", "META_DTYPES", "SIGNATURES", "available", "applies", "decode_rows", "encode_rows",
@@ -100,15 +100,10 @@ def _meta_format(meta_dtype: torch.dtype) -> tuple[int, int, float]:
 
 def applies(bits: int, t: torch.Tensor, meta_dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernels take codes of ``bits`` bits on ``t``'s device with scales in ``meta_dtype``:
-    kernels on, the extension built, a CPU tensor that the Triton kernels do not take
-    (:func:`.dispatch.triton_takes`: the tests' interpreter mode), ``bits <= MAX_BITS``, a dtype of
-    :data:`META_DTYPES` (where all else holds but the extension is missing: :data:`.backend.MISSING`, once).
-    Any size: one compiled call costs less than the dozen torch calls of the
-    steps even on a small message."""
-    if not (backend.enabled() and t.is_cpu and bits <= MAX_BITS and meta_dtype in META_DTYPES
-            and not triton_takes(t)):
-        return False
-    return available()
+    the C backend for ``t`` (:func:`.dispatch.choose`, at any size: one compiled call costs less than the
+    dozen torch calls of the steps even on a small message), the extension built (else
+    :data:`.backend.MISSING`, once), ``bits <= MAX_BITS``, a dtype of :data:`META_DTYPES`."""
+    return bits <= MAX_BITS and meta_dtype in META_DTYPES and choose(t, least=1) == "c" and available()
 
 
 def _encode(*args) -> None:
