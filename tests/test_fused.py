@@ -383,6 +383,7 @@ def test_message_values_refuses_buffers_of_another_size():
         compiled.message_values(good, 6, 2, meta[:6], n)
 
 
+@needs_c
 def test_stochastic_rounding_stays_eager(monkeypatch):
     """Stochastic rounding draws from torch's generator: no fused kernel is asked for it."""
     calls, sampled_grid = [], compiled.sampled_grid
