@@ -130,15 +130,26 @@ static inline INLINE void unpack_chunk(const uint8_t *packed, int bits, long n, 
     }
 }
 
-/* A body specialised on its code width: `BODY(bits)` for bits 1..16 (a constant in each case). */
-#define EACH_WIDTH(bits, BODY)                                                                              \
+/* pack_chunk / unpack_chunk with the width a constant in each case (bits 1..16: checked by the entry points). */
+#define EACH_WIDTH(bits, CALL)                                                                              \
     switch (bits) {                                                                                         \
-    case 1: BODY(1); break;   case 2: BODY(2); break;   case 3: BODY(3); break;   case 4: BODY(4); break;   \
-    case 5: BODY(5); break;   case 6: BODY(6); break;   case 7: BODY(7); break;   case 8: BODY(8); break;   \
-    case 9: BODY(9); break;   case 10: BODY(10); break; case 11: BODY(11); break; case 12: BODY(12); break; \
-    case 13: BODY(13); break; case 14: BODY(14); break; case 15: BODY(15); break; case 16: BODY(16); break; \
-    default: return 1;                                                                                      \
+    case 1: CALL(1); break;   case 2: CALL(2); break;   case 3: CALL(3); break;   case 4: CALL(4); break;   \
+    case 5: CALL(5); break;   case 6: CALL(6); break;   case 7: CALL(7); break;   case 8: CALL(8); break;   \
+    case 9: CALL(9); break;   case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break; \
+    case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); break; \
     }
+
+static inline INLINE void pack_any(const uint16_t *codes, int bits, uint8_t *out, long n, long c) {
+#define CALL(b) pack_chunk(codes, b, out, n, c)
+    EACH_WIDTH(bits, CALL)
+#undef CALL
+}
+
+static inline INLINE void unpack_any(const uint8_t *packed, int bits, long n, long c, uint16_t *codes) {
+#define CALL(b) unpack_chunk(packed, b, n, c, codes)
+    EACH_WIDTH(bits, CALL)
+#undef CALL
+}
 
 /* ---- uniform grids, per run of group_len values ---------------------------------------------------- */
 
@@ -151,9 +162,11 @@ static inline INLINE void grid_codes(const float *x, float a, float d, float top
     }
 }
 
-static inline INLINE void encode_uniform_w(const float *x, const float *lo, const float *div, long group_len,
-                                           long n, long c0, long c1, int bits, uint8_t *out) {
+static inline INLINE int encode_uniform(const float *x, const float *lo, const float *div, long group_len, long n,
+                                        long c0, long c1, int bits, uint8_t *out) {
     uint16_t codes[CHUNK];
+    if (bits < 1 || bits > 16)
+        return 1;
     const float top = (float)((1 << bits) - 1);
     for (long c = c0; c < c1; c++) {
         const long i0 = c * CHUNK;
@@ -163,23 +176,18 @@ static inline INLINE void encode_uniform_w(const float *x, const float *lo, cons
             grid_codes(x + i0, lo[grp], div[grp], top, t, stop, codes);
             t = stop;
         }
-        pack_chunk(codes, bits, out, n, c);
+        pack_any(codes, bits, out, n, c);
     }
-}
-
-static inline INLINE int encode_uniform(const float *x, const float *lo, const float *div, long group_len, long n,
-                                        long c0, long c1, int bits, uint8_t *out) {
-#define BODY(b) encode_uniform_w(x, lo, div, group_len, n, c0, c1, b, out)
-    EACH_WIDTH(bits, BODY)
-#undef BODY
     return 0;
 }
 
-static inline INLINE void decode_uniform_w(const uint8_t *packed, int bits, const float *lo, const float *step,
-                                           long group_len, long n, long c0, long c1, float *y) {
+static inline INLINE int decode_uniform(const uint8_t *packed, int bits, const float *lo, const float *step,
+                                        long group_len, long n, long c0, long c1, float *y) {
     uint16_t codes[CHUNK];
+    if (bits < 1 || bits > 16)
+        return 1;
     for (long c = c0; c < c1; c++) {
-        unpack_chunk(packed, bits, n, c, codes);
+        unpack_any(packed, bits, n, c, codes);
         const long i0 = c * CHUNK;
         for (int t = 0; t < CHUNK;) {
             const long grp = (i0 + t) / group_len;
@@ -190,26 +198,16 @@ static inline INLINE void decode_uniform_w(const uint8_t *packed, int bits, cons
             t = stop;
         }
     }
-}
-
-static inline INLINE int decode_uniform(const uint8_t *packed, int bits, const float *lo, const float *step,
-                                        long group_len, long n, long c0, long c1, float *y) {
-#define BODY(b) decode_uniform_w(packed, b, lo, step, group_len, n, c0, c1, y)
-    EACH_WIDTH(bits, BODY)
-#undef BODY
     return 0;
 }
 
 /* ---- sort quantization's buckets ---------------------------------------------------------------------- */
 
-/* A body specialised on split bits and code width: `BODY(bits, s)` for s 1..4 and bits 1..16 (constants). */
-#define EACH_SPLIT(bits, s, BODY)                    \
-    switch (s) {                                     \
-    case 1: { EACH_WIDTH(bits, BODY##_1) } break;    \
-    case 2: { EACH_WIDTH(bits, BODY##_2) } break;    \
-    case 3: { EACH_WIDTH(bits, BODY##_3) } break;    \
-    case 4: { EACH_WIDTH(bits, BODY##_4) } break;    \
-    default: return 1;                               \
+/* A body specialised on the split bits: `BODY(s)` for s 1..4 (a constant in each case). */
+#define EACH_SPLIT(split_bits, BODY)                                                                         \
+    switch (split_bits) {                                                                                    \
+    case 1: BODY(1); break;  case 2: BODY(2); break;  case 3: BODY(3); break;  case 4: BODY(4); break;      \
+    default: return 1;                                                                                       \
     }
 
 /* The bucket of v: how many of the nb non-decreasing boundaries are <= v. */
@@ -246,18 +244,16 @@ static inline INLINE void encode_buckets_w(const float *x, const float *bounds, 
             q = q > 0.0f ? q : 0.0f;
             codes[t] = (uint16_t)((int)(q < top ? q : top) + (b << quant_bits));
         }
-        pack_chunk(codes, quant_bits + split_bits, out, n, c);
+        pack_any(codes, quant_bits + split_bits, out, n, c);
     }
 }
 
 static inline INLINE int encode_buckets(const float *x, const float *bounds, const float *mins, const float *div,
                                         int quant_bits, int split_bits, long n, long c0, long c1, uint8_t *out) {
-#define BODY(b, s) encode_buckets_w(x, bounds, mins, div, b - s, s, n, c0, c1, out)
-#define BODY_1(b) BODY(b, 1)
-#define BODY_2(b) BODY(b, 2)
-#define BODY_3(b) BODY(b, 3)
-#define BODY_4(b) BODY(b, 4)
-    EACH_SPLIT(quant_bits + split_bits, split_bits, BODY)
+    if (quant_bits < 1 || quant_bits + split_bits > 16)
+        return 1;
+#define BODY(s) encode_buckets_w(x, bounds, mins, div, quant_bits, s, n, c0, c1, out)
+    EACH_SPLIT(split_bits, BODY)
 #undef BODY
     return 0;
 }
@@ -270,7 +266,7 @@ static inline INLINE void decode_buckets_w(const uint8_t *packed, int quant_bits
     copy_table(mins, nb, min);
     copy_table(step, nb, st);
     for (long c = c0; c < c1; c++) {
-        unpack_chunk(packed, quant_bits + split_bits, n, c, codes);
+        unpack_any(packed, quant_bits + split_bits, n, c, codes);
         float *ys = y + c * CHUNK;
         for (int t = 0; t < CHUNK; t++) {
             const int32_t code = codes[t], b = code >> quant_bits;
@@ -286,13 +282,11 @@ static inline INLINE void decode_buckets_w(const uint8_t *packed, int quant_bits
 
 static inline INLINE int decode_buckets(const uint8_t *packed, int quant_bits, int split_bits, const float *mins,
                                         const float *step, long n, long c0, long c1, float *y) {
-#define BODY(b, s) decode_buckets_w(packed, b - s, s, mins, step, n, c0, c1, y)
-    EACH_SPLIT(quant_bits + split_bits, split_bits, BODY)
+    if (quant_bits < 1 || quant_bits + split_bits > 16)
+        return 1;
+#define BODY(s) decode_buckets_w(packed, quant_bits, s, mins, step, n, c0, c1, y)
+    EACH_SPLIT(split_bits, BODY)
 #undef BODY
-#undef BODY_1
-#undef BODY_2
-#undef BODY_3
-#undef BODY_4
     return 0;
 }
 
