@@ -12,7 +12,7 @@ reference.
 
 Failures: a compiled kernel is identified by a key (its name and the constants it is
 specialised on, e.g. ``("encode_uniform", 6)``). If one fails to build or run -- Triton
-missing, a typing or LLVM error, a launch error -- :func:`run` issues one
+missing, a Triton compile or launch error, a C kernel that returns an error -- :func:`run` issues one
 ``RuntimeWarning`` naming it, the step falls back to the reference for that call, and
 that kernel alone stays off for the rest of the process (:func:`failed_kernels`); every
 other kernel keeps running.
