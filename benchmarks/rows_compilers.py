@@ -20,7 +20,6 @@ tensor are bit-identical to the installed build's.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import platform
 import shutil
@@ -71,8 +70,7 @@ CODECS = {
 
 def open_libraries(paths: dict[str, Path]) -> dict:
     """The two libraries of one build, loaded with their ctypes signatures (by extension name)."""
-    return {"_codes": backend.typed(ctypes.CDLL(str(paths["_codes"])), compiled.SIGNATURES),
-            "_rows": rows.open_library(str(paths["_rows"]))}
+    return {"_codes": compiled.open_library(str(paths["_codes"])), "_rows": rows.open_library(str(paths["_rows"]))}
 
 
 def main() -> int:

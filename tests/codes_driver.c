@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "driver_io.h"
+
 int dgpipe_uniform_message(const float *x, long n, float lo, float hi, int bits, float *meta, uint8_t *out);
 int dgpipe_message_values(const uint8_t *packed, int quant_bits, int split_bits, const float *meta, long n,
                           float *y);
@@ -24,15 +26,6 @@ int dgpipe_encode_levels(const float *v, const float *mids, int bits, long n, lo
 int dgpipe_decode_levels(const uint8_t *packed, int bits, const float *table, const float *scale, long group_len,
                          long n, long c0, long c1, float *y);
 int dgpipe_fwht(float *y, long b, long r0, long r1, float scale);
-
-static void *read_n(size_t size, size_t count) {
-    void *p = malloc(size * count + 1);
-    if (p && fread(p, size, count, stdin) != count) {
-        free(p);
-        return NULL;
-    }
-    return p;
-}
 
 #define CHECK(call)          \
     do {                     \

@@ -12,21 +12,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "driver_io.h"
+
 int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
                        float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
                        long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail);
 int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                        long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
                        long full, long r0, long r1, float *out);
-
-static void *read_n(size_t size, size_t count) {
-    void *p = malloc(size * count + 1);
-    if (p && fread(p, size, count, stdin) != count) {
-        free(p);
-        return NULL;
-    }
-    return p;
-}
 
 int main(void) {
     int64_t h[9];

@@ -10,7 +10,6 @@ default compiler's build is the installed extension, which ``test_fused.py`` che
 
 from __future__ import annotations
 
-import ctypes
 import math
 import platform
 import shutil
@@ -53,8 +52,7 @@ def built(request, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_codes_built_by_each_compiler_equal_the_steps(built, eager_and_fused, monkeypatch):  # noqa: F811
-    monkeypatch.setitem(backend._libraries, "_codes", backend.typed(ctypes.CDLL(str(built["_codes"])),
-                                                                    compiled.SIGNATURES))
+    monkeypatch.setitem(backend._libraries, "_codes", compiled.open_library(str(built["_codes"])))
     monkeypatch.setattr(backend, "MIN_CHUNKS_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(backend, "_kernels", {})  # the kernels of this library alone
@@ -89,18 +87,24 @@ CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
 SHAPES = ((33, 384, 384, 128, True), (70, 50, 64, 64, True), (300, 16, 16, 16, False))
 
 
-@pytest.fixture(scope="module")
-def aarch64_driver(tmp_path_factory) -> Path:
-    """``tests/rows_driver.c`` with ``rows.c``, cross-compiled for aarch64 (static, ``setup.py``'s flags)."""
+def cross_build(tmp_path_factory, kernel: str, flags: list[str]) -> Path:
+    """``tests/<kernel>_driver.c`` with ``dgpipe/compression/kernels/<kernel>.c``, cross-compiled for aarch64
+    (static, with ``flags``: ``setup.py``'s for that file); the executable. Skips where a tool is missing."""
     missing = [tool for tool in CROSS if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
-    out = tmp_path_factory.mktemp("aarch64") / "rows_driver"
-    proc = subprocess.run([CROSS[0], "-O3", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi", "-static",
-                           str(ROOT / "dgpipe/compression/kernels/rows.c"), str(ROOT / "tests/rows_driver.c"), "-lm",
-                           "-o", str(out)], capture_output=True, text=True)
+    out = tmp_path_factory.mktemp("aarch64") / f"{kernel}_driver"
+    proc = subprocess.run([CROSS[0], *flags, "-static", str(ROOT / f"dgpipe/compression/kernels/{kernel}.c"),
+                           str(ROOT / f"tests/{kernel}_driver.c"), "-lm", "-o", str(out)],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, f"the aarch64 build failed:\n{proc.stderr[-4000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def aarch64_driver(tmp_path_factory) -> Path:
+    """``tests/rows_driver.c`` with ``rows.c``, cross-compiled for aarch64."""
+    return cross_build(tmp_path_factory, "rows", ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"])
 
 
 @needs_c
@@ -139,16 +143,8 @@ def test_rows_on_aarch64_equal_the_installed_build(aarch64_driver, monkeypatch, 
 
 @pytest.fixture(scope="module")
 def aarch64_codes_driver(tmp_path_factory) -> Path:
-    """``tests/codes_driver.c`` with ``codes.c``, cross-compiled for aarch64 (static, ``setup.py``'s flags)."""
-    missing = [tool for tool in CROSS if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
-    out = tmp_path_factory.mktemp("aarch64") / "codes_driver"
-    proc = subprocess.run([CROSS[0], "-O3", "-ffp-contract=off", "-fno-math-errno", "-static",
-                           str(ROOT / "dgpipe/compression/kernels/codes.c"), str(ROOT / "tests/codes_driver.c"), "-lm",
-                           "-o", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0, f"the aarch64 build failed:\n{proc.stderr[-4000:]}"
-    return out
+    """``tests/codes_driver.c`` with ``codes.c``, cross-compiled for aarch64."""
+    return cross_build(tmp_path_factory, "codes", ["-O3", "-ffp-contract=off", "-fno-math-errno"])
 
 
 @needs_c

@@ -46,9 +46,9 @@ from .backend import MIN_VALUES, parts
 from .bitpack import CHUNK, packed_nbytes
 
 __all__ = [
-    "MAX_SPLIT_BITS", "MAX_LEVEL_BITS", "MIN_SORT_VALUES", "available", "encode_uniform", "decode_uniform",
-    "encode_buckets", "decode_buckets", "encode_levels", "decode_levels", "fwht", "sort_sample", "bucket_extrema",
-    "sampled_grid", "one_call", "uniform_message", "message_values",
+    "MAX_SPLIT_BITS", "MAX_LEVEL_BITS", "MIN_SORT_VALUES", "SIGNATURES", "open_library", "available",
+    "encode_uniform", "decode_uniform", "encode_buckets", "decode_buckets", "encode_levels", "decode_levels", "fwht",
+    "sort_sample", "bucket_extrema", "sampled_grid", "one_call", "uniform_message", "message_values",
 ]
 
 MAX_SPLIT_BITS = 4
@@ -83,13 +83,22 @@ SIGNATURES = {
 for the widths asked, 2 out of memory)."""
 
 
+def open_library(path: str) -> ctypes.CDLL:
+    """The kernels of the shared library at ``path`` (built from ``codes.c``), with their ctypes signatures.
+
+    Raises:
+        OSError: ``path`` is not a loadable library.
+    """
+    return backend.typed(ctypes.CDLL(path), SIGNATURES)
+
+
 def available() -> bool:
     """Whether the extension ``_codes`` was built (:func:`.backend.library`; the notice where not)."""
     return backend.library("_codes", SIGNATURES) is not None
 
 
 def _kernel(name: str):
-    """A ``build`` for :func:`.backend.run`: the C function ``dgpipe_<name>``, raising where it returns non-zero."""
+    """The C function ``dgpipe_<name>`` as a kernel of :func:`.backend.run`: raises where it returns non-zero."""
     fn = getattr(backend.library("_codes", SIGNATURES), "dgpipe_" + name)
 
     def call(*args) -> None:
@@ -97,12 +106,12 @@ def _kernel(name: str):
         if rc:
             raise (MemoryError if rc == 2 else ValueError)(f"dgpipe_{name} returned {rc}")
 
-    return lambda: call
+    return call
 
 
 def _run(name: str, key: tuple, calls: list[tuple]) -> bool:
-    """Run ``dgpipe_<name>`` on each argument tuple of ``calls`` (:func:`.backend.run`)."""
-    return available() and backend.run((name, *key), _kernel(name), calls)
+    """Run ``dgpipe_<name>`` on each argument tuple of ``calls`` (:func:`.backend.run`, which builds it once)."""
+    return available() and backend.run((name, *key), lambda: _kernel(name), calls)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
