@@ -5,7 +5,8 @@
  *   int64 n (a multiple of 4096), m; float32 x[n]; int64 positions[m], ranks[3]; float32 lo, hi, mids[3],
  *   levels[4], scale
  * runs, on all of x: uniform_message (8 bits) and message_values; sampled_grid (6+2 bits, packed) and
- * message_values; encode_levels and decode_levels (2 bits, one scale); fwht of rows of 64; and writes to stdout:
+ * message_values; encode_levels and decode_levels (2 bits, one scale); fwht of rows of 64 -- the last three in
+ * three parts, on the calling thread (no OpenMP runtime is handed to the library); and writes to stdout:
  *   float32 meta[2], uint8 codes8[n], float32 y8[n], float32 grid[4 * 4] (zeros where unused), uint8 codes62[n],
  *   float32 y62[n], uint8 codes2[n / 4], float32 y2[n], float32 rotated[n]
  * Exit status: the kernels' return code, or 9 on short input or out of memory.
@@ -22,10 +23,11 @@ int dgpipe_message_values(const uint8_t *packed, int quant_bits, int split_bits,
                           float *y);
 int dgpipe_sampled_grid(const float *x, long n, const int64_t *pos, long m, const int64_t *ranks, int split_bits,
                         int quant_bits, float *sample, float *grid, long chunks, uint8_t *out);
-int dgpipe_encode_levels(const float *v, const float *mids, int bits, long n, long c0, long c1, uint8_t *out);
+int dgpipe_encode_levels(const float *v, const float *mids, int bits, long n, uint8_t *out, long c0, long c1,
+                         long parts, int threads);
 int dgpipe_decode_levels(const uint8_t *packed, int bits, const float *table, const float *scale, long group_len,
-                         long n, long c0, long c1, float *y);
-int dgpipe_fwht(float *y, long b, long r0, long r1, float scale);
+                         long n, float *y, long c0, long c1, long parts, int threads);
+int dgpipe_fwht(float *y, long b, float scale, long r0, long r1, long parts, int threads);
 
 #define CHECK(call)          \
     do {                     \
@@ -58,12 +60,12 @@ int main(void) {
     fwrite(grid, 4, 16, stdout);
     fwrite(codes, 1, n, stdout);
     fwrite(y, 4, n, stdout);
-    CHECK(dgpipe_encode_levels(x, mids, 2, n, 0, n / 4096, codes2));
-    CHECK(dgpipe_decode_levels(codes2, 2, levels, scale, n, n, 0, n / 4096, y));
+    CHECK(dgpipe_encode_levels(x, mids, 2, n, codes2, 0, n / 4096, 3, 1));
+    CHECK(dgpipe_decode_levels(codes2, 2, levels, scale, n, n, y, 0, n / 4096, 3, 1));
     fwrite(codes2, 1, n / 4, stdout);
     fwrite(y, 4, n, stdout);
     memcpy(rotated, x, 4 * n);
-    CHECK(dgpipe_fwht(rotated, 64, 0, n / 64, 0.125f));
+    CHECK(dgpipe_fwht(rotated, 64, 0.125f, 0, n / 64, 3, 1));
     fwrite(rotated, 4, n, stdout);
     return 0;
 }

@@ -4,7 +4,8 @@
  * qemu-user. Reads from stdin, in the machine's byte order:
  *   int64 rows, d, width, block, bits, mant, emin, packed_bytes, has_signs; float64 top; float32 inv_sqrt;
  *   float32 x[rows * d], signs[d] (if has_signs), mids[2**bits - 1], levels[2**bits]
- * encodes all rows in one call, decodes them from its own output, and writes to stdout:
+ * encodes all rows in one call, decodes them from its own output (each in three parts, on the calling thread),
+ * and writes to stdout:
  *   uint8 packed[packed_bytes], float32 scales[rows], uint8 tail[rows * width % 4096], float32 y[rows * d]
  * Exit status: the kernels' return code, or 9 on short input or out of memory.
  */
@@ -15,11 +16,11 @@
 #include "driver_io.h"
 
 int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
-                       float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
-                       long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail);
+                       float inv_sqrt, const float *mids, int bits, int mant, int emin, double top, long full,
+                       uint8_t *out, float *scales, uint8_t *tail, long parts, int threads);
 int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
                        long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
-                       long full, long r0, long r1, float *out);
+                       long full, float *out, long r0, long r1, long parts, int threads);
 
 int main(void) {
     int64_t h[9];
@@ -37,10 +38,11 @@ int main(void) {
     if (!x || (h[8] && !signs) || !mids || !levels || !packed || !tail || !scales || !y)
         return 9;
     int rc = dgpipe_encode_rows(x, signs, rows, d, width, block, inv_sqrt, mids, bits, (int)h[5], (int)h[6], top,
-                                0, n, full, packed, scales, tail);
+                                full, packed, scales, tail, 3, 1);
     if (rc)
         return rc;
-    rc = dgpipe_decode_rows(packed, bits, levels, scales, d, width, block, inv_sqrt, signs, tail, full, 0, rows, y);
+    rc = dgpipe_decode_rows(packed, bits, levels, scales, d, width, block, inv_sqrt, signs, tail, full, y, 0, rows, 3,
+                            1);
     if (rc)
         return rc;
     fwrite(packed, 1, h[7], stdout);

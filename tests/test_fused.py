@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -407,44 +408,48 @@ def test_stochastic_rounding_stays_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_parts_cover_the_chunks(monkeypatch, threads):
-    """The runs a kernel is cut into: disjoint, in order, covering every chunk; one on one thread, else up
-    to PARTS_PER_THREAD per thread, none under MIN_CHUNKS_PER_THREAD chunks."""
+def test_team_cuts_the_units(monkeypatch, threads):
+    """team(): one part on one thread, else up to PARTS_PER_THREAD parts per thread, none under
+    MIN_CHUNKS_PER_THREAD units, and never more threads than torch's."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     least = backend.MIN_CHUNKS_PER_THREAD
-    for chunks in (0, 1, least - 1, least, 2 * least, 5 * least + 3, 1000 * least):
-        runs = backend.parts(chunks)
-        assert runs[0][0] == 0 and runs[-1][1] == chunks
-        assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-        if threads == 1 or chunks < 2 * least:
-            assert len(runs) == 1
+    for units in (0, 1, least - 1, least, 2 * least, 5 * least + 3, 1000 * least):
+        parts, t = backend.team(units)
+        assert 1 <= t <= threads
+        if threads == 1 or units < 2 * least:
+            assert (parts, t) == (1, 1)
         else:
-            assert 1 < len(runs) <= threads * backend.PARTS_PER_THREAD
-            assert all(c1 - c0 >= least for c0, c1 in runs)
+            assert 1 < parts <= t * backend.PARTS_PER_THREAD and units // parts >= least
 
 
-def test_run_hands_every_call_out_once(monkeypatch):
-    """run(): the calls are taken in turn by the calling thread and the pool's; each runs exactly once, and
-    the calls left while one thread is held up go to the others."""
-    import threading
+THREAD_COUNT = """
+import os, sys, torch
+from dgpipe.compression import get_codec
+from dgpipe.compression.kernels import backend
+torch.set_num_threads(2)
+x = torch.rand(256 * 4096)
+(x * 2).sum()  # torch's OpenMP team exists from here on
+before = len(os.listdir("/proc/self/task"))
+codec = get_codec("quant", bits=8)
+payload = codec.encode(x)
+codec.decode(payload)
+assert ("encode_uniform", 8) in backend._kernels, "the compiled kernel did not run"
+print(int(backend.openmp_runtime() is not None), *backend.team(256), before, len(os.listdir("/proc/self/task")))
+"""
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    lock, rest_done = threading.Lock(), threading.Event()
-    done, who = [], {}
 
-    def kernel(i: int) -> None:
-        if i == 0:  # the first call handed out holds its thread until the others have run the rest
-            assert rest_done.wait(60), "the other threads did not take the remaining calls"
-        with lock:
-            done.append(i)
-            who[i] = threading.get_ident()
-            if len(done) == 11 and 0 not in done:
-                rest_done.set()
-
-    assert backend.run(("test_queue",), lambda: kernel, [(i,) for i in range(12)])
-    assert sorted(done) == list(range(12))
-    assert who[0] not in {who[i] for i in range(1, 12)}
-    assert len(set(who.values())) >= 2
+@needs_c
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+@pytest.mark.skipif("parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+                    reason="torch runs no OpenMP runtime here")
+def test_kernels_run_on_torchs_threads():
+    """A fresh process with two torch threads finds torch's OpenMP runtime, cuts the 1M-value encode for two
+    threads, and runs it without starting a thread of its own: the parts go to torch's OpenMP workers."""
+    out = subprocess.run([sys.executable, "-c", THREAD_COUNT], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    found, parts, threads, before, after = map(int, out.stdout.split())
+    assert found == 1 and (parts, threads) == (8, 2) and after == before, out.stdout
 
 
 @needs_c

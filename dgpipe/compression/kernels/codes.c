@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
 #include "variants.h"
 
 #define CHUNK 4096      /* codes per chunk of the packed layout (bitpack.CHUNK) */
@@ -163,7 +164,7 @@ static inline INLINE void grid_codes(const float *x, float a, float d, float top
 }
 
 static inline INLINE int encode_uniform(const float *x, const float *lo, const float *div, long group_len, long n,
-                                        long c0, long c1, int bits, uint8_t *out) {
+                                        int bits, uint8_t *out, long c0, long c1) {
     uint16_t codes[CHUNK];
     if (bits < 1 || bits > 16)
         return 1;
@@ -182,7 +183,7 @@ static inline INLINE int encode_uniform(const float *x, const float *lo, const f
 }
 
 static inline INLINE int decode_uniform(const uint8_t *packed, int bits, const float *lo, const float *step,
-                                        long group_len, long n, long c0, long c1, float *y) {
+                                        long group_len, long n, float *y, long c0, long c1) {
     uint16_t codes[CHUNK];
     if (bits < 1 || bits > 16)
         return 1;
@@ -249,7 +250,7 @@ static inline INLINE void encode_buckets_w(const float *x, const float *bounds, 
 }
 
 static inline INLINE int encode_buckets(const float *x, const float *bounds, const float *mins, const float *div,
-                                        int quant_bits, int split_bits, long n, long c0, long c1, uint8_t *out) {
+                                        int quant_bits, int split_bits, long n, uint8_t *out, long c0, long c1) {
     if (quant_bits < 1 || quant_bits + split_bits > 16)
         return 1;
 #define BODY(s) encode_buckets_w(x, bounds, mins, div, quant_bits, s, n, c0, c1, out)
@@ -281,7 +282,7 @@ static inline INLINE void decode_buckets_w(const uint8_t *packed, int quant_bits
 }
 
 static inline INLINE int decode_buckets(const uint8_t *packed, int quant_bits, int split_bits, const float *mins,
-                                        const float *step, long n, long c0, long c1, float *y) {
+                                        const float *step, long n, float *y, long c0, long c1) {
     if (quant_bits < 1 || quant_bits + split_bits > 16)
         return 1;
 #define BODY(s) decode_buckets_w(packed, quant_bits, s, mins, step, n, c0, c1, y)
@@ -310,8 +311,8 @@ static inline INLINE void encode_levels_w(const float *v, const float *mids, int
     }
 }
 
-static inline INLINE int encode_levels(const float *v, const float *mids, int bits, long n, long c0, long c1,
-                                       uint8_t *out) {
+static inline INLINE int encode_levels(const float *v, const float *mids, int bits, long n, uint8_t *out, long c0,
+                                       long c1) {
     switch (bits) {
     case 1: encode_levels_w(v, mids, 1, n, c0, c1, out); break;
     case 2: encode_levels_w(v, mids, 2, n, c0, c1, out); break;
@@ -347,7 +348,7 @@ static inline INLINE void decode_levels_w(const uint8_t *packed, int bits, const
 }
 
 static inline INLINE int decode_levels(const uint8_t *packed, int bits, const float *table, const float *scale,
-                                       long group_len, long n, long c0, long c1, float *y) {
+                                       long group_len, long n, float *y, long c0, long c1) {
     switch (bits) {
     case 1: decode_levels_w(packed, 1, table, scale, group_len, n, c0, c1, y); break;
     case 2: decode_levels_w(packed, 2, table, scale, group_len, n, c0, c1, y); break;
@@ -361,7 +362,7 @@ static inline INLINE int decode_levels(const uint8_t *packed, int bits, const fl
 /* ---- the Walsh-Hadamard transform ------------------------------------------------------------------------ */
 
 /* In place, rows [r0, r1) of b values: the butterflies of fwht.py in the same order, then the factor. */
-static inline INLINE int fwht(float *y, long b, long r0, long r1, float scale) {
+static inline INLINE int fwht(float *y, long b, float scale, long r0, long r1) {
     for (long r = r0; r < r1; r++) {
         float *row = y + r * b;
         for (long h = 1; h < b; h *= 2)
@@ -536,7 +537,7 @@ static inline INLINE int sampled_grid(const float *x, long n, const int64_t *pos
         grid[2 * w + j] = step > 0.0f ? step : 1.0f;
     }
     if (fabsf(ext[0]) < half_max && fabsf(ext[nb + 1]) < half_max) /* else the caller raises (NaN fails too) */
-        return encode_buckets(x, grid + 1, grid, grid + 2 * w, quant_bits, split_bits, n, 0, chunks, out);
+        return encode_buckets(x, grid + 1, grid, grid + 2 * w, quant_bits, split_bits, n, out, 0, chunks);
     return 0;
 }
 
@@ -547,7 +548,7 @@ static inline INLINE int uniform_message(const float *x, long n, float lo, float
     const float step = (hi - lo) / (float)((1 << bits) - 1), div = step > 0.0f ? step : 1.0f;
     meta[0] = lo;
     meta[1] = step;
-    return encode_uniform(x, meta, &div, n, n, 0, n / CHUNK, bits, out);
+    return encode_uniform(x, meta, &div, n, n, bits, out, 0, n / CHUNK);
 }
 
 /* The values of a one-group message of n codes (whole chunks): sort quantization's with split_bits >= 1,
@@ -555,45 +556,79 @@ static inline INLINE int uniform_message(const float *x, long n, float lo, float
 static inline INLINE int message_values(const uint8_t *packed, int quant_bits, int split_bits, const float *meta,
                                         long n, float *y) {
     if (!split_bits)
-        return decode_uniform(packed, quant_bits, meta, meta + 1, n, n, 0, n / CHUNK, y);
-    return decode_buckets(packed, quant_bits, split_bits, meta, meta + (1 << split_bits), n, 0, n / CHUNK, y);
+        return decode_uniform(packed, quant_bits, meta, meta + 1, n, n, y, 0, n / CHUNK);
+    return decode_buckets(packed, quant_bits, split_bits, meta, meta + (1 << split_bits), n, y, 0, n / CHUNK);
 }
 
 /* ---- the exported entry points: 0 done, 1 not specialised for these widths, 2 out of memory ------------------ */
 
+/* name##_avx512, name##_avx2 and name##_baseline: `name` (a body) compiled for each instruction set. */
 #if VARIANTS
-#define EXPORT(name, params, args)                                                  \
+#define VARIANTS_OF(name, params, args)                                             \
     TARGET_AVX512 static int name##_avx512 params { return name args; }             \
     TARGET_AVX2 static int name##_avx2 params { return name args; }                 \
-    static int name##_baseline params { return name args; }                         \
-    int dgpipe_##name params { return PICK(name, args); }
+    static int name##_baseline params { return name args; }
 #else
-#define EXPORT(name, params, args) \
-    int dgpipe_##name params { return name args; }
+#define VARIANTS_OF(name, params, args)
 #endif
 
-EXPORT(encode_uniform, (const float *x, const float *lo, const float *div, long group_len, long n, long c0, long c1,
-                        int bits, uint8_t *out),
-       (x, lo, div, group_len, n, c0, c1, bits, out))
-EXPORT(decode_uniform, (const uint8_t *packed, int bits, const float *lo, const float *step, long group_len, long n,
-                        long c0, long c1, float *y),
-       (packed, bits, lo, step, group_len, n, c0, c1, y))
-EXPORT(encode_buckets, (const float *x, const float *bounds, const float *mins, const float *div, int quant_bits,
-                        int split_bits, long n, long c0, long c1, uint8_t *out),
-       (x, bounds, mins, div, quant_bits, split_bits, n, c0, c1, out))
-EXPORT(decode_buckets, (const uint8_t *packed, int quant_bits, int split_bits, const float *mins, const float *step,
-                        long n, long c0, long c1, float *y),
-       (packed, quant_bits, split_bits, mins, step, n, c0, c1, y))
-EXPORT(encode_levels, (const float *v, const float *mids, int bits, long n, long c0, long c1, uint8_t *out),
-       (v, mids, bits, n, c0, c1, out))
-EXPORT(decode_levels, (const uint8_t *packed, int bits, const float *table, const float *scale, long group_len,
-                       long n, long c0, long c1, float *y),
-       (packed, bits, table, scale, group_len, n, c0, c1, y))
-EXPORT(fwht, (float *y, long b, long r0, long r1, float scale), (y, b, r0, r1, scale))
+/* dgpipe_<name>(params): one call on the calling thread. */
+#define EXPORT(name, params, args) \
+    VARIANTS_OF(name, params, args) \
+    int dgpipe_##name params { return PICK(name, args); }
+
+/* dgpipe_<name>(fields..., long p0, long p1, long parts, int threads): units [p0, p1) in parts (team.h). */
+#define EXPORT_RANGED(name, FIELDS) \
+    VARIANTS_OF(name, (FIELDS(TEAM_PARAM) long p0, long p1), (FIELDS(TEAM_ARG) p0, p1)) \
+    RANGED(name, FIELDS)
+
+TEAM_ENTRY
+
+/* chunks [p0, p1) */
+#define ENCODE_UNIFORM(X) X(const float *, x) X(const float *, lo) X(const float *, div) X(long, group_len) \
+    X(long, n) X(int, bits) X(uint8_t *, out)
+#define DECODE_UNIFORM(X) X(const uint8_t *, packed) X(int, bits) X(const float *, lo) X(const float *, step) \
+    X(long, group_len) X(long, n) X(float *, y)
+#define ENCODE_BUCKETS(X) X(const float *, x) X(const float *, bounds) X(const float *, mins) X(const float *, div) \
+    X(int, quant_bits) X(int, split_bits) X(long, n) X(uint8_t *, out)
+#define DECODE_BUCKETS(X) X(const uint8_t *, packed) X(int, quant_bits) X(int, split_bits) X(const float *, mins) \
+    X(const float *, step) X(long, n) X(float *, y)
+#define ENCODE_LEVELS(X) X(const float *, v) X(const float *, mids) X(int, bits) X(long, n) X(uint8_t *, out)
+#define DECODE_LEVELS(X) X(const uint8_t *, packed) X(int, bits) X(const float *, table) X(const float *, scale) \
+    X(long, group_len) X(long, n) X(float *, y)
+/* rows [p0, p1) */
+#define FWHT(X) X(float *, y) X(long, b) X(float, scale)
+
+EXPORT_RANGED(encode_uniform, ENCODE_UNIFORM)
+EXPORT_RANGED(decode_uniform, DECODE_UNIFORM)
+EXPORT_RANGED(encode_buckets, ENCODE_BUCKETS)
+EXPORT_RANGED(decode_buckets, DECODE_BUCKETS)
+EXPORT_RANGED(encode_levels, ENCODE_LEVELS)
+EXPORT_RANGED(decode_levels, DECODE_LEVELS)
+EXPORT_RANGED(fwht, FWHT)
 EXPORT(sort_sample, (const float *x, const int64_t *pos, long m, float *out), (x, pos, m, out))
-EXPORT(bucket_extrema, (const float *x, long n, const float *bounds, int split_bits, const float *lows, float low,
-                        float *ext),
-       (x, n, bounds, split_bits, lows, low, ext))
+
+/* The min and the bucket maxima of x in parts of whole chunks (the last part takes the n % CHUNK tail), part k
+ * folded into row k of ext (2**S + 1 floats a row, each starting at the values known to be reached). */
+VARIANTS_OF(bucket_extrema, (const float *x, long n, const float *bounds, int split_bits, const float *lows,
+                             float low, float *ext),
+            (x, n, bounds, split_bits, lows, low, ext))
+#define BUCKET_EXTREMA(X) X(const float *, x) X(long, n) X(const float *, bounds) X(int, split_bits) \
+    X(const float *, lows) X(float, low) X(float *, ext)
+struct bucket_extrema_args { BUCKET_EXTREMA(TEAM_FIELD) };
+
+static int bucket_extrema_part(const void *data, long k, long c0, long c1) {
+    const struct bucket_extrema_args *a = data;
+    const long i0 = c0 * CHUNK, i1 = c1 == a->n / CHUNK ? a->n : c1 * CHUNK;
+    float *ext = a->ext + k * ((1 << a->split_bits) + 1);
+    return PICK(bucket_extrema, (a->x + i0, i1 - i0, a->bounds, a->split_bits, a->lows, a->low, ext));
+}
+
+int dgpipe_bucket_extrema(BUCKET_EXTREMA(TEAM_PARAM) long parts, int threads) {
+    const struct bucket_extrema_args a = {BUCKET_EXTREMA(TEAM_ARG)};
+    return team_run(bucket_extrema_part, &a, 0, n / CHUNK, parts, threads);
+}
+
 EXPORT(sampled_grid, (const float *x, long n, const int64_t *pos, long m, const int64_t *ranks, int split_bits,
                       int quant_bits, float *sample, float *grid, long chunks, uint8_t *out),
        (x, n, pos, m, ranks, split_bits, quant_bits, sample, grid, chunks, out))

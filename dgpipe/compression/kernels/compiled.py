@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from . import backend
-from .backend import MIN_VALUES, parts
+from .backend import MIN_VALUES, team
 from .bitpack import CHUNK, packed_nbytes
 
 __all__ = [
@@ -65,22 +65,24 @@ MIN_SORT_VALUES = 2048
 1,024 values, 11 vs 18 at 2,048)."""
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_TEAM = [_L, _L, _L, _I]  # units [p0, p1), parts, threads (team.h)
 SIGNATURES = {
-    "dgpipe_encode_uniform": [_P, _P, _P, _L, _L, _L, _L, _I, _P],
-    "dgpipe_decode_uniform": [_P, _I, _P, _P, _L, _L, _L, _L, _P],
-    "dgpipe_encode_buckets": [_P, _P, _P, _P, _I, _I, _L, _L, _L, _P],
-    "dgpipe_decode_buckets": [_P, _I, _I, _P, _P, _L, _L, _L, _P],
-    "dgpipe_encode_levels": [_P, _P, _I, _L, _L, _L, _P],
-    "dgpipe_decode_levels": [_P, _I, _P, _P, _L, _L, _L, _L, _P],
-    "dgpipe_fwht": [_P, _L, _L, _L, _F],
+    "dgpipe_encode_uniform": [_P, _P, _P, _L, _L, _I, _P, *_TEAM],
+    "dgpipe_decode_uniform": [_P, _I, _P, _P, _L, _L, _P, *_TEAM],
+    "dgpipe_encode_buckets": [_P, _P, _P, _P, _I, _I, _L, _P, *_TEAM],
+    "dgpipe_decode_buckets": [_P, _I, _I, _P, _P, _L, _P, *_TEAM],
+    "dgpipe_encode_levels": [_P, _P, _I, _L, _P, *_TEAM],
+    "dgpipe_decode_levels": [_P, _I, _P, _P, _L, _L, _P, *_TEAM],
+    "dgpipe_fwht": [_P, _L, _F, *_TEAM],
     "dgpipe_sort_sample": [_P, _P, _L, _P],
-    "dgpipe_bucket_extrema": [_P, _L, _P, _I, _P, _F, _P],
+    "dgpipe_bucket_extrema": [_P, _L, _P, _I, _P, _F, _P, _L, _I],
     "dgpipe_sampled_grid": [_P, _L, _P, _L, _P, _I, _I, _P, _P, _L, _P],
     "dgpipe_uniform_message": [_P, _L, _F, _F, _I, _P, _P],
     "dgpipe_message_values": [_P, _I, _I, _P, _L, _P],
 }
 """ctypes argument types of the entry points of ``codes.c`` (all return an int: 0 done, 1 not specialised
-for the widths asked, 2 out of memory)."""
+for the widths asked, 2 out of memory). A kernel over chunks or rows takes the range ``[p0, p1)`` and the
+parts and threads of :func:`.backend.team` last."""
 
 
 def open_library(path: str) -> ctypes.CDLL:
@@ -89,7 +91,7 @@ def open_library(path: str) -> ctypes.CDLL:
     Raises:
         OSError: ``path`` is not a loadable library.
     """
-    return backend.typed(ctypes.CDLL(path), SIGNATURES)
+    return backend.prepare(ctypes.CDLL(path), SIGNATURES)
 
 
 def available() -> bool:
@@ -109,9 +111,9 @@ def _kernel(name: str):
     return call
 
 
-def _run(name: str, key: tuple, calls: list[tuple]) -> bool:
-    """Run ``dgpipe_<name>`` on each argument tuple of ``calls`` (:func:`.backend.run`, which builds it once)."""
-    return available() and backend.run((name, *key), lambda: _kernel(name), calls)
+def _run(name: str, key: tuple, args: tuple) -> bool:
+    """Run ``dgpipe_<name>`` on ``args`` (:func:`.backend.run`, which builds it once)."""
+    return available() and backend.run((name, *key), lambda: _kernel(name), args)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -119,8 +121,9 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def _ranges(n: int) -> list[tuple[int, int]]:
-    return parts(n // CHUNK)
+def _chunks(n: int) -> tuple[int, int, int, int]:
+    """The whole chunks of ``n`` values, ``[0, n // CHUNK)``, with their parts and threads (:func:`.backend.team`)."""
+    return (0, n // CHUNK, *team(n // CHUNK))
 
 
 # --- per-value steps over whole chunks -------------------------------------------------------------
@@ -148,7 +151,7 @@ def encode_uniform(
         return False
     x, lo, div = _f32(x), _f32(lo), _f32(div)
     head = (x.data_ptr(), lo.data_ptr(), div.data_ptr(), group_len, n)
-    return _run("encode_uniform", (bits,), [(*head, c0, c1, bits, out.data_ptr()) for c0, c1 in _ranges(n)])
+    return _run("encode_uniform", (bits,), (*head, bits, out.data_ptr(), *_chunks(n)))
 
 
 def decode_uniform(
@@ -170,7 +173,7 @@ def decode_uniform(
         return False
     packed, lo, step = packed.contiguous(), _f32(lo), _f32(step)
     head = (packed.data_ptr(), bits, lo.data_ptr(), step.data_ptr(), group_len, n)
-    return _run("decode_uniform", (bits,), [(*head, c0, c1, y.data_ptr()) for c0, c1 in _ranges(n)])
+    return _run("decode_uniform", (bits,), (*head, y.data_ptr(), *_chunks(n)))
 
 
 def encode_buckets(
@@ -195,7 +198,7 @@ def encode_buckets(
         return False
     x, bounds, mins, div = _f32(x), _f32(bounds), _f32(mins), _f32(div)
     head = (x.data_ptr(), bounds.data_ptr(), mins.data_ptr(), div.data_ptr(), quant_bits, s, n)
-    return _run("encode_buckets", (quant_bits, s), [(*head, c0, c1, out.data_ptr()) for c0, c1 in _ranges(n)])
+    return _run("encode_buckets", (quant_bits, s), (*head, out.data_ptr(), *_chunks(n)))
 
 
 def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,
@@ -216,7 +219,7 @@ def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, st
         return False
     packed, mins, step = packed.contiguous(), _f32(mins), _f32(step)
     head = (packed.data_ptr(), quant_bits, s, mins.data_ptr(), step.data_ptr(), n)
-    return _run("decode_buckets", (quant_bits, s), [(*head, c0, c1, y.data_ptr()) for c0, c1 in _ranges(n)])
+    return _run("decode_buckets", (quant_bits, s), (*head, y.data_ptr(), *_chunks(n)))
 
 
 def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Tensor) -> bool:
@@ -237,7 +240,7 @@ def encode_levels(v: torch.Tensor, mids: torch.Tensor, bits: int, out: torch.Ten
         return False
     v, mids = _f32(v), _f32(mids)
     head = (v.data_ptr(), mids.data_ptr(), bits, n)
-    return _run("encode_levels", (bits,), [(*head, c0, c1, out.data_ptr()) for c0, c1 in _ranges(n)])
+    return _run("encode_levels", (bits,), (*head, out.data_ptr(), *_chunks(n)))
 
 
 def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: torch.Tensor, group_len: int,
@@ -259,7 +262,7 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
         return False
     packed, table, scale = packed.contiguous(), _f32(table), _f32(scale)
     head = (packed.data_ptr(), bits, table.data_ptr(), scale.data_ptr(), group_len, n)
-    return _run("decode_levels", (bits,), [(*head, c0, c1, y.data_ptr()) for c0, c1 in _ranges(n)])
+    return _run("decode_levels", (bits,), (*head, y.data_ptr(), *_chunks(n)))
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor | None:
@@ -268,9 +271,8 @@ def fwht(x: torch.Tensor) -> torch.Tensor | None:
     if x.numel() < MIN_VALUES or x.dtype != torch.float32 or not x.is_cpu:
         return None
     y = x.detach().contiguous().clone()
-    rows, k = y.numel() // b, len(_ranges(y.numel()))
-    calls = [(y.data_ptr(), b, rows * i // k, rows * (i + 1) // k, 1.0 / math.sqrt(b)) for i in range(k)]
-    return y if _run("fwht", (), calls) else None
+    parts, threads = team(y.numel() // CHUNK)  # cut as the values' chunks would be
+    return y if _run("fwht", (), (y.data_ptr(), b, 1.0 / math.sqrt(b), 0, y.numel() // b, parts, threads)) else None
 
 
 # --- sort quantization's grid -------------------------------------------------------------------------
@@ -297,7 +299,7 @@ def sort_sample(x: np.ndarray, positions: np.ndarray | None) -> np.ndarray | Non
         return None
     pos = None if positions is None else np.ascontiguousarray(positions, np.int64)
     out = np.empty(m, np.float32)
-    ok = _run("sort_sample", (), [(x.ctypes.data, None if pos is None else pos.ctypes.data, m, out.ctypes.data)])
+    ok = _run("sort_sample", (), (x.ctypes.data, None if pos is None else pos.ctypes.data, m, out.ctypes.data))
     return out if ok else None
 
 
@@ -339,14 +341,13 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np
     lows = np.empty(nb + 1, np.float32)
     lows[0], lows[1:nb], lows[nb] = low, bounds[:-1], high
     np.maximum(lows[:nb], below, out=lows[:nb])
-    ends = [(c0 * CHUNK, c1 * CHUNK) for c0, c1 in parts(n // CHUNK)]
-    ends[-1] = (ends[-1][0], n)  # the last part takes the tail
-    ext = np.empty((len(ends), nb + 2), np.float32)  # a row per part: the known min and maxima
+    k, threads = team(n // CHUNK)  # parts of whole chunks, the last one with the tail
+    ext = np.empty((k, nb + 2), np.float32)  # a row per part: the known min and maxima
     ext[:, 0], ext[:, 1], ext[:, 2:] = low, below[0], lows[1:]
-    if not _run("bucket_extrema", (s,), [(x.ctypes.data + 4 * i, j - i, bounds.ctypes.data, s, lows.ctypes.data,
-                                          low, ext[k].ctypes.data) for k, (i, j) in enumerate(ends)]):
+    if not _run("bucket_extrema", (s,), (x.ctypes.data, n, bounds.ctypes.data, s, lows.ctypes.data, low,
+                                         ext.ctypes.data, k, threads)):
         return None
-    if len(ends) == 1:
+    if k == 1:
         return ext[0, 0], ext[0, 1:]
     return ext[:, 0].min(), ext[:, 1:].max(0)  # min and max propagate a part's NaN
 
@@ -356,7 +357,7 @@ def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_
     """Sort quantization's whole grid of a sampled split in one call -- the sample's radix sort
     (:func:`sort_sample`), its boundaries, the extrema pass (:func:`bucket_extrema`) and the steps --
     and with ``pack`` in the same call the codes of the whole chunks (:func:`encode_buckets`),
-    when the kernels run on one thread (:func:`.backend.parts`: a tensor under 64 chunks, as a
+    when the kernels run on one thread (:func:`.backend.team`: a tensor under 64 chunks, as a
     pipeline's messages are, or one intra-op thread). A small message's encode costs mostly per call,
     not per value, so one call for all of it halves it.
 
@@ -379,16 +380,16 @@ def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_
     """
     s = ranks.size.bit_length()
     if (x.size < MIN_VALUES or positions.size < MIN_SORT_VALUES or s > MAX_SPLIT_BITS or quant_bits + s > MAX_BITS
-            or len(parts(x.size // CHUNK)) > 1 or not x.flags.c_contiguous):
+            or team(x.size // CHUNK)[0] > 1 or not x.flags.c_contiguous):
         return None
     positions, ranks = np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(ranks, np.int64)
     grid = np.empty((4, 1 << s), np.float32)
     sample = np.empty(positions.size, np.float32)
     packed = np.empty(packed_nbytes(x.size, quant_bits + s) if pack else 0, np.uint8)
     chunks = x.size // CHUNK if pack else 0
-    ok = _run("sampled_grid", (s, quant_bits), [(x.ctypes.data, x.size, positions.ctypes.data, positions.size,
-                                                 ranks.ctypes.data, s, quant_bits, sample.ctypes.data,
-                                                 grid.ctypes.data, chunks, packed.ctypes.data)])
+    ok = _run("sampled_grid", (s, quant_bits), (x.ctypes.data, x.size, positions.ctypes.data, positions.size,
+                                                ranks.ctypes.data, s, quant_bits, sample.ctypes.data,
+                                                grid.ctypes.data, chunks, packed.ctypes.data))
     return (grid, packed if pack else None) if ok else None
 
 
@@ -398,9 +399,9 @@ def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_
 def one_call(t: torch.Tensor, n: int | None = None) -> bool:
     """Whether a message of ``n`` values (default ``t.numel()``; ``t`` its values or its code stream) is
     coded in one compiled call (:func:`uniform_message`, :func:`message_values`): a CPU tensor, whole
-    chunks, at least :data:`.backend.MIN_VALUES`, and one thread's share of values (:func:`.backend.parts`)."""
+    chunks, at least :data:`.backend.MIN_VALUES`, and one thread's share of values (:func:`.backend.team`)."""
     n = t.numel() if n is None else n
-    return t.is_cpu and n % CHUNK == 0 and n >= MIN_VALUES and len(parts(n // CHUNK)) == 1
+    return t.is_cpu and n % CHUNK == 0 and n >= MIN_VALUES and team(n // CHUNK)[0] == 1
 
 
 def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -422,7 +423,7 @@ def uniform_message(x: torch.Tensor, lo: float, hi: float, bits: int) -> tuple[t
         return None
     n = x.numel()
     meta, out = np.empty(2, np.float32), np.empty(packed_nbytes(n, bits), np.uint8)
-    ok = _run("uniform_message", (bits,), [(x.data_ptr(), n, lo, hi, bits, meta.ctypes.data, out.ctypes.data)])
+    ok = _run("uniform_message", (bits,), (x.data_ptr(), n, lo, hi, bits, meta.ctypes.data, out.ctypes.data))
     return (torch.from_numpy(meta), torch.from_numpy(out)) if ok else None
 
 
@@ -455,5 +456,5 @@ def message_values(packed: torch.Tensor, quant_bits: int, split_bits: int, meta:
     packed, meta = packed.contiguous(), meta.contiguous()
     y = np.empty(n, np.float32)
     ok = _run("message_values", (quant_bits, split_bits),
-              [(packed.data_ptr(), quant_bits, split_bits, meta.data_ptr(), n, y.ctypes.data)])
+              (packed.data_ptr(), quant_bits, split_bits, meta.data_ptr(), n, y.ctypes.data))
     return torch.from_numpy(y) if ok else None

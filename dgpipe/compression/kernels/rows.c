@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
 #include "variants.h"
 
 #define CHUNK 4096 /* codes per chunk of the packed layout (bitpack.CHUNK) */
@@ -681,17 +682,45 @@ EACH_VARIANT(DECODE_ROWS, decode_rows)
 #undef DECODE
 
 
-/* The exported entry points: the variant of the CPU's features where there are several (variants.h). */
-int dgpipe_encode_rows(const float *x, const float *signs, long rows, long d, long width, long block,
-                       float inv_sqrt, const float *mids, int bits, int mant, int emin, double top,
-                       long start, long stop, long full, uint8_t *out, float *scales, uint8_t *tail) {
-    return PICK(encode_rows, (x, signs, rows, d, width, block, inv_sqrt, mids, bits, mant, emin, top, start, stop,
-                               full, out, scales, tail));
+/* The exported entry points: the variant of the CPU's features where there are several (variants.h), on parts of
+ * the work run by torch's threads (team.h). */
+TEAM_ENTRY
+
+#define ENCODE_ROWS_ARGS(X) X(const float *, x) X(const float *, signs) X(long, rows) X(long, d) X(long, width) \
+    X(long, block) X(float, inv_sqrt) X(const float *, mids) X(int, bits) X(int, mant) X(int, emin) X(double, top) \
+    X(long, full) X(uint8_t *, out) X(float *, scales) X(uint8_t *, tail)
+struct encode_rows_args { ENCODE_ROWS_ARGS(TEAM_FIELD) };
+
+/* Chunks [c0, c1) of the rows * width codes; the last part takes the n % CHUNK tail. */
+static int encode_rows_part(const void *data, long k, long c0, long c1) {
+    const struct encode_rows_args *a = data;
+    const long n = a->rows * a->width;
+    (void)k;
+    return PICK(encode_rows, (a->x, a->signs, a->rows, a->d, a->width, a->block, a->inv_sqrt, a->mids, a->bits,
+                               a->mant, a->emin, a->top, c0 * CHUNK, c1 == n / CHUNK ? n : c1 * CHUNK, a->full,
+                               a->out, a->scales, a->tail));
 }
 
-int dgpipe_decode_rows(const uint8_t *packed, int bits, const float *table, const float *scales, long d,
-                       long width, long block, float inv_sqrt, const float *signs, const uint8_t *tail,
-                       long full, long r0, long r1, float *out) {
-    return PICK(decode_rows, (packed, bits, table, scales, d, width, block, inv_sqrt, signs, tail, full, r0, r1,
-                               out));
+/* Code the rows * width values of x in `parts` parts of whole chunks on up to `threads` threads. */
+int dgpipe_encode_rows(ENCODE_ROWS_ARGS(TEAM_PARAM) long parts, int threads) {
+    const struct encode_rows_args a = {ENCODE_ROWS_ARGS(TEAM_ARG)};
+    return team_run(encode_rows_part, &a, 0, rows * width / CHUNK, parts, threads);
+}
+
+#define DECODE_ROWS_ARGS(X) X(const uint8_t *, packed) X(int, bits) X(const float *, table) X(const float *, scales) \
+    X(long, d) X(long, width) X(long, block) X(float, inv_sqrt) X(const float *, signs) X(const uint8_t *, tail) \
+    X(long, full) X(float *, out)
+struct decode_rows_args { DECODE_ROWS_ARGS(TEAM_FIELD) };
+
+static int decode_rows_part(const void *data, long k, long r0, long r1) {
+    const struct decode_rows_args *a = data;
+    (void)k;
+    return PICK(decode_rows, (a->packed, a->bits, a->table, a->scales, a->d, a->width, a->block, a->inv_sqrt,
+                               a->signs, a->tail, a->full, r0, r1, a->out));
+}
+
+/* Decode rows [r0, r1) in `parts` parts on up to `threads` threads. */
+int dgpipe_decode_rows(DECODE_ROWS_ARGS(TEAM_PARAM) long r0, long r1, long parts, int threads) {
+    const struct decode_rows_args a = {DECODE_ROWS_ARGS(TEAM_ARG)};
+    return team_run(decode_rows_part, &a, r0, r1, parts, threads);
 }

@@ -25,9 +25,10 @@ and is compiled with ``-ffp-contract=fast``: the only
 products a fused multiply-add can take are exact ones (a value times +-1, a float32 squared in
 float64), so it rounds as the separate operations do (see the head of ``rows.c``).
 
-Threads: the encode splits the code stream into runs of whole chunks (:func:`.backend.parts`;
-the last run also takes the ``n % CHUNK`` tail, which the caller packs), a row that straddles
-two runs is rotated by both; the decode splits the rows. The calls release the GIL (ctypes).
+Threads: the encode splits the code stream into parts of whole chunks (:func:`.backend.team`;
+the last part also takes the ``n % CHUNK`` tail, which the caller packs), a row that straddles
+two parts is rotated by both; the decode splits the rows. The parts run on torch's OpenMP threads
+(``team.h``).
 
 Where the extension was not built (no C compiler at install time), the first use says so once
 (:data:`.backend.MISSING`, a ``RuntimeWarning``); then, and where the input holds inf/NaN, the functions
@@ -47,7 +48,7 @@ import numpy as np
 import torch
 
 from . import backend
-from .backend import parts
+from .backend import team
 from .dispatch import choose
 from .bitpack import CHUNK, packed_nbytes
 
@@ -62,12 +63,12 @@ META_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
-    "dgpipe_encode_rows": [_P, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I, _I, _I, ctypes.c_double, _L, _L, _L, _P,
-                           _P, _P],
-    "dgpipe_decode_rows": [_P, _I, _P, _P, _L, _L, _L, ctypes.c_float, _P, _P, _L, _L, _L, _P],
+    "dgpipe_encode_rows": [_P, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I, _I, _I, ctypes.c_double, _L, _P, _P, _P,
+                           _L, _I],
+    "dgpipe_decode_rows": [_P, _I, _P, _P, _L, _L, _L, ctypes.c_float, _P, _P, _L, _P, _L, _L, _L, _I],
 }
 """ctypes argument types of the entry points of ``rows.c`` (both return an int: 0 done, 1 a row refused, 2 out of
-memory)."""
+memory), the parts and threads of :func:`.backend.team` last."""
 
 
 def open_library(path: str) -> ctypes.CDLL:
@@ -76,7 +77,7 @@ def open_library(path: str) -> ctypes.CDLL:
     Raises:
         OSError: ``path`` is not a loadable library.
     """
-    return backend.typed(ctypes.CDLL(path), SIGNATURES)
+    return backend.prepare(ctypes.CDLL(path), SIGNATURES)
 
 
 def _load():
@@ -154,13 +155,11 @@ def encode_rows(x: torch.Tensor, signs: torch.Tensor | None, width: int, block: 
     scales, tail = np.empty(rows, np.float32), np.empty(n - full, np.uint8)
     xs = x.detach()
     mids = mids.contiguous()
-    runs = [[c0 * CHUNK, c1 * CHUNK] for c0, c1 in parts(n // CHUNK)]
-    runs[-1][1] = n
-    head = (xs.data_ptr(), None if signs is None else signs.data_ptr(), rows, d, width, block,
-            1.0 / math.sqrt(block), mids.data_ptr(), bits, *_meta_format(meta_dtype))
-    codes, refused = (full, out.ctypes.data, scales.ctypes.data, tail.ctypes.data), np.zeros(1, np.int64)
-    calls = [(*head, a, b, *codes, refused) for a, b in runs]
-    if not backend.run(("encode_rows", "c"), lambda: _encode, calls) or refused[0]:
+    refused = np.zeros(1, np.int64)
+    args = (xs.data_ptr(), None if signs is None else signs.data_ptr(), rows, d, width, block, 1.0 / math.sqrt(block),
+            mids.data_ptr(), bits, *_meta_format(meta_dtype), full, out.ctypes.data, scales.ctypes.data,
+            tail.ctypes.data, *team(n // CHUNK), refused)
+    if not backend.run(("encode_rows", "c"), lambda: _encode, args) or refused[0]:
         return None
     return torch.from_numpy(out), torch.from_numpy(scales), tail
 
@@ -184,10 +183,9 @@ def decode_rows(packed: torch.Tensor, bits: int, table: torch.Tensor, scales: to
     y = np.empty((rows, d), np.float32)
     table, scales = table.contiguous(), scales.contiguous()
     tail = np.ascontiguousarray(tail, np.uint8)
-    k = len(parts(n // CHUNK))
-    head = (packed.data_ptr(), bits, table.data_ptr(), scales.data_ptr(), d, width, block, 1.0 / math.sqrt(block),
-            None if signs is None else signs.data_ptr(), tail.ctypes.data, n - n % CHUNK)
-    calls = [(*head, rows * i // k, rows * (i + 1) // k, y.ctypes.data) for i in range(k)]
-    if not backend.run(("decode_rows", "c"), lambda: _decode, calls):
+    args = (packed.data_ptr(), bits, table.data_ptr(), scales.data_ptr(), d, width, block, 1.0 / math.sqrt(block),
+            None if signs is None else signs.data_ptr(), tail.ctypes.data, n - n % CHUNK, y.ctypes.data, 0, rows,
+            *team(n // CHUNK))
+    if not backend.run(("decode_rows", "c"), lambda: _decode, args):
         return None
     return torch.from_numpy(y)
