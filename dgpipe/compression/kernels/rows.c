@@ -28,7 +28,9 @@
  * attributes; every helper is always_inline, so that it is compiled inside each), one picked per call by
  * the CPU's features. Where the machine's vectors are narrower than 16 floats, GCC keeps a 16-lane vector
  * in memory and lowers its comparisons, run-time permutes, broadcasts and narrowing lane by lane; there
- * they go in halves of 8 lanes (`wide`), the same operations on the same values. -DDGPIPE_ROWS_ONE_TARGET
+ * they go in halves of 8 lanes (`wide`), the same operations on the same values, and the codes are found in
+ * vectors of 8 throughout (code_half: no 16-lane result passes through memory), each level of the search
+ * one permute of a table of the midpoints it can probe. -DDGPIPE_ROWS_ONE_TARGET
  * builds one variant, for the -march given (benchmarks/rows_compilers.py measures AVX2 on an AVX-512
  * machine so). Builds with GCC 11+ and clang 14+, on x86-64 and aarch64.
  * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
@@ -78,6 +80,18 @@ static inline INLINE vf splat(float x, int wide) {
     return v;
 }
 
+#if !defined(__clang__)
+/* The low bytes of 8 lanes, by a byte permute with constant lanes (GCC converts 8 lanes to 8 bytes one lane
+ * at a time); little endian: a lane's low byte comes first. */
+static inline INLINE uint64_t narrow_half(vi8 v) {
+    const vb32 low = {0, 4, 8, 12, 16, 20, 24, 28};
+    vb32 b = __builtin_shuffle((vb32)v, low);
+    uint64_t r;
+    memcpy(&r, &b, sizeof r);
+    return r;
+}
+#endif
+
 /* The low byte of each lane, whole or in halves (`wide`, above). */
 static inline INLINE vb narrow(vi v, int wide) {
 #if defined(__clang__) /* always wide */
@@ -88,12 +102,11 @@ static inline INLINE vb narrow(vi v, int wide) {
         return __builtin_convertvector(v, vb);
     /* the low bytes of each half gathered by a byte permute with constant lanes (GCC converts 8 lanes to 8
      * bytes one lane at a time); little endian: a lane's low byte comes first */
-    const vb32 low = {0, 4, 8, 12, 16, 20, 24, 28};
-    vb32 h[2];
+    vi8 h[2];
     vb r;
     memcpy(h, &v, sizeof v);
     for (int k = 0; k < 2; k++) {
-        vb32 b = __builtin_shuffle(h[k], low);
+        uint64_t b = narrow_half(h[k]);
         memcpy((uint8_t *)&r + 8 * k, &b, 8);
     }
     return r;
@@ -361,16 +374,58 @@ static inline INLINE vi code_vector(const float *y, vf dv, vf m, int bits, int w
     return c;
 }
 
-/* Codes of row `y` / div (code_vector), one byte each. */
+#if !NARROW_WIDE
+/* code_vector on 8 values in vectors of 8 floats, the machine's width on AVX2, where a 16-lane vector lives in
+ * memory and its halves' results would go through it. The same comparisons, so the same codes; the midpoint
+ * of level k of the search is one of at most 8 (bits <= 4), picked from tab[k] (level_tables) by one
+ * permute. */
+static inline INLINE vi8 code_half(const float *y, vf8 dv, const float *mids, const vf8 *tab, int bits) {
+    vf8 q;
+    memcpy(&q, y, sizeof q);
+    q /= dv;
+    int top = 1 << (bits - 1);
+    vi8 gt = q > (vf8){} + mids[top - 1], c = gt & ((vi8){} + top);
+    if (bits == 1)
+        return c;
+    vi8 lo = (vi8)((vf8){} + mids[top / 2 - 1]), hi = (vi8)((vf8){} + mids[top + top / 2 - 1]);
+    c |= (q > (vf8)((hi & gt) | (lo & ~gt))) & ((vi8){} + top / 2);
+    for (int k = bits - 3; k >= 0; k--) /* the codes' bits above k are known: c = j * 2**(k + 1) */
+        c |= (q > __builtin_shuffle(tab[k], c >> (k + 1))) & ((vi8){} + (1 << k));
+    return c;
+}
+
+/* tab[k][j] = mids[j * 2**(k + 1) + 2**k - 1], the midpoints level k of code_half's search can probe. */
+static inline INLINE void level_tables(const float *mids, int bits, vf8 *tab) {
+    for (int k = 0; k < bits - 2; k++) {
+        float t[8] = {0};
+        for (int j = 0; j < 1 << (bits - k - 1); j++)
+            t[j] = mids[(j << (k + 1)) + (1 << k) - 1];
+        memcpy(tab + k, t, sizeof t);
+    }
+}
+#endif
+
+/* Codes of row `y` / div (code_vector; in halves where not `wide`), one byte each. */
 static inline INLINE void row_codes(const float *y, long width, float div, vf m, const float *mids, int bits, int wide,
                                     uint8_t *codes) {
     int nm = (1 << bits) - 1;
     vf dv = splat(div, wide);
     long j = 0;
-    for (; j + V <= width; j += V) {
-        vb cb = narrow(code_vector(y + j, dv, m, bits, wide), wide);
-        memcpy(codes + j, &cb, V);
+    if (wide)
+        for (; j + V <= width; j += V) {
+            vb cb = narrow(code_vector(y + j, dv, m, bits, wide), wide);
+            memcpy(codes + j, &cb, V);
+        }
+#if !NARROW_WIDE
+    else {
+        vf8 dv8 = (vf8){} + div, tab[2];
+        level_tables(mids, bits, tab);
+        for (; j + 8 <= width; j += 8) {
+            uint64_t b = narrow_half(code_half(y + j, dv8, mids, tab, bits));
+            memcpy(codes + j, &b, 8);
+        }
     }
+#endif
     for (; j < width; j++) {
         float q = y[j] / div;
         int c = 0;
@@ -387,10 +442,29 @@ static inline INLINE void row_codes(const float *y, long width, float div, vf m,
 /* The codes of a chunk's rows (rows * width == CHUNK, width a multiple of V dividing CHUNK / LANES(bits);
  * row i at y + i * wpad, divided by div[i]) packed as they are found: the rows at the same place in each
  * lane are coded together and their codes shifted into the words' bit fields, with no pass over bytes. */
-static inline INLINE void code_chunk(const float *y, long wpad, long width, const float *div, vf m, int bits, int wide,
-                                     uint8_t *out) {
+static inline INLINE void code_chunk(const float *y, long wpad, long width, const float *div, vf m,
+                                     const float *mids, int bits, int wide, uint8_t *out) {
     int g = LANES(bits), w = g * bits / 8;
     long cg = CHUNK / g, per = cg / width; /* rows per lane */
+#if !NARROW_WIDE
+    if (!wide) { /* in halves (code_half) */
+        vf8 tab[2];
+        level_tables(mids, bits, tab);
+        for (long o = 0; o < per; o++)
+            for (long j = 0; j < width; j += 8) {
+                vi8 word = (vi8){};
+                for (int l = 0; l < g; l++) {
+                    long i = l * per + o;
+                    word |= code_half(y + i * wpad + j, (vf8){} + div[i], mids, tab, bits) << (l * bits);
+                }
+                for (int q = 0; q < w; q++) {
+                    uint64_t b = narrow_half(word >> (8 * q));
+                    memcpy(out + q * cg + o * width + j, &b, 8);
+                }
+            }
+        return;
+    }
+#endif
     for (long o = 0; o < per; o++)
         for (long j = 0; j < width; j += V) {
             vi word = (vi){};
@@ -492,7 +566,7 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
         long p0 = r0 * width, p1 = (r0 + nr) * width;
         if (p1 - p0 == CHUNK && p0 % CHUNK == 0 && p0 >= start && p1 <= stop && p1 <= full) { /* a whole chunk */
             if (width % V == 0 && CHUNK / LANES(bits) % width == 0)
-                code_chunk(y, wpad, width, scl, mv, bits, wide, out + p0 / CHUNK * chunk_bytes);
+                code_chunk(y, wpad, width, scl, mv, mp, bits, wide, out + p0 / CHUNK * chunk_bytes);
             else {
                 for (long i = 0; i < nr; i++)
                     row_codes(y + i * wpad, width, scl[i], mv, mids, bits, wide, rc + i * width);
