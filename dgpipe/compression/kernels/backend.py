@@ -77,9 +77,9 @@ def openmp_runtime() -> ctypes.CDLL | None:
     ``RTLD_NOLOAD``), where it exports ``GOMP_parallel`` (GCC's libgomp; LLVM's and Intel's runtimes export it
     for compatibility); None where torch's parallel backend is not OpenMP or no such runtime is loaded.
 
-    Candidates: the libraries in torch's own folders (``torch/lib``, ``torch.libs``), then the runtimes' usual
-    names; the first loaded one whose ``omp_get_max_threads()`` is torch's thread count on this thread is the
-    one (a second runtime that the process happens to hold would answer its own default)."""
+    Candidates: the libraries in torch's own folders (``torch/lib``, ``torch.libs``), then the names torch links
+    a system runtime by; the first one loaded is torch's (another package's copy of a runtime is loaded under a
+    name of its own)."""
     if "_openmp" in _libraries:
         return _libraries["_openmp"]
     found = None
@@ -92,8 +92,7 @@ def openmp_runtime() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
             except OSError:
                 continue
-            if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads") \
-                    and lib.omp_get_max_threads() == torch.get_num_threads():
+            if hasattr(lib, "GOMP_parallel"):
                 found = lib
                 break
     _libraries["_openmp"] = found
