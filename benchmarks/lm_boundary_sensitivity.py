@@ -12,6 +12,12 @@ model's; ``rel. MSE`` is the error's energy over that of the states less their m
   the others), what ``channel_mean`` converges to;
 - ``+ means, scale v^-1/4``: each channel of the residual also multiplied by its calibration variance to the
   power -1/4 before coding (divided after): fewer levels spent on the high-variance channels;
+- ``+ means, scale F^1/4 v^-1/4``: the same with each channel's sensitivity too, ``F`` the mean squared
+  gradient of the next-token loss with respect to the channel on the calibration text (the diagonal of the
+  empirical Fisher information). After a rotation that spreads the error evenly over the channels, a channel
+  weighed by ``w`` gets an error ``~ 1 / w**2`` at a rate set by ``sum(w**2 v)``; ``w**4 ~ F / v`` minimises
+  ``sum(F * error)`` (the ``v^-1/4`` weight is the case of equal ``F``). For ``s->c`` the client alone can
+  compute it (the layers after the boundary and the labels are its own); for ``c->s`` it needs the whole model;
 - ``transform 2.5``: transform coding at 2.5 bits a value: the residual in the calibration text's principal
   components, Lloyd-Max levels for a unit Gaussian given to each component by marginal return on its
   variance (Huang & Schultheiss, "Block quantization of correlated Gaussian random variables", 1963), and one
@@ -123,6 +129,21 @@ def main() -> int:
         return math.exp(float(torch.nn.functional.cross_entropy(
             h[:, :-1].reshape(-1, h.shape[-1]).float(), held_out[:, 1:].reshape(-1))))
 
+    def fisher(cal: torch.Tensor, cut: int) -> torch.Tensor:
+        """Per channel, the mean squared gradient of the next-token loss with respect to the calibration
+        blocks' states ``cal`` at the boundary (positions after the first)."""
+        total = torch.zeros(cal.shape[-1])
+        for i in range(0, len(cal), 16):
+            h = cal[i: i + 16].detach().requires_grad_(True)
+            out = h
+            for layer in layers[cut:]:
+                out = layer(out)
+            loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]).float(),
+                                                     calibration[i: i + 16, 1:].reshape(-1), reduction="sum")
+            (grad,) = torch.autograd.grad(loss, h)
+            total += grad[:, 1:].pow(2).sum((0, 1))
+        return total / (cal.shape[0] * (cal.shape[1] - 1))
+
     def codebook(**options):
         return get_codec("codebook", group="token", rotate="hadamard", scale_dtype="bfloat16", **options)
 
@@ -140,11 +161,15 @@ def main() -> int:
         rest = cal[:, 1:].reshape(-1, cal.shape[-1]) - means[0]
         scale = rest.pow(2).mean(0).pow(-0.25)
         scale = scale / scale.pow(2).mean().sqrt()
+        weighed = fisher(cal, cut).pow(0.25) * rest.pow(2).mean(0).pow(-0.25)
+        weighed = weighed / weighed.pow(2).mean().sqrt()
         energy = float((x - ref).pow(2).mean())
         rows = [(f"{label}{tag}", codec, r, s) for label, codec in (("codebook4", codebook(bits=4)),
+                                                                   ("codebook3", codebook(bits=3)),
                                                                    ("codebook5lv", codebook(count=5)))
                 for tag, r, s in (("", torch.zeros_like(x), None), (" + means", ref, None),
-                                  (" + means, scale v^-1/4", ref, scale))]
+                                  (" + means, scale v^-1/4", ref, scale),
+                                  (" + means, scale F^1/4 v^-1/4", ref, weighed))]
         print(f"| {name} | none | 32 | 0 | {base:.2f} | -- |")
         for label, codec, r, s in rows:
             y = (x - r) * (1 if s is None else s)
