@@ -25,7 +25,8 @@ Hadamard butterflies        :func:`fwht`                                 :mod:`.
 Backends: :mod:`.compiled` (``codes.c``) and :mod:`.rows` (``rows.c``: the token-grouped codebook in one pass
 per row), compiled C built at install time, on CPU; :mod:`.triton_codes` on CUDA. :mod:`.dispatch` chooses
 among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the C libraries,
-the thread parts and the per-kernel failure record.
+how a kernel's work is cut for torch's OpenMP threads (``team.h`` runs the parts) and the per-kernel
+failure record.
 """
 
 from .backend import MIN_VALUES, enabled, failed_kernels, set_enabled
