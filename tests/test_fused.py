@@ -236,9 +236,9 @@ def kernels_run(monkeypatch):
     """The keys of the fused kernels run from here on (a set, filled as they run)."""
     keys, call = set(), backend.run
 
-    def record(key, build, calls):
+    def record(key, build, args):
         keys.add(key)
-        return call(key, build, calls)
+        return call(key, build, args)
 
     monkeypatch.setattr(backend, "run", record)
     return keys
