@@ -3,8 +3,9 @@
 # device copy, and the pipeline's throughput with GPU ranks beside data parallelism.
 #
 # Usage:  bash benchmarks/gpu_suite.sh OUT_DIR [STEP ...]
-#   STEPs (default: all, in this order): env cuda_tests suite codec_speed codec_profile pipeline
+#   STEPs (default: all, in this order): env cuda_tests suite codec_speed codec_profile pipeline lm
 #   GPU=cpu STEPS_MAX=2 bash benchmarks/gpu_suite.sh /tmp/dry pipeline   -- a dry run on CPU
+#   GPU=cpu STEPS_MAX=2 LM_CONFIG=small-llama bash benchmarks/gpu_suite.sh /tmp/dry lm
 # On an H100 (2026-11-25): env + cuda_tests + codec_speed took 6.5 min, codec_profile 26 s; pipeline's
 # 14 runs need more than its 540 s at STEPS_MAX=15 (each run starts its processes and CUDA anew; the
 # last one, MiniLM DDP, was cut): give pipeline a call of its own, with STEPS_MAX=10.
@@ -14,14 +15,16 @@
 #   CARRY/data.tar.xz    data/glue/... and data/cifar10-images/{train,test}/... (unpacked as ../shared/data
 #                        when that folder is absent: the tests and benchmarks read it there)
 #   CARRY/minilm/        all-MiniLM-L6-v2 as a local model directory (read through $MINILM_DIR)
+#   CARRY/so/_codes.so, _rows.so   the compiled CPU kernels built here (plain C libraries loaded with ctypes, so
+#                        any Python finds them under these names), where the package's own were not built there
 # Every step runs under its own time limit; a failing step is logged and the next one runs.
 # OUT_DIR/summary.txt lists each step's exit status and seconds; OUT_DIR/logs.tar.gz holds
 # every log (re-made after each step, so a run cut short still returns what it did).
 set -u
 OUT=${1:?usage: gpu_suite.sh OUT_DIR [STEP ...]}
 shift
-STEPS=${*:-env cuda_tests suite codec_speed codec_profile pipeline}
-export GPU=${GPU:-cuda:0} STEPS_MAX=${STEPS_MAX:-20}
+STEPS=${*:-env cuda_tests suite codec_speed codec_profile pipeline lm}
+export GPU=${GPU:-cuda:0} STEPS_MAX=${STEPS_MAX:-20} LM_CONFIG=${LM_CONFIG:-benchmarks/configs/llama-768x12}
 CARRY=${CARRY:-.gpu}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -35,6 +38,10 @@ fi
 if [ ! -d ../shared/data ] && [ -f "$CARRY/data.tar.xz" ]; then
     mkdir -p ../shared && tar -xJf "$CARRY/data.tar.xz" -C ../shared
 fi
+for f in "$CARRY"/so/*.so; do
+    [ -f "$f" ] && ! ls dgpipe/compression/kernels/"$(basename "$f" .so)".*so >/dev/null 2>&1 &&
+        cp "$f" dgpipe/compression/kernels/
+done
 [ -d "$CARRY/minilm" ] && export MINILM_DIR="$ROOT/$CARRY/minilm"
 export MODEL=${MINILM_DIR:-sentence-transformers/all-MiniLM-L6-v2}
 
@@ -85,6 +92,17 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.jsonl")):
 EOF
 }
 
+lm_runs() {  # the decoder LM job: none, quant 8 and codebook 4 in the same processes, per placement
+    local logs=$OUT/logs/lm
+    mkdir -p "$logs"
+    for devices in "cpu,$GPU" "$GPU,$GPU"; do
+        python3 test_lm_dgpipe.py --data-dir ../shared/data/text/wiki-excerpt --model-config "$LM_CONFIG" \
+            --block-length 128 --batch-size 16 --chunk 4 --max-steps "$STEPS_MAX" --eval-subset 64 --no-progress \
+            --timeout 120 --devices "$devices" --quant 8 --compare-to none,codebook4 \
+            --log-file "$logs/lm_${devices//[:,]/_}.jsonl"
+    done
+}
+
 for s in $STEPS; do
     case $s in
     env) step env 60 bash -c 'nvidia-smi; python3 -c "import sys, torch, transformers; print(sys.version); \
@@ -92,10 +110,11 @@ print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name()
 transformers.__version__); import triton; print(\"triton\", triton.__version__)"; nproc' ;;
     cuda_tests) step cuda_tests 280 python3 -m pytest -v -rA -p no:cacheprovider --timeout 150 ${PYTEST_ARGS:-} \
         tests/test_cuda.py tests/test_fused_triton.py ;;
-    suite) step suite 360 python3 -m pytest -q -rfE -p no:cacheprovider -n 8 --timeout 150 tests ;;
+    suite) step suite ${SUITE_S:-360} python3 -m pytest -q -rfE -p no:cacheprovider -n ${WORKERS:-8} --timeout 150 tests ;;
     codec_speed) step codec_speed 240 python3 benchmarks/codec_speed.py --device cuda --reps 5 --threads 0 --real --messages ;;
     codec_profile) step codec_profile 120 python3 benchmarks/codec_profile.py ;;
     pipeline) export -f pipeline_runs; step pipeline 540 bash -c pipeline_runs ;;
+    lm) export -f lm_runs; step lm ${LM_S:-300} bash -c lm_runs ;;
     *) echo "unknown step: $s" >&2; exit 2 ;;
     esac
 done
