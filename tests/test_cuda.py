@@ -108,6 +108,70 @@ def test_every_registered_codec_runs_on_cuda():
             assert torch.equal(y, x)
 
 
+def _kernels_and_syncs(fn) -> int:
+    """CUDA kernels that ``fn()`` launches, run with torch's sync debug mode at "error" (a host sync raises)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quant_encode_on_cuda_launches_two_kernels_and_never_waits(bits):
+    """quant with one grid, on a decoder's hidden states: the range, the grid and the codes in two launches,
+    nothing read back to the host -- and the eager path's bytes."""
+    from dgpipe.compression.kernels import backend
+
+    x = torch.randn(8, 128, 576, device="cuda")
+    codec = get_codec("quant", bits=bits)
+    codec.encode(x)  # compiles
+    out = []
+    assert _kernels_and_syncs(lambda: out.append(codec.encode(x))) == 2
+    previous = backend.set_enabled(False)
+    try:
+        ref = codec.encode(x)
+    finally:
+        backend.set_enabled(previous)
+    assert _same_payload(out[0], ref)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_inf_nan_on_cuda_is_refused_by_the_decoder(bad):
+    x = torch.randn(8, 128, 576, device="cuda")
+    x[3, 7, 11] = bad
+    codec = get_codec("quant", bits=8)
+    p = codec.encode(x)  # does not look at the range (no read back)
+    with pytest.raises(ValueError, match="grid that is not finite"):
+        codec.decode(p)
+    with pytest.raises(ValueError, match="grid that is not finite"):
+        codec.decode(p.to("cpu"))
+
+
+def test_meter_times_gpu_work_without_waiting():
+    from dgpipe.comm import BandwidthMeter
+    from dgpipe.comm.meter import DeviceSpan, timer
+
+    m, x = BandwidthMeter(), torch.randn(4096, 4096, device="cuda")
+
+    def message():
+        stop = timer(x.device)
+        y = x @ x
+        span = stop()
+        assert isinstance(span, DeviceSpan)
+        m.record_send("stage0->stage1", "forward", raw_bytes=y.numel() * 4, wire_bytes=1, encode_seconds=span)
+
+    assert _kernels_and_syncs(message) >= 1
+    (rec,) = m.records()
+    assert rec["encode_seconds"] > 0
+
+
 def _nlp_run(tmp_path, devices: str, extra=(), model_config: str = "tiny-roberta"):
     log = tmp_path / f"rte_{devices.replace(',', '_').replace(':', '')}.jsonl"
     argv = ["--task", "rte", "--data-dir", str(RTE.parent), "--model-config", model_config, "--max-length", "64",

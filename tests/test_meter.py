@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.comm import BandwidthMeter
+from dgpipe.comm import meter as meter_module
+from dgpipe.comm.meter import DeviceSpan, timer
 from dgpipe.compression import available_codecs, get_codec
 from dgpipe.pipeline import Pipeline, split_layers
 from helpers import assert_ranks_ok, spawn_checks
@@ -35,6 +37,43 @@ def test_records_sum_and_derive():
     assert m.totals("backward")["raw_bytes"] == 100
     m.reset()
     assert m.records() == [] and m.totals()["wire_bytes"] == 0
+
+
+class _Span(DeviceSpan):
+    """A GPU span's stand-in: finished or not, as set; counts how often its seconds were read."""
+
+    def __init__(self, seconds: float, finished: bool) -> None:
+        self.value, self.finished, self.reads = seconds, finished, 0
+
+    def done(self) -> bool:
+        return self.finished
+
+    def seconds(self) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_gpu_spans_are_read_when_the_meter_is_read(monkeypatch):
+    """Codec seconds on a GPU arrive as spans (CUDA events) that nobody waits for when a message is sent:
+    the meter adds finished ones once it holds many, and all of them when it is read -- each once."""
+    monkeypatch.setattr(meter_module, "_SETTLE_AT", 3)
+    m = BandwidthMeter()
+    spans = [_Span(0.25, finished=i != 1) for i in range(3)]
+    m.record_send("stage0->stage1", "forward", raw_bytes=8, wire_bytes=2, encode_seconds=spans[0])
+    m.record_recv("stage0->stage1", "forward", recv_bytes=2, recv_seconds=0.5, decode_seconds=spans[1])
+    assert [s.reads for s in spans] == [0, 0, 0]  # nothing read while messages go
+    m.record_send("stage0->stage1", "forward", raw_bytes=8, wire_bytes=2, encode_seconds=spans[2])
+    assert [s.reads for s in spans] == [1, 0, 1]  # the finished ones, at the third
+    (rec,) = m.records()
+    assert rec["encode_seconds"] == 0.5 and rec["decode_seconds"] == 0.25 and rec["recv_seconds"] == 0.5
+    assert [s.reads for s in spans] == [1, 1, 1]
+    m.records()
+    assert [s.reads for s in spans] == [1, 1, 1]
+
+
+def test_cpu_timer_is_wall_time():
+    stop = timer(torch.device("cpu"))
+    assert isinstance(stop(), float) and stop() >= 0.0
 
 
 def test_rejects_separator_characters_in_names():

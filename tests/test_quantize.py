@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgpipe.compression import get_codec
+from dgpipe.compression import Payload, get_codec
 from dgpipe.compression.kernels.bitpack import unpack_bits
 
 
@@ -152,6 +152,19 @@ def test_inf_nan_raise(bad):
     for codec in (get_codec("quant", bits=4), get_codec("quant", bits=4, group_size=3)):
         with pytest.raises(ValueError, match="inf/NaN"):
             codec.encode(x)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("opts", [dict(bits=8), dict(bits=4, group="token", scale_dtype="bfloat16")])
+def test_decode_refuses_a_grid_that_is_not_finite(bad, opts):
+    """A GPU encoder of one grid sends its range unchecked (no read back): the decoder is where inf/NaN stop."""
+    codec = get_codec("quant", **opts)
+    p = codec.encode(torch.randn(4, 64))
+    packed, meta = p.tensors
+    meta = meta.clone()
+    meta[-1] = bad
+    with pytest.raises(ValueError, match="grid that is not finite"):
+        codec.decode(Payload(p.header, (packed, meta)))
 
 
 def test_range_overflow_raises():

@@ -35,6 +35,9 @@ def configs():
         grouped = bits % 2 == 0  # both kinds, across the widths
         yield ft._encode_uniform_kernel, {"GROUPED": grouped, "TOP": float((1 << bits) - 1), **ft._layout(bits)}
         yield ft._decode_uniform_kernel, {"GROUPED": not grouped, **ft._layout(bits)}
+        yield ft._encode_message_kernel, {"TOP": float((1 << bits) - 1), "PB": ft.MAX_PARTS, **ft._layout(bits)}
+    for rounds in (1, 4):
+        yield ft._extrema_kernel, {"EB": ft.EXTREMA_BLOCK, "ROUNDS": rounds}
     for q, s in SORTQUANT:
         yield ft._encode_buckets_kernel, {"NB": (1 << s) - 1, "Q": q, **ft._layout(q + s)}
         yield ft._decode_buckets_kernel, {"Q": q, **ft._layout(q + s)}

@@ -18,7 +18,11 @@ field               meaning                                                  rec
 ``recv_count``      messages received                                        receiver
 ==================  =======================================================  ========
 
-and reports ``recv_bytes_per_s = recv_bytes / recv_seconds`` -- the "bandwidth" of
+On a CUDA device the codec seconds are GPU time between two CUDA events around the codec's
+work (:func:`timer`, :class:`DeviceSpan`), read when the meter is read, so that timing a
+message never makes the host wait for the GPU; on CPU they are ``time.perf_counter`` spans.
+
+The meter reports ``recv_bytes_per_s = recv_bytes / recv_seconds`` -- the "bandwidth" of
 the original dgpipe; since receive time includes waiting for the sender to compute,
 it is a lower bound on the link's bandwidth -- and ``ratio = wire_bytes / raw_bytes``,
 the achieved compression ratio (1.0 uncompressed, about 0.25 at 8 bits of float32).
@@ -38,12 +42,15 @@ Usage::
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
 from .transport import wire_device
 
-__all__ = ["BandwidthMeter", "FIELDS"]
+__all__ = ["BandwidthMeter", "DeviceSpan", "FIELDS", "timer"]
 
 FIELDS = (
     "raw_bytes",
@@ -66,11 +73,70 @@ def _derived(rec: dict) -> dict:
     return rec
 
 
+class DeviceSpan:
+    """The GPU time, in seconds, of the work queued on ``device``'s current stream between this object's
+    creation and :meth:`stop` -- two CUDA events (``torch.cuda.Event(enable_timing=True)``): recording them
+    does not wait for the GPU; :meth:`seconds` does, for the end event alone."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.current_stream(device)
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._start.record(self._stream)
+
+    def stop(self) -> "DeviceSpan":
+        """Mark the end of the span (after the work queued so far); returns ``self``."""
+        self._end.record(self._stream)
+        return self
+
+    def done(self) -> bool:
+        """Whether the GPU has passed the end of the span (no wait)."""
+        return self._end.query()
+
+    def seconds(self) -> float:
+        """The span's GPU time in seconds; waits for its end."""
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
+def timer(device: torch.device) -> Callable[[], "float | DeviceSpan"]:
+    """Start timing work on ``device``; the function returned stops it and gives its seconds: a float on CPU
+    (``time.perf_counter``), a :class:`DeviceSpan` on a CUDA device (which :class:`BandwidthMeter` reads
+    when it is read)."""
+    if device.type == "cuda":
+        return DeviceSpan(device).stop
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start
+
+
+_SETTLE_AT = 64
+"""Spans a meter keeps unread before it reads those the GPU has finished."""
+
+
 class BandwidthMeter:
     """Sums of bytes and seconds per (boundary name, direction); see the module docstring."""
 
     def __init__(self) -> None:
         self._data: dict[tuple[str, str], dict[str, float]] = {}
+        self._spans: list[tuple[dict[str, float], str, DeviceSpan]] = []
+
+    def _add_seconds(self, e: dict[str, float], field: str, seconds: "float | DeviceSpan") -> None:
+        if not isinstance(seconds, DeviceSpan):
+            e[field] += seconds
+            return
+        self._spans.append((e, field, seconds))
+        if len(self._spans) >= _SETTLE_AT:
+            self._settle(finished_only=True)
+
+    def _settle(self, finished_only: bool = False) -> None:
+        """Add the GPU spans recorded so far to their sums (with ``finished_only``, those the GPU has passed)."""
+        keep = []
+        for e, field, span in self._spans:
+            if finished_only and not span.done():
+                keep.append((e, field, span))
+            else:
+                e[field] += span.seconds()
+        self._spans = keep
 
     def _entry(self, name: str, direction: str) -> dict[str, float]:
         if _KEY_SEP in name or _RECORD_SEP in name or _KEY_SEP in direction or _RECORD_SEP in direction:
@@ -85,7 +151,7 @@ class BandwidthMeter:
         raw_bytes: int,
         wire_bytes: int,
         frame_bytes: int = 0,
-        encode_seconds: float = 0.0,
+        encode_seconds: "float | DeviceSpan" = 0.0,
     ) -> None:
         """Record one message sent across boundary ``name`` in ``direction``.
 
@@ -93,13 +159,13 @@ class BandwidthMeter:
             raw_bytes: uncompressed bytes of the tensors in the message.
             wire_bytes: sum of ``Payload.nbytes`` of their payloads.
             frame_bytes: bytes of framing (preambles, message meta) around them.
-            encode_seconds: seconds spent encoding.
+            encode_seconds: seconds spent encoding (a :class:`DeviceSpan`: read later).
         """
         e = self._entry(name, direction)
         e["raw_bytes"] += raw_bytes
         e["wire_bytes"] += wire_bytes
         e["frame_bytes"] += frame_bytes
-        e["encode_seconds"] += encode_seconds
+        self._add_seconds(e, "encode_seconds", encode_seconds)
         e["count"] += 1
 
     def record_recv(
@@ -109,19 +175,19 @@ class BandwidthMeter:
         *,
         recv_bytes: int,
         recv_seconds: float,
-        decode_seconds: float = 0.0,
+        decode_seconds: "float | DeviceSpan" = 0.0,
     ) -> None:
         """Record one message received across boundary ``name`` in ``direction``.
 
         Args:
             recv_bytes: sum of ``Payload.nbytes`` of the payloads received.
             recv_seconds: seconds blocked receiving them.
-            decode_seconds: seconds spent decoding.
+            decode_seconds: seconds spent decoding (a :class:`DeviceSpan`: read later).
         """
         e = self._entry(name, direction)
         e["recv_bytes"] += recv_bytes
         e["recv_seconds"] += recv_seconds
-        e["decode_seconds"] += decode_seconds
+        self._add_seconds(e, "decode_seconds", decode_seconds)
         e["recv_count"] += 1
 
     def records(self) -> list[dict]:
@@ -130,6 +196,7 @@ class BandwidthMeter:
         Keys: ``name``, ``direction``, every field in :data:`FIELDS` (bytes and counts
         as ``int``, seconds as ``float``), ``recv_bytes_per_s`` and ``ratio``.
         """
+        self._settle()
         out = []
         for (name, direction), e in sorted(self._data.items()):
             rec = {"name": name, "direction": direction}
@@ -139,6 +206,7 @@ class BandwidthMeter:
 
     def totals(self, direction: str | None = None) -> dict:
         """Sums over all boundaries (of one ``direction`` if given), with derived fields."""
+        self._settle()
         tot = dict.fromkeys(FIELDS, 0.0)
         for (_, d), e in self._data.items():
             if direction is None or d == direction:
@@ -149,9 +217,11 @@ class BandwidthMeter:
     def reset(self) -> None:
         """Forget everything recorded (e.g. at the start of an epoch)."""
         self._data.clear()
+        self._spans.clear()
 
     def state_dict(self) -> dict[str, dict[str, float]]:
         """The sums recorded so far, ``{"<name><US><direction>": {field: value}}`` (for a checkpoint)."""
+        self._settle()
         return {n + _KEY_SEP + d: dict(e) for (n, d), e in self._data.items()}
 
     def load_state_dict(self, state: dict[str, dict[str, float]]) -> None:
@@ -167,6 +237,7 @@ class BandwidthMeter:
                 raise ValueError(f"meter state entry {key!r} is not a boundary record")
             data[(name, direction)] = {f: float(fields[f]) for f in FIELDS}
         self._data = data
+        self._spans.clear()
 
     def gather(self, dst: int = 0, group: dist.ProcessGroup | None = None) -> "BandwidthMeter | None":
         """Merge every rank's records on global rank ``dst``; a collective (call on all ranks).
@@ -177,6 +248,7 @@ class BandwidthMeter:
         Returns:
             On ``dst``: a new meter holding the sums over all ranks; elsewhere ``None``.
         """
+        self._settle()
         dev = wire_device(group)
         world = dist.get_world_size(group)
         keys = sorted(self._data)

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
+from dgpipe.comm.meter import timer
 from dgpipe.comm.delay import DelayLine
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, parse_header
@@ -85,12 +86,6 @@ from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS,
                       REQUIRES_GRAD, ROW_MASK, ROWS, TOKEN_IDS, Message)
 
 __all__ = ["Boundary", "MAX_BOUNDARY_TENSORS", "boundary_name"]
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
 
 def _as_tensors(value, where: str) -> tuple[bool, list[torch.Tensor]]:
     atomic = isinstance(value, torch.Tensor)
@@ -343,7 +338,7 @@ class Boundary:
               keep: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> list[SendWork]:
         """Lanes -> transport -> meter for one message (of the positions flagged :data:`ROWS`, the rows
         ``keep`` marks; reference lanes keyed by ``tokens``)."""
-        start = _now(self._device)
+        stop = timer(self._device)
         ctx = LaneContext(ids, tokens=tokens, update=direction == "forward")
         rows_ctx = LaneContext(ids, keep=keep)
         payloads: list[Payload] = []
@@ -361,7 +356,7 @@ class Boundary:
                     payloads.append(lane.encode(t, rows_ctx))
                 else:
                     payloads.append(lane.encode(t[keep.to(t.device)] if message.rows(pos) else t, ctx))
-        encode_seconds = _now(self._device) - start
+        encode_seconds = stop()
         label = f"{self.name} {direction}, micro-batch {message.slot}"
         work = self._stream(direction, sending=True).send(payloads, meta=message.to_meta(), label=label)
         wire = sum(p.nbytes for p in payloads)
@@ -385,7 +380,7 @@ class Boundary:
             raise ValueError(f"{where}: {err}") from err
         recv_seconds = time.perf_counter() - start
         message = self._parse_meta(meta, len(payloads), slot, peer)
-        start = _now(self._device)
+        stop = timer(self._device)
         ids = None
         try:
             it = iter(payloads)
@@ -412,7 +407,7 @@ class Boundary:
                     tensors[pos] = put_rows(t, keep) if message.rows(pos) else t
         except ValueError as err:
             raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
-        decode_seconds = _now(self._device) - start
+        decode_seconds = stop()
         self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
                                 recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
         return message, tensors, ids

@@ -14,7 +14,10 @@ Policy for inf/NaN (all lossy quantizers of this package): ``encode`` raises
 ``ValueError`` -- a range with an infinite or undefined end would turn every decoded
 value into garbage. So does a finite range wider than float32 can hold (``hi - lo``
 overflows). Replace such values first (``torch.nan_to_num``) or send the tensor with
-codec ``none``/``fp16``.
+codec ``none``/``fp16``. One exception: on the GPU, a tensor of one grid is encoded
+without reading its range back to the host (:func:`..kernels.uniform_message`), so the
+grid it sends is not finite and ``decode`` raises the ``ValueError`` instead (every
+decode checks the grid it receives).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from ..kernels import finite_range, packed_nbytes, uniform_codes, uniform_message, uniform_values
+from ..kernels import finite_grid, finite_range, packed_nbytes, uniform_codes, uniform_message, uniform_values
 from ..steps.grid import GROUP_PARAM, flat_float32, grid_meta, grouping_options
 from ..steps.grouping import Grouping
 
@@ -62,6 +65,9 @@ class UniformQuantizer(Codec):
     Raises (encode):
         ValueError: non-floating input, inf/NaN values, a range overflowing float32 or
             a metadata value overflowing ``scale_dtype``; bad options at construction.
+    Raises (decode):
+        ValueError: a corrupt header, or a grid that is not finite (inf/NaN values sent
+            from a GPU, module docstring).
     """
 
     def __init__(self, bits: int = 8, stochastic: bool = False, group: str = "tensor", group_size: int = 0,
@@ -79,8 +85,7 @@ class UniformQuantizer(Codec):
         if n_sent == 0:
             packed, meta = flat.to(torch.uint8), flat.to(gp.meta_dtype)
         elif gp.plain:
-            lo, hi = torch.aminmax(flat)
-            meta, packed = uniform_message(flat, lo, hi, self.bits, self.name, self.stochastic)
+            meta, packed = uniform_message(flat, self.bits, self.name, self.stochastic)
         else:
             rows = gp.rows(flat.view(shape))
             if ng == 1:  # a whole-tensor reduction: several times faster than along dim 1 of one row
@@ -101,5 +106,6 @@ class UniformQuantizer(Codec):
         packed, meta = payload.tensors
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
+        finite_grid(meta, self.name)
         values = uniform_values(packed, bits, n_sent, meta, ng, g)  # in wire order
         return gp.restore(values, h.shape).to(h.dtype)

@@ -34,12 +34,11 @@ from .bitpack import CHUNK, pack_bits, packed_nbytes, unpack_bits
 from .buckets import BucketGrid, BucketIndex, bucket_codes, bucket_grid, bucket_values
 from .fwht import fwht
 from .levels import level_codes, level_rows, level_rows_values, level_values, nearest_level, row_rms
-from .uniform import finite_range, grid_levels, uniform_codes, uniform_message, uniform_values
+from .uniform import finite_grid, finite_range, grid_levels, uniform_codes, uniform_message, uniform_values
 
 __all__ = [
     "MIN_VALUES", "CHUNK", "enabled", "set_enabled", "failed_kernels", "pack_bits", "unpack_bits", "packed_nbytes",
     "BucketGrid", "BucketIndex", "bucket_grid", "bucket_codes", "bucket_values", "fwht", "nearest_level",
-    "level_codes", "level_values", "row_rms", "level_rows", "level_rows_values", "finite_range", "grid_levels",
-    "uniform_codes", "uniform_values",
-    "uniform_message",
+    "level_codes", "level_values", "row_rms", "level_rows", "level_rows_values", "finite_grid", "finite_range",
+    "grid_levels", "uniform_codes", "uniform_values", "uniform_message",
 ]

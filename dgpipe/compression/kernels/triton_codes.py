@@ -10,6 +10,8 @@ pass over memory.
 
 - :func:`encode_uniform` / :func:`decode_uniform`: ``quant`` per tensor or per group
   (:mod:`.uniform`), and sort quantization with one bucket;
+- :func:`encode_message`: ``quant`` with one grid, its range included, in two launches and without
+  reading anything back to the host (a message's encode never waits for the GPU);
 - :func:`bucket_maxima`, :func:`encode_buckets` / :func:`decode_buckets`: sort
   quantization's per-bucket maxima (a partial max per program, then their max) and
   codes ``bucket * 2**Q + level`` (the bucket by comparison with the boundaries), any
@@ -55,10 +57,11 @@ import os
 import torch
 
 from .backend import failure, failed_kernels
-from .bitpack import CHUNK, layout_planes, layout_word
+from .bitpack import CHUNK, layout_planes, layout_word, packed_nbytes
 
 __all__ = [
-    "COMPILE_OPTIONS", "available", "interpreting", "run_on_cpu", "encode_uniform", "decode_uniform", "bucket_maxima",
+    "COMPILE_OPTIONS", "EXTREMA_BLOCK", "MAX_PARTS", "available", "interpreting", "run_on_cpu", "encode_message",
+    "encode_uniform", "decode_uniform", "bucket_maxima",
     "encode_buckets",
     "decode_buckets", "encode_levels", "decode_levels",
 ]
@@ -212,6 +215,50 @@ if triton is not None:
         codes = _unpack(packed_ptr, c, n, K, R, G, W).to(tl.float32)
         tl.store(y_ptr + i, tl.load(lo_ptr + grp) + codes * tl.load(step_ptr + grp))
 
+    @triton.jit(do_not_specialize=["n", "parts"])
+    def _extrema_kernel(x_ptr, part_ptr, n, parts, EB: tl.constexpr, ROUNDS: tl.constexpr):
+        """Program ``p``'s min, max and NaN flag (1.0 if it saw a NaN) of blocks ``p, p + parts, ...`` of
+        ``EB`` values (``ROUNDS`` of them, a constant: a loop bound read from an argument fails under the
+        interpreter with numpy 2): ``part[p]``, ``part[parts + p]``, ``part[2 * parts + p]``."""
+        p = tl.program_id(0)
+        lo = tl.full((EB,), float("inf"), tl.float32)
+        hi = tl.full((EB,), float("-inf"), tl.float32)
+        nan = tl.zeros((EB,), tl.int32)
+        for r in range(ROUNDS):
+            i = (r * parts + p) * EB + tl.arange(0, EB)
+            m = i < n
+            v = tl.load(x_ptr + i, mask=m, other=0.0)
+            lo = tl.where(m, tl.minimum(lo, v), lo)
+            hi = tl.where(m, tl.maximum(hi, v), hi)
+            nan = tl.maximum(nan, (m & (v != v)).to(tl.int32))
+        tl.store(part_ptr + p, tl.min(lo, axis=0))
+        tl.store(part_ptr + parts + p, tl.max(hi, axis=0))
+        tl.store(part_ptr + 2 * parts + p, tl.max(nan, axis=0).to(tl.float32))
+
+    @triton.jit(do_not_specialize=["n", "parts"])
+    def _encode_message_kernel(x_ptr, part_ptr, grid_ptr, out_ptr, n, parts, TOP: tl.constexpr,
+                               PB: tl.constexpr, K: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
+                               W: tl.constexpr):
+        """The grid of the whole tensor from the partial extrema (every program reduces them itself: no
+        second pass, no read back), written by program 0 as ``grid = [lo, step, div]``; then chunk
+        ``c``'s codes, as :func:`_encode_uniform_kernel`. A NaN anywhere makes the step NaN."""
+        c = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, PB)
+        m = j < parts
+        lo = tl.min(tl.load(part_ptr + j, mask=m, other=float("inf")), axis=0)
+        hi = tl.max(tl.load(part_ptr + parts + j, mask=m, other=float("-inf")), axis=0)
+        nan = tl.max(tl.load(part_ptr + 2 * parts + j, mask=m, other=0.0), axis=0)
+        step = tl.math.div_rn(hi - lo, TOP)
+        step = tl.where(nan > 0, float("nan"), step)
+        div = tl.where(step > 0, step, 1.0)
+        k = tl.arange(0, 4)
+        tl.store(grid_ptr + k, tl.where(k == 0, lo, tl.where(k == 1, step, div)), mask=(k < 3) & (c == 0))
+        i = _lanes(c, G)
+        v = tl.math.div_rn(tl.load(x_ptr + i) - lo, div)
+        v = (v + _ROUND) - _ROUND
+        v = tl.minimum(tl.maximum(v, 0.0), TOP)
+        _pack(out_ptr, v.to(tl.int32), c, n, K, R, G, W)
+
     @triton.jit
     def _bucket_of(v, bounds_ptr, NB: tl.constexpr):
         """Each value's bucket: the number of the ``NB`` boundaries ``<= v`` (int32)."""
@@ -285,6 +332,48 @@ def encode_uniform(x: torch.Tensor, lo: torch.Tensor, div: torch.Tensor, bits: i
     return _run("encode_uniform", _encode_uniform_kernel, x, x, lo.reshape(-1).contiguous(),
                 div.reshape(-1).contiguous(), out, x.numel(), group_len, GROUPED=group_len < x.numel(),
                 TOP=float((1 << bits) - 1), **_layout(bits))
+
+
+EXTREMA_BLOCK = 4 * CHUNK
+"""Values per block of :func:`encode_message`'s first kernel."""
+
+MAX_PARTS = 1024
+"""Most programs of :func:`encode_message`'s first kernel: every program of the second reads their partial
+extrema (12 KiB at most)."""
+
+
+def encode_message(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One grid over all of ``x`` and its packed codes in two kernel launches, nothing read back to the host:
+    the partial extrema, then every chunk coded by a program that reduces them itself.
+
+    Same float32 operations as the reference (:func:`.uniform.uniform_message`: ``lo = min``,
+    ``step = (max - lo) / (2**bits - 1)``, codes :func:`.uniform.grid_levels`), so the same bytes. The
+    range is not checked here (that would read it back): a NaN makes the step NaN and an infinite value or
+    a range past float32 an infinite one, which the decoder refuses (:func:`.uniform.finite_grid`).
+
+    Args:
+        x: 1-D float32, contiguous, on the GPU (or CPU under :func:`run_on_cpu`).
+        bits: code width, 1..16.
+
+    Returns:
+        ``(grid, out)``: float32 ``(3,)`` ``[lo, step, div]`` on ``x``'s device (``grid[:2]`` is the metadata
+        sent, ``div`` the step with a zero replaced by 1) and the uint8 code stream with codes
+        ``0 .. n - n % CHUNK`` written (the tail is the caller's); None where it does not apply (then the
+        caller runs the reference).
+    """
+    n = x.numel()
+    if not (available(x) and n >= CHUNK and x.is_contiguous() and n < 2**31 - MAX_PARTS * EXTREMA_BLOCK):
+        return None
+    parts = min(MAX_PARTS, -(-n // EXTREMA_BLOCK))
+    part = torch.empty(3 * parts, dtype=torch.float32, device=x.device)
+    grid = torch.empty(3, dtype=torch.float32, device=x.device)
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
+    if not (_launch("extrema", _extrema_kernel, (parts,), x, part, n, parts, EB=EXTREMA_BLOCK,
+                    ROUNDS=1 << (-(-n // (parts * EXTREMA_BLOCK)) - 1).bit_length()) and
+            _launch("encode_message", _encode_message_kernel, (n // CHUNK,), x, part, grid, out, n, parts,
+                    TOP=float((1 << bits) - 1), PB=MAX_PARTS, **_layout(bits))):
+        return None
+    return grid, out
 
 
 def decode_uniform(packed: torch.Tensor, bits: int, lo: torch.Tensor, step: torch.Tensor, group_len: int,

@@ -11,7 +11,9 @@ Steps (each returns its result, whichever backend ran it, :mod:`.backend`):
   ``group_len`` values;
 - :func:`uniform_values`: their decoded values from the metadata as sent;
 - :func:`uniform_message`: one group's grid (from its range) and codes -- for a small CPU
-  message in one compiled call (:func:`.compiled.uniform_message`).
+  message in one compiled call (:func:`.compiled.uniform_message`), on the GPU in two launches that
+  read nothing back (:func:`.triton_codes.encode_message`); :func:`finite_grid`, the decoder's check
+  of a grid received.
 
 The reference is whole-block torch ops, block by block on CPU (:func:`blocks`); C
 (:mod:`.compiled`) and Triton (:mod:`.triton_codes`) compute the whole chunks, the
@@ -32,7 +34,7 @@ from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bit
 
 __all__ = [
     "BLOCK", "blocks", "tame", "finite_range", "range_of", "values_tail", "encode_blocks", "decode_table", "pack_tail",
-    "grid_step", "grid_divisor", "grid_levels",
+    "finite_grid", "grid_step", "grid_divisor", "grid_levels",
     "grid_table", "in_groups", "uniform_codes", "uniform_values", "uniform_message",
 ]
 
@@ -263,25 +265,37 @@ def _tail_values(packed: torch.Tensor, bits: int, n: int, lo: torch.Tensor, step
     return lo.reshape(-1)[grp] + codes * step.reshape(-1)[grp]
 
 
-def uniform_message(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, codec_name: str,
+def uniform_message(values: torch.Tensor, bits: int, codec_name: str,
                     stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One grid over all of ``values``: the metadata sent and the packed codes.
+    """One grid over all of ``values``, from their min and max: the metadata sent and the packed codes.
 
     Args:
         values: 1-D float32, ``n >= 1``.
-        lo, hi: 0-d float32 min and max of ``values``.
         bits: code width, 1..16.
         codec_name: for the error message.
         stochastic: stochastic rounding.
 
     Returns:
-        ``(meta, packed)``: float32 ``(2,)`` ``[lo, step]``, ``step = (hi - lo) / (2**bits - 1)``, and the
-        uint8 code stream (:func:`uniform_codes`). A small CPU message runs in one compiled call.
+        ``(meta, packed)``: float32 ``(2,)`` ``[lo, step]``, ``lo = min(values)``,
+        ``step = (max(values) - lo) / (2**bits - 1)``, and the uint8 code stream (:func:`uniform_codes`).
+        A small CPU message runs in one compiled call; on the GPU, two kernel launches that read nothing
+        back to the host (:func:`.triton_codes.encode_message`).
 
     Raises:
-        ValueError: the range is not finite (:func:`finite_range`).
+        ValueError: the range is not finite (:func:`finite_range`) -- except on the GPU path, which does
+            not read the range back: there the grid sent is not finite, and the decoder refuses it
+            (:func:`finite_grid`).
     """
-    if not stochastic and choose(values) == "c" and compiled.one_call(values) and values.is_contiguous():
+    backend = "torch" if stochastic else choose(values)
+    if backend == "triton":
+        done = kernels_of(backend).encode_message(values, bits)
+        if done is not None:
+            grid, out = done
+            n = values.numel()
+            return grid[:2], pack_tail(out, n, bits, lambda start: _tail_codes(values, grid[:1], grid[2:], bits, n,
+                                                                                start))
+    lo, hi = torch.aminmax(values)
+    if backend == "c" and compiled.one_call(values) and values.is_contiguous():
         a, b = lo.item(), hi.item()
         if not tame(a, b):
             finite_range(lo, hi, codec_name)  # raises
@@ -297,3 +311,15 @@ def uniform_message(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bi
         step = grid_step(lo.reshape(1), hi.reshape(1), 1 << bits)
         meta, div = torch.cat((lo.reshape(1), step)), grid_divisor(step)
     return meta, uniform_codes(values, meta[:1], div, bits, values.numel(), stochastic)
+
+
+def finite_grid(meta: torch.Tensor, codec_name: str) -> None:
+    """Raise ``ValueError`` unless every value of ``meta`` -- a received grid, ``lo`` and ``step`` per group, any
+    float dtype -- is finite: the check of a sender that did not check its range (:func:`uniform_message` on
+    the GPU). On CPU a numpy test; on a GPU one read back of a flag (the decoder's only wait)."""
+    if meta.is_cpu and meta.dtype == torch.float32 and tame(meta.detach().numpy()):
+        return
+    if not bool(torch.isfinite(meta).all()):
+        raise ValueError(f"{codec_name} payload has a grid that is not finite: the sender's values held inf/NaN or "
+                         "a range wider than float32 can hold; replace them first (e.g. torch.nan_to_num) or send "
+                         "that tensor with codec 'none' or 'fp16'")
