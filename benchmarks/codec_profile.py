@@ -1,15 +1,20 @@
 """Where a codec's GPU time goes: kernel launches, host syncs and kernel time per encode + decode.
 
 For each codec on a CUDA tensor (the 64x32x56x56 float32 randn of ``codec_speed.py``,
-25.7 MB, and a MiniLM-sized hidden state, 32x64x384), one warm-up round trip, then one
-round trip under ``torch.profiler``; printed per codec and direction:
+25.7 MB, a MiniLM-sized hidden state, 32x64x384, and a decoder's, 8x128x576 as SmolLM2's), one
+warm-up round trip, then one round trip under ``torch.profiler``; printed per codec and direction:
 
 - kernels: CUDA kernel launches (Triton and torch's own);
 - syncs: calls that can make the host wait for the GPU (``cudaStreamSynchronize``,
   ``cudaDeviceSynchronize``, ``cudaMemcpy``, ``cudaMemcpyAsync``: a ``.item()``, ``.tolist()``,
   a tensor shaped by data, or a small host-to-device copy);
+- waits: the host syncs torch itself reports (``torch.cuda.set_sync_debug_mode("warn")``: a
+  ``.item()``, a ``bool()`` of a tensor, a copy to the host) -- the ones that make the host wait;
 - kernel us: the sum of the kernels' device time; wall us: the round trip's wall time
   (with its syncs), median of 20 after the profiled one;
+- copy us: a clone of the same tensor; ``% copy``: the codec's share of a device copy's bandwidth,
+  input bytes per second of encode + decode against the copy's bytes read + written
+  (``copy us / (2 * (encode us + decode us))``);
 - the kernels that take most of the time, by name.
 
 The targets for a message: one or two kernel launches per encode, no host sync in
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -63,6 +69,18 @@ def _profiled(fn) -> tuple[int, int, float, dict[str, float]]:
     return _count(prof.events())
 
 
+def _waits(fn) -> int:
+    """The host syncs torch reports while ``fn()`` runs (its sync debug mode, one warning each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _wall_us(fn, reps: int = 20) -> float:
     times = []
     for _ in range(reps):
@@ -82,21 +100,25 @@ def main(argv=None) -> int:
         raise SystemExit("codec_profile.py needs a CUDA device")
     torch.manual_seed(0)
     tensors = {"large 64x32x56x56": torch.randn(64, 32, 56, 56, device="cuda"),
-               "minilm 32x64x384": torch.randn(32, 64, 384, device="cuda")}
+               "minilm 32x64x384": torch.randn(32, 64, 384, device="cuda"),
+               "decoder 8x128x576": torch.randn(8, 128, 576, device="cuda")}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("| tensor | codec | step | kernels | syncs | kernel us | wall us | copy us | top kernels (us) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tensor | codec | step | kernels | syncs | waits | kernel us | wall us | copy us | % copy | top kernels (us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for tname, x in tensors.items():
         copy_us = _wall_us(lambda: x.clone())
         for label, (name, options) in CODECS.items():
             codec = get_codec(name, **options)
             payload = codec.encode(x)
+            walls = {}
             for step, fn in (("encode", lambda: codec.encode(x)), ("decode", lambda: codec.decode(payload))):
                 kernels, syncs, kernel_us, per_name = _profiled(fn)
+                waits, walls[step] = _waits(fn), _wall_us(fn)
                 top = sorted(per_name.items(), key=lambda kv: -kv[1])[: args.top]
                 names = "; ".join(f"{n[:40]} {t:.0f}" for n, t in top)
-                print(f"| {tname} | {label} | {step} | {kernels} | {syncs} | {kernel_us:.0f} | {_wall_us(fn):.0f} "
-                      f"| {copy_us:.0f} | {names} |")
+                share = f"{100 * copy_us / (2 * sum(walls.values())):.0f}%" if step == "decode" else ""
+                print(f"| {tname} | {label} | {step} | {kernels} | {syncs} | {waits} | {kernel_us:.0f} "
+                      f"| {walls[step]:.0f} | {copy_us:.0f} | {share} | {names} |")
     return 0
 
 

@@ -142,6 +142,28 @@ def test_quant_encode_on_cuda_launches_two_kernels_and_never_waits(bits):
     assert _same_payload(out[0], ref)
 
 
+@pytest.mark.parametrize("bits, d", [(2, 576), (4, 56), (3, 384)])
+def test_codebook_token_rows_on_cuda_launch_two_kernels_and_never_wait(bits, d):
+    """Token-grouped codebook with the Hadamard rotation: rotation, scales, levels and packing in two launches,
+    nothing read back; the steps' bytes, and a one-kernel decode to the steps' values."""
+    from dgpipe.compression.kernels import backend
+
+    x = torch.randn(8, 128, d, device="cuda")
+    codec = get_codec("codebook", bits=bits, group="token", rotate="hadamard", scale_dtype="bfloat16")
+    codec.encode(x)  # compiles
+    out = []
+    assert _kernels_and_syncs(lambda: out.append(codec.encode(x))) == 2
+    y = codec.decode(out[0])
+    previous = backend.set_enabled(False)
+    try:
+        ref = codec.encode(x)
+        y_ref = codec.decode(ref)
+    finally:
+        backend.set_enabled(previous)
+    assert _same_payload(out[0], ref)
+    assert torch.equal(y.view(torch.int32), y_ref.view(torch.int32))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_inf_nan_on_cuda_is_refused_by_the_decoder(bad):
     x = torch.randn(8, 128, 576, device="cuda")

@@ -23,14 +23,18 @@ import torch
 from dgpipe.compression import get_codec
 from dgpipe.compression.kernels import backend, dispatch
 from dgpipe.compression.kernels.bitpack import CHUNK
+from dgpipe.compression.steps.hadamard import HadamardRotation
 from dgpipe.compression.kernels import BucketIndex
 from test_fused import CODEBOOK, QUANT, SORTQUANT, codebook_inputs, eager_and_fused, tensors  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton")
 from dgpipe.compression.kernels import triton_codes as fused_triton  # noqa: E402
+from dgpipe.compression.kernels import triton_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNELS = ("encode_message", "encode_uniform", "decode_uniform", "encode_buckets", "decode_buckets", "encode_levels", "decode_levels")
+ROW_KERNELS = ("encode_rows", "decode_rows")
+KERNELS = ("encode_message", "encode_uniform", "decode_uniform", "encode_buckets", "decode_buckets", "encode_levels",
+           "decode_levels")
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not fused_triton.interpreting(),
                                 reason="no GPU, and Triton's interpreter was off when Triton was imported")
 
@@ -50,15 +54,16 @@ def data(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def taken(monkeypatch):
-    """Counts the Triton kernel calls that ran (returned True), by name."""
+    """Counts the Triton kernel calls that ran (returned True or a result), by name."""
     counts: dict[str, int] = {}
-    for name in KERNELS:
-        def spy(*args, _real=getattr(fused_triton, name), _name=name):
-            done = _real(*args)
-            counts[_name] = counts.get(_name, 0) + bool(done)
-            return done
+    for module, names in ((fused_triton, KERNELS), (triton_rows, ROW_KERNELS)):
+        for name in names:
+            def spy(*args, _real=getattr(module, name), _name=name):
+                done = _real(*args)
+                counts[_name] = counts.get(_name, 0) + (done is not None and done is not False)
+                return done
 
-        monkeypatch.setattr(fused_triton, name, spy)
+            monkeypatch.setattr(module, name, spy)
     return counts
 
 
@@ -91,7 +96,10 @@ def test_codebook_triton_equals_eager(eager_and_fused, taken, opts):
     codec = get_codec("codebook", **opts)
     for t in codebook_inputs(data(seed=6), opts):
         eager_and_fused(codec, t)
-    assert taken.get("encode_levels", 0) >= 7 and taken.get("decode_levels", 0) >= 7, taken
+    if opts.get("group") == "token" and opts["levels"] == "normal":  # rotation to packing in two launches
+        assert taken.get("encode_rows", 0) >= 7 and taken.get("decode_rows", 0) >= 7, taken
+    else:
+        assert taken.get("encode_levels", 0) >= 7 and taken.get("decode_levels", 0) >= 7, taken
 
 
 @pytest.mark.parametrize("name", ["randn", "relu_ties", "integers", "constant", "signed_zeros", "outliers"])
@@ -158,9 +166,12 @@ def test_launch_failure_falls_back_with_one_warning(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(p.tensors, ref.tensors)) and torch.equal(y, codec.decode(ref))
 
 
-#: The float32 instructions the kernels may use: IEEE-rounded add, subtract, multiply and divide (torch's CUDA
-#: kernels use the same), int -> float conversion, and truncation of an integral float to int.
-ALLOWED_FLOAT_OPS = {"add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "cvt.rn.f32", "cvt.rzi.s32.f32"}
+#: The float instructions the kernels may use: IEEE-rounded float32 add, subtract, multiply and divide (torch's CUDA
+#: kernels use the same), int -> float conversion, truncation of an integral float to int; the row scales' float64
+#: add, multiply, divide and square root (all IEEE-rounded), exact widenings and rounding-to-nearest narrowings.
+ALLOWED_FLOAT_OPS = {"add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "cvt.rn.f32", "cvt.rzi.s32.f32",
+                     "add.rn.f64", "mul.rn.f64", "div.rn.f64", "sqrt.rn.f64", "cvt.f64.f32", "cvt.f32",
+                     "cvt.rn.f32.f64", "cvt.rn.bf16.f32", "cvt.rn.f16.f32"}
 
 
 def test_kernels_compile_for_nvidia_gpus_with_ieee_division_and_no_fma():
@@ -173,10 +184,46 @@ def test_kernels_compile_for_nvidia_gpus_with_ieee_division_and_no_fma():
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert {r["kernel"] for r in rows} == {name for name in vars(fused_triton) if name.endswith("_kernel")}
+    assert {r["kernel"] for r in rows} == {name for module in (fused_triton, triton_rows) for name in vars(module)
+                                           if name.endswith("_kernel")}
     assert {r["sm"] for r in rows} == {80, 90} and len(rows) >= 120
     for r in rows:
         ops = r["float_ops"]
         assert set(ops) <= ALLOWED_FLOAT_OPS, r
-        if r["kernel"] in ("_encode_uniform_kernel", "_encode_message_kernel", "_encode_buckets_kernel"):
+        if r["kernel"] in ("_encode_uniform_kernel", "_encode_message_kernel", "_encode_buckets_kernel",
+                           "_codes_kernel"):
             assert ops.get("div.rn.f32", 0) > 0, r
+
+
+@pytest.mark.parametrize("shape, bits, scale_dtype, rotate", [
+    ((3, 40, 56), 2, "bfloat16", "hadamard"),  # padded to 64
+    ((7, 576), 4, "bfloat16", "hadamard"),  # 9 blocks of 64: odd factor 9; a tail
+    ((2, 9, 384), 3, "float16", "hadamard"),  # 3 blocks of 128; 3-bit codes across bytes in the tail
+    ((5, 960), 1, "float32", "hadamard"),  # odd factor 15
+    ((3, 4096), 4, "float32", "hadamard"),  # one row per program
+    ((4, 11, 384), 2, "bfloat16", "none"),
+    ((6, 33, 100), 4, "float32", "none"),  # odd factor 25: the steps
+])
+def test_token_rows_in_two_launches_equal_the_steps(eager_and_fused, taken, shape, bits, scale_dtype, rotate):
+    """Rotation, RMS scale (float64 pairwise fold), rounding to the scale dtype, levels and packing fused on the
+    GPU: the steps' bytes, for widths with odd factors 1 to 15, tails of every kind, no rotation."""
+    codec = get_codec("codebook", bits=bits, group="token", rotate=rotate, scale_dtype=scale_dtype)
+    g = torch.Generator().manual_seed(sum(shape) + bits)
+    for x in (torch.randn(shape, generator=g), torch.randn(shape, generator=g) * torch.rand(shape, generator=g) ** 4,
+              torch.randn(shape, generator=g) * 1e-30):
+        eager_and_fused(codec, x.to(DEVICE))
+    width = shape[-1] if rotate == "none" else HadamardRotation(shape[-1]).width
+    if width // (width & -width) <= triton_rows.MAX_ODD:
+        assert taken.get("encode_rows", 0) == 3 and taken.get("decode_rows", 0) == 3, taken
+    else:
+        assert not taken.get("encode_rows", 0), taken
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_token_rows_send_a_scale_that_is_not_finite_and_the_decoder_refuses_it(bad):
+    x = torch.randn(4, 256, device=DEVICE)
+    x[2, 17] = bad
+    codec = get_codec("codebook", bits=2, group="token", rotate="hadamard", scale_dtype="bfloat16")
+    p = codec.encode(x)  # nothing read back: no check here
+    with pytest.raises(ValueError, match="grid that is not finite"):
+        codec.decode(p)

@@ -22,11 +22,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dgpipe.compression.kernels import triton_codes as ft
+from dgpipe.compression.kernels import triton_rows as tr
 from test_fused import SORTQUANT as CPU_SORTQUANT  # this script's folder is on sys.path
 
 BYTE_POINTERS = {"out_ptr", "packed_ptr"}
+HALF_POINTERS = {"meta_ptr": "*bf16"}
 SORTQUANT = [(q, s) for q, s in CPU_SORTQUANT if s] + [(2, 6)]  # the widths the tests run, and 64 buckets
-FLOAT_OP = re.compile(r"\b((?:fma|div|add|sub|mul|cvt)\.[a-z0-9.]*f32)\b")
+FLOAT_OP = re.compile(r"\b((?:fma|div|add|sub|mul|cvt|sqrt)\.[a-z0-9.]*f(?:32|64))\b")
 
 
 def configs():
@@ -42,14 +44,22 @@ def configs():
         yield ft._encode_buckets_kernel, {"NB": (1 << s) - 1, "Q": q, **ft._layout(q + s)}
         yield ft._decode_buckets_kernel, {"Q": q, **ft._layout(q + s)}
         yield ft._bucket_maxima_kernel, {"NB": (1 << s) - 1}
+    for width, block, meta in ((64, 64, 1), (576, 64, 1), (384, 128, 2), (960, 64, 0), (4096, 4096, 0)):
+        shape = tr._shape(width, block, True)
+        yield tr._scales_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "META": meta, **shape}
+        for bits in range(1, 5):
+            r, g, w = ft._layout(bits)["R"], ft._layout(bits)["G"], ft._layout(bits)["W"]
+            yield tr._codes_kernel, {"WIDTH": width, "NM": (1 << bits) - 1, "R": r, "G": g, "W": w}
+            yield tr._decode_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "R": r, "G": g, "W": w,
+                                      **{k: shape[k] for k in ("RB", "NBP", "BLOCK", "LOG")}}
     for bits in range(1, 5):
         yield ft._encode_levels_kernel, {"NM": (1 << bits) - 1, **ft._layout(bits)}
         yield ft._decode_levels_kernel, {"GROUPED": bits % 2 == 0, **ft._layout(bits)}
 
 
 def signature(kernel, constexprs: dict) -> dict[str, str]:
-    return {name: "constexpr" if name in constexprs else "*u8" if name in BYTE_POINTERS
-            else "*fp32" if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
+    return {name: "constexpr" if name in constexprs else "*u8" if name in BYTE_POINTERS else HALF_POINTERS[name]
+            if name in HALF_POINTERS else "*fp32" if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
 
 
 def main() -> None:

@@ -36,13 +36,14 @@ import torch
 
 from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
 from ..kernels import (
-    finite_range, level_codes, level_rows, level_rows_values, level_values, nearest_level, packed_nbytes, row_rms,
+    finite_grid, finite_range, level_codes, level_rows, level_rows_values, level_values, nearest_level, packed_nbytes,
+    row_rms,
 )
 from ..kernels.radix import MAX_COUNT, pack_radix, radix_nbytes, unpack_radix
 from ..kernels.uniform import in_groups
 from ..steps.grid import GROUP_PARAM, flat_float32, grouping_options
 from ..steps.grouping import Grouping, round_meta
-from ..steps.levels import fit_levels, normal_codebook
+from ..steps.levels import fit_levels, normal_codebook_on
 
 __all__ = ["CodebookQuantizer", "LEVELS"]
 
@@ -100,7 +101,7 @@ class CodebookQuantizer(Codec):
         flat = flat_float32(x, self.name)
         gp, shape = self.grouping, tuple(x.shape)
         params = (self.bits, LEVELS.index(self.levels), gp.param(len(shape))) + ((self.count,) if self.radix else ())
-        table = normal_codebook(self.count).to(flat.device)
+        table = normal_codebook_on(self.count, flat.device)
         fused = None if self.radix else self._one_pass(flat, shape, table)
         if fused is not None:
             packed, scale = fused
@@ -150,7 +151,8 @@ class CodebookQuantizer(Codec):
         packed, scale = payload.tensors[:2]
         if n_sent == 0:
             return scale.new_zeros(h.shape, dtype=h.dtype)
-        table = payload.tensors[2] if LEVELS[kind] == "fit" else normal_codebook(count).to(packed.device)
+        finite_grid(scale, self.name)  # a GPU encoder sends what it computed, unchecked (no read back)
+        table = payload.tensors[2] if LEVELS[kind] == "fit" else normal_codebook_on(count, packed.device)
         if LEVELS[kind] == "fit" and not bool(torch.isfinite(table).all()):
             raise ValueError("corrupt payload: field 'tensors[2]' (levels) holds inf/NaN")
         if radix:

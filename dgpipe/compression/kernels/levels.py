@@ -8,8 +8,8 @@
   order (a pairwise fold) that every backend repeats exactly;
 - :func:`level_rows` / :func:`level_rows_values`: a whole token-grouped message -- rotation,
   :func:`row_rms`, the scale's rounding, :func:`level_codes` -- in one compiled pass per
-  row on CPU (:mod:`.rows`, compiled C), and its decode; None where that does not apply (the
-  codec then runs the steps one by one: the reference).
+  row on CPU (:mod:`.rows`, compiled C) or two launches on a GPU (:mod:`.triton_rows`), and its
+  decode; None where that does not apply (the codec then runs the steps one by one: the reference).
 
 Compiled on CPU (:mod:`.compiled`) and GPU (:mod:`.triton_codes`) for codes of up to
 :data:`.compiled.MAX_LEVEL_BITS` bits: the whole chunks there, the ``n % CHUNK`` tail
@@ -141,13 +141,22 @@ def level_rows(x: torch.Tensor, rotation, levels: torch.Tensor, bits: int,
 
     Returns:
         ``(packed, scales)``: uint8 ``(ceil(rows * width * bits / 8),)`` and ``meta_dtype``
-        ``(rows,)``; None where it does not apply (:func:`.rows.applies`: not CPU, kernels off, more than
-        :data:`.rows.MAX_BITS` bits, another scale dtype, the compiled extension not built) or the input
-        holds inf/NaN or a scale overflows ``meta_dtype`` (the steps then raise the error).
+        ``(rows,)``; None where it does not apply (:func:`.rows.applies`: kernels off, more than
+        :data:`.rows.MAX_BITS` bits, another scale dtype, the compiled extension not built; on a GPU
+        :func:`.triton_rows.applies`) or, on CPU, the input holds inf/NaN or a scale overflows ``meta_dtype``
+        (the steps then raise the error; on a GPU the scales sent are not finite and the decoder refuses
+        them).
     """
     if not x.is_contiguous():
         return None
     signs, width, block = _rotation_args(rotation, x.shape[1])
+    if choose(x, least=1) == "triton":
+        from . import triton_rows
+
+        if not triton_rows.applies(bits, x, meta_dtype, width, block):
+            return None
+        return triton_rows.encode_rows(x, None if rotation is None else rotation.signs_on(x.device), width, block,
+                                       levels, bits, meta_dtype)
     done = row_pass.encode_rows(x, signs, width, block, (levels[1:] + levels[:-1]) / 2, bits, meta_dtype)
     if done is None:
         return None
@@ -171,9 +180,16 @@ def level_rows_values(packed: torch.Tensor, bits: int, levels: torch.Tensor, sca
         float32 ``(rows, d)``, the same bits as :func:`level_values` and the inverse rotation; None
         where it does not apply.
     """
+    signs, width, block = _rotation_args(rotation, d)
+    if choose(packed, rows * width, least=1) == "triton":
+        from . import triton_rows
+
+        if not triton_rows.applies(bits, packed, scales.dtype, width, block):
+            return None
+        return triton_rows.decode_rows(packed, bits, levels.float(), scales.reshape(-1), rows, d,
+                                       None if rotation is None else rotation.signs_on(packed.device), width, block)
     if not row_pass.applies(bits, packed):
         return None
-    signs, width, block = _rotation_args(rotation, d)
     n = rows * width
     full = n - n % CHUNK
     tail = unpack_bits(packed, bits, n, start=full, dtype=torch.int32).to(torch.uint8).numpy() if full < n else \

@@ -40,14 +40,21 @@ ROTATION_SEED = 0x4AD4
 
 def random_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``d`` random signs (+1/-1, float32) from a seed derived from :data:`ROTATION_SEED` and ``d``.
-    Computed once per width (on CPU the same tensor is returned each time: do not modify it)."""
-    return _cpu_signs(d).to(device)
+    Computed once per width and device (the same tensor is returned each time: do not modify it; on a GPU
+    no copy from the host after the first)."""
+    device = torch.device(device)
+    return _cpu_signs(d) if device.type == "cpu" else _device_signs(d, device)
 
 
 @functools.lru_cache(maxsize=64)
 def _cpu_signs(d: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(ROTATION_SEED * 1_000_003 + d)
     return (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).to(torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_signs(d: int, device: torch.device) -> torch.Tensor:
+    return _cpu_signs(d).to(device)
 
 
 class HadamardRotation:
@@ -76,6 +83,10 @@ class HadamardRotation:
     def signs(self) -> torch.Tensor:
         """The random signs, float32 ``(d,)`` on CPU (:func:`random_signs`; do not modify)."""
         return random_signs(self.d)
+
+    def signs_on(self, device: torch.device | str) -> torch.Tensor:
+        """The random signs on ``device`` (:func:`random_signs`; do not modify)."""
+        return random_signs(self.d, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate: ``x`` float32 ``(rows, d)`` -> ``(rows, width)`` float32 (a new tensor)."""

@@ -14,7 +14,8 @@ import functools
 
 import torch
 
-__all__ = ["FIT_SAMPLE", "FIT_ITERATIONS", "FIT_SEED", "normal_levels", "normal_codebook", "fit_levels"]
+__all__ = ["FIT_SAMPLE", "FIT_ITERATIONS", "FIT_SEED", "normal_levels", "normal_codebook", "normal_codebook_on",
+           "fit_levels"]
 
 FIT_SAMPLE = 1 << 16
 """Most values a fitted codebook is computed from."""
@@ -49,6 +50,17 @@ def normal_codebook(count: int, iterations: int = 200) -> torch.Tensor:
     if n % 2:  # the middle level of a symmetric density, exactly
         levels[n // 2] = 0.0
     return levels.to(torch.float32)
+
+
+def normal_codebook_on(count: int, device: torch.device | str) -> torch.Tensor:
+    """:func:`normal_codebook` on ``device``, copied there once (the same tensor each time: do not modify it)."""
+    device = torch.device(device)
+    return normal_codebook(count) if device.type == "cpu" else _device_codebook(count, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_codebook(count: int, device: torch.device) -> torch.Tensor:
+    return normal_codebook(count).to(device)
 
 
 def fit_levels(v: torch.Tensor, count: int) -> torch.Tensor:
