@@ -3,7 +3,9 @@
 # device copy, and the pipeline's throughput with GPU ranks beside data parallelism.
 #
 # Usage:  bash benchmarks/gpu_suite.sh OUT_DIR [STEP ...]
-#   STEPs (default: all, in this order): env cuda_tests suite codec_speed codec_profile pipeline lm
+#   STEPs (default: all, in this order): env cuda_tests suite retry codec_speed codec_profile pipeline lm
+#   (suite: every test but the CUDA modules, one line per test, so that a run cut short still names its
+#   failures; retry: those failures again, one process, with their tracebacks)
 #   GPU=cpu STEPS_MAX=2 bash benchmarks/gpu_suite.sh /tmp/dry pipeline   -- a dry run on CPU
 #   GPU=cpu STEPS_MAX=2 LM_CONFIG=small-llama bash benchmarks/gpu_suite.sh /tmp/dry lm
 # On an H100 (2026-11-25): env + cuda_tests + codec_speed took 6.5 min, codec_profile 26 s; pipeline's
@@ -23,7 +25,7 @@
 set -u
 OUT=${1:?usage: gpu_suite.sh OUT_DIR [STEP ...]}
 shift
-STEPS=${*:-env cuda_tests suite codec_speed codec_profile pipeline lm}
+STEPS=${*:-env cuda_tests suite retry codec_speed codec_profile pipeline lm}
 export GPU=${GPU:-cuda:0} STEPS_MAX=${STEPS_MAX:-20} LM_CONFIG=${LM_CONFIG:-benchmarks/configs/llama-768x12}
 CARRY=${CARRY:-.gpu}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -108,11 +110,18 @@ for s in $STEPS; do
     env) step env 60 bash -c 'nvidia-smi; python3 -c "import sys, torch, transformers; print(sys.version); \
 print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else \"\", \
 transformers.__version__); import triton; print(\"triton\", triton.__version__)"; nproc' ;;
-    cuda_tests) step cuda_tests 280 python3 -m pytest -v -rA -p no:cacheprovider --timeout 150 ${PYTEST_ARGS:-} \
-        tests/test_cuda.py tests/test_fused_triton.py ;;
-    suite) step suite ${SUITE_S:-360} python3 -m pytest -q -rfE -p no:cacheprovider -n ${WORKERS:-8} --timeout 150 tests ;;
+    cuda_tests) step cuda_tests ${CUDA_S:-280} python3 -m pytest -v -rfE -p no:cacheprovider --timeout 150 \
+        -n ${WORKERS:-8} ${PYTEST_ARGS:-} tests/test_cuda.py tests/test_fused_triton.py ;;
+    suite) step suite ${SUITE_S:-360} python3 -m pytest -v --tb=short -rfE -p no:cacheprovider -n ${WORKERS:-8} \
+        --timeout 150 --ignore=tests/test_cuda.py --ignore=tests/test_fused_triton.py tests ;;
+    retry) grep -hoE "(FAILED|ERROR) tests/[^ ]+" "$OUT"/logs/suite.log "$OUT"/logs/cuda_tests.log 2>/dev/null |
+        awk '{print $2}' | sort -u | head -40 >"$OUT/failed.txt"
+        if [ -s "$OUT/failed.txt" ]; then
+            step retry ${RETRY_S:-120} bash -c "xargs -a '$OUT/failed.txt' python3 -m pytest -q --tb=short -p no:cacheprovider \
+                --timeout 60"
+        fi ;;
     codec_speed) step codec_speed 240 python3 benchmarks/codec_speed.py --device cuda --reps 5 --threads 0 --real --messages ;;
-    codec_profile) step codec_profile 120 python3 benchmarks/codec_profile.py ;;
+    codec_profile) step codec_profile ${PROFILE_S:-120} python3 benchmarks/codec_profile.py ;;
     pipeline) export -f pipeline_runs; step pipeline 540 bash -c pipeline_runs ;;
     lm) export -f lm_runs; step lm ${LM_S:-300} bash -c lm_runs ;;
     *) echo "unknown step: $s" >&2; exit 2 ;;

@@ -127,7 +127,12 @@ def test_console_scripts_are_the_repository_scripts():
     assert load_cli("test_nlp_dgpipe").main is nlp.main
     assert load_cli("test_vision_dgpipe").main is vision.main
     assert load_cli("test_lm_dgpipe").main is lm.main
-    from importlib.metadata import entry_points
+    from importlib.metadata import PackageNotFoundError, distribution, entry_points
+
+    try:
+        distribution("dgpipe")
+    except PackageNotFoundError:
+        pytest.skip("dgpipe is not installed (a checkout on PYTHONPATH): no console scripts to compare")
 
     scripts = {e.name: e.value for e in entry_points(group="console_scripts") if e.name.startswith("dgpipe-")}
     assert scripts == {"dgpipe-nlp": "dgpipe.cli.nlp:console", "dgpipe-vision": "dgpipe.cli.vision:console",

@@ -12,7 +12,7 @@ step                        function                                     module
 ==========================  ==========================================  ===================
 bit-packing                 :func:`pack_bits`, :func:`unpack_bits`       :mod:`.bitpack`
 uniform grid                :func:`uniform_codes`, :func:`uniform_values`, :mod:`.uniform`
-                            :func:`uniform_message`
+                            :func:`uniform_message`, :func:`finite_grid`
 bucket boundaries/extrema   :func:`bucket_grid`                          :mod:`.buckets`
 bucket codes                :func:`bucket_codes`, :func:`bucket_values`  :mod:`.buckets`
 codebook assignment         :func:`level_codes`, :func:`level_values`    :mod:`.levels`
@@ -23,7 +23,8 @@ Hadamard butterflies        :func:`fwht`                                 :mod:`.
 ==========================  ==========================================  ===================
 
 Backends: :mod:`.compiled` (``codes.c``) and :mod:`.rows` (``rows.c``: the token-grouped codebook in one pass
-per row), compiled C built at install time, on CPU; :mod:`.triton_codes` on CUDA. :mod:`.dispatch` chooses
+per row), compiled C built at install time, on CPU; :mod:`.triton_codes` and :mod:`.triton_rows` (the
+token-grouped codebook in two launches) on CUDA. :mod:`.dispatch` chooses
 among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the C libraries,
 how a kernel's work is cut for torch's OpenMP threads (``team.h`` runs the parts) and the per-kernel
 failure record.

@@ -140,8 +140,14 @@ def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.T
 
 def grid_step(lo, hi, levels: int):
     """Step of the uniform grid of ``levels`` points from ``lo`` to ``hi`` (float32, same shape;
-    torch tensors or numpy arrays, the same float32 division)."""
-    return (hi - lo) / (levels - 1)
+    torch tensors or numpy arrays, the same IEEE float32 division everywhere).
+
+    On a GPU, torch divides a tensor by a host number as a multiplication by its reciprocal, which
+    rounds differently now and then: there the divisor is a tensor of the same device."""
+    span = hi - lo
+    if isinstance(span, torch.Tensor) and not span.is_cpu:
+        return span / torch.full_like(span, levels - 1)
+    return span / (levels - 1)
 
 
 def grid_divisor(step):
