@@ -11,6 +11,10 @@
 # On an H100 (2026-11-25): env + cuda_tests + codec_speed took 6.5 min, codec_profile 26 s; pipeline's
 # 14 runs need more than its 540 s at STEPS_MAX=15 (each run starts its processes and CUDA anew; the
 # last one, MiniLM DDP, was cut): give pipeline a call of its own, with STEPS_MAX=10.
+# On an H200 (2026-11-27): a machine's start ~35 s; codec_profile 17-32 s; lm at STEPS_MAX=10 135 s;
+# cuda_tests with WORKERS=16 more than 80 s (94 of 98 done); suite with WORKERS=14 more than 270 s
+# (about 97%), without the CUDA modules at WORKERS=16 more than 150 s (about 93%). With 15 device-minutes
+# a session, a whole suite and the CUDA tests do not fit beside anything else: pick.
 #
 # For a machine without network: put in CARRY (default .gpu, git-ignored) what it lacks --
 #   CARRY/whl/*.whl      wheels of the missing packages (installed with --no-deps into /tmp/site)
