@@ -52,6 +52,7 @@ arithmetic that of :mod:`.uniform`, :mod:`.buckets` and :mod:`.levels`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -130,9 +131,10 @@ def _run(name: str, kernel, t: torch.Tensor, *args, **constexprs) -> bool:
     return _launch(name, kernel, (chunks,), *args, **constexprs)
 
 
+@functools.lru_cache(maxsize=64)
 def _layout(bits: int) -> dict[str, int]:
     """The constexprs of the :mod:`.bitpack` layout of ``bits``-bit codes (K low-byte planes, R top bits
-    in words of G lanes, W bytes each)."""
+    in words of G lanes, W bytes each); one dict per width (do not modify it)."""
     k, r = layout_planes(bits)
     g, w = layout_word(r)[:2]
     return {"K": k, "R": r, "G": g, "W": w}

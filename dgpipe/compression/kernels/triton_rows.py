@@ -35,6 +35,7 @@ Reference: the rotation as in QuaRot (Ashkboos et al., 2024); the fast Walsh-Had
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -176,9 +177,11 @@ if triton is not None:
         tl.store(y_ptr + rr * d + col, y, mask=(rr < rows) & (col < d))
 
 
+@functools.lru_cache(maxsize=64)
 def _shape(width: int, block: int, rotate: bool) -> dict[str, int] | None:
     """The constexprs of a rotated width (``block``: the Hadamard block; without a rotation the rows are loaded
-    in blocks of their largest power-of-two divisor); None if the width's odd factor is too large."""
+    in blocks of their largest power-of-two divisor); None if the width's odd factor is too large. One dict per
+    width (do not modify it)."""
     k2 = width & -width
     odd = width // k2
     if odd > MAX_ODD:
