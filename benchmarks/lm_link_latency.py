@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dgpipe.pipeline.timeline import simulate_step
 from dgpipe.train.ablation import LM_SETTINGS, has_summary
-from dgpipe.train.compare import Link, project, run_profile
+from dgpipe.train.compare import TCP_FRAMING, Link, project, run_profile
 from dgpipe.train.runlog import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 got = waited[-1]["train_seconds"] / waited[-1]["steps"]
                 steps, wire = fs["steps"], fs["wire_bytes"]
                 want = project(fs["train_seconds"], wire, steps, boundaries, link, profile) / steps
-                own = overhead + simulate_step(run_profile(waited), link.rate, link.latency)
+                own = overhead + simulate_step(run_profile(waited), link.rate / TCP_FRAMING, link.latency)
                 formula = project(fs["train_seconds"], wire, steps, boundaries, link) / steps
                 lines.append(f"| {layout} | {setting} | {link.label} | {got:.3f} | {_error(want, got)} | "
                              f"{_error(own, got)} | {_error(formula, got)} |")

@@ -48,8 +48,9 @@ def test_rows_and_table_from_the_logs(tmp_path):
     assert none["delta"] is None and cb["delta"] == pytest.approx(-0.01)
     assert cb["forward_bits"] == pytest.approx(8 * 1_000_000 / 1_000_000)  # 10^6 float32 values
     assert cb["backward_bits"] == pytest.approx(4.0)
-    assert cb["projected"]["100 Mbit/s"] == pytest.approx(11.0 + 8 * 1_500_000 / 100e6)
-    assert cb["projected"]["10 Mbit/s"] == pytest.approx(11.0 + 8 * 1_500_000 / 10e6)
+    wire_bits = 8 * 1_500_000 * 1514 / 1448  # with the TCP/IP and Ethernet headers of every 1,448 payload bytes
+    assert cb["projected"]["100 Mbit/s"] == pytest.approx(11.0 + wire_bits / 100e6)
+    assert cb["projected"]["10 Mbit/s"] == pytest.approx(11.0 + wire_bits / 10e6)
     table = compare.format_table(rows)
     lines = table.splitlines()
     assert lines[2].split()[:7] == ["none", "0.8000", "--", "32.00", "32.00", "8.0", "10.0"]

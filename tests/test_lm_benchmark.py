@@ -43,8 +43,9 @@ def test_results_pair_seeds_and_price_the_steps(tmp_path):
     assert c["ratios"] == pytest.approx([175 / 200, 150 / 200])
     assert c["delta"][0] == pytest.approx(-0.15) and c["delta_pct"][0] == pytest.approx(-3.0)
     assert c["forward"] == pytest.approx(8 * 1000 / 1000)  # 1000 float32 values a direction
-    step_none = (100.0 + 8 * 4000 / 1e6 + 200 * 2 * 0.01) / 200  # one boundary: 2 latencies a step
-    step_c = (100.0 + 8 * 2000 / 1e6 + 200 * 2 * 0.01) / 200
+    framing = 1514 / 1448  # TCP/IP and Ethernet headers on the line rate
+    step_none = (100.0 + 8 * 4000 * framing / 1e6 + 200 * 2 * 0.01) / 200  # one boundary: 2 latencies a step
+    step_c = (100.0 + 8 * 2000 * framing / 1e6 + 200 * 2 * 0.01) / 200
     assert none["T"][link.label] == pytest.approx(200 * step_none)
     assert c["T"][link.label] == pytest.approx((175 + 150) / 2 * step_c)
     timed = {r["label"]: r for r in lm_benchmark.results(tmp_path, ["none", "c"], [0, 1], links=[link],

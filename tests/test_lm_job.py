@@ -196,5 +196,7 @@ def test_pretrain_tiny_llama_compare_to_none(corpus, tmp_path, capfd):
 
 def test_projection_without_a_profile_counts_latency_per_critical_message():
     link = compare.Link("x", 8e6, 0.01)
-    assert compare.project(10.0, 1_000_000, 5, 3, link) == pytest.approx(10.0 + 1.0 + 5 * 6 * 0.01)
+    want = 10.0 + 1.0 * compare.TCP_FRAMING + 5 * 6 * 0.01  # the bytes at the line rate less the TCP/IP headers
+    assert compare.project(10.0, 1_000_000, 5, 3, link) == pytest.approx(want)
+    assert compare.TCP_FRAMING == pytest.approx(1514 / 1448)
     assert compare.critical_messages(2) == 4

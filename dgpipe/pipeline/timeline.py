@@ -20,9 +20,9 @@ rank's task order fixed by the runtime. It gives the latency the order of the ta
 critical path -- two round trips of every link for client/server ``[0, 1, 0]``, one latency per boundary
 each way on a linear partition -- and how much of a message's transfer hides behind compute. It does not
 model processor sharing (ranks that share cores: their measured compute already holds that run's
-contention), the link's protocol overhead (TCP/IP headers: about 4% of a 1500-byte frame), nor TCP's own
-dynamics (on a link busy both ways the acknowledgements of one direction queue behind the data of the
-other).
+contention) nor TCP's own dynamics (on a link busy both ways the acknowledgements of one direction queue
+behind the data of the other); ``rate`` is the payload's, which :func:`dgpipe.train.compare.project` takes
+as the line rate less the headers of every segment (:data:`dgpipe.train.compare.TCP_FRAMING`).
 
 :mod:`dgpipe.train.compare` projects a run measured on loopback onto a link with it: measured seconds per step
 ``+ simulate_step(link) - simulate_step(loopback)``.

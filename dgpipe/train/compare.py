@@ -17,7 +17,9 @@ the timeline of a step -- each message held back by the latency, then its bytes 
 on its link, while the ranks compute what they can (:func:`dgpipe.pipeline.timeline.simulate_step`).
 For other runs (torch's schedules, DDP) it is ``training seconds + wire bytes x 8 / rate + steps x 2 x
 boundaries x latency``: no overlap of transfer and compute, and the latency of the messages the
-critical path of a GPipe or 1F1B step crosses on a linear partition. On one machine the link is
+critical path of a GPipe or 1F1B step crosses on a linear partition. Either way a link's rate is its
+line rate, of which TCP payload gets ``1 / TCP_FRAMING`` (:data:`TCP_FRAMING`: the headers of every
+segment, about 4.6%). On one machine the link is
 loopback, where compression cannot change samples/s; ``bandwidth/slow_link.py --rate 100mbit --
 COMMAND`` runs the same command across a real shaped link (root), ``--link-delay MS`` adds latency.
 """
@@ -35,7 +37,13 @@ from .codecs import SETTINGS, setting_label
 from .config import RunConfig
 from .runlog import direction_bits, read_records
 
-__all__ = ["Link", "LINKS", "LM_LINKS", "critical_messages", "project", "run_profile", "plan", "rows", "format_table"]
+__all__ = ["Link", "LINKS", "LM_LINKS", "TCP_FRAMING", "critical_messages", "project", "run_profile", "plan", "rows",
+           "format_table"]
+
+TCP_FRAMING = (1448 + 52 + 14) / 1448
+"""Bytes an Ethernet link carries per byte of TCP payload: a 1,500-byte IP packet holds 1,448 bytes of payload
+after 20 bytes of IP header and 32 of TCP header with timestamps (Linux's default), and the link adds the
+14-byte Ethernet header, which ``tc`` counts against its rate (RFC 793, RFC 7323; IEEE 802.3)."""
 
 
 @dataclass(frozen=True)
@@ -74,15 +82,16 @@ def project(train_seconds: float, wire_bytes: int, steps: int, boundaries: int, 
         train_seconds, wire_bytes, steps: the run's measured training seconds, training wire bytes (both
             directions, all boundaries) and optimizer steps.
         boundaries: stage boundaries (for the formula without a profile).
-        link: the link's rate (bits/s) and one-way latency (s).
+        link: the link's line rate (bits/s; TCP payload moves at ``rate / TCP_FRAMING``) and one-way latency (s).
         profile: the run's step profile (:func:`run_profile`); with it the link's cost is played out on the
             step's timeline, without it ``wire bytes x 8 / rate + steps x critical_messages(boundaries) x
             latency`` is added.
     """
+    payload_rate = link.rate / TCP_FRAMING
     if profile is not None:
-        added = simulate_step(profile, link.rate, link.latency) - simulate_step(profile)
+        added = simulate_step(profile, payload_rate, link.latency) - simulate_step(profile)
         return train_seconds + steps * added
-    return train_seconds + 8 * wire_bytes / link.rate + steps * critical_messages(boundaries) * link.latency
+    return train_seconds + 8 * wire_bytes / payload_rate + steps * critical_messages(boundaries) * link.latency
 
 
 def run_profile(records: list[dict[str, Any]]) -> StepProfile | None:
@@ -222,8 +231,8 @@ def format_table(rows_: list[dict[str, Any]]) -> str:
     lines.append("Link columns are projections: training seconds measured here (loopback, where compression cannot "
                  "change speed) + "
                  + ("what the link adds to a step's timeline of measured tasks (each message held back by the latency, "
-                    "then its bytes at the rate; dgpipe.pipeline.timeline)" if timed else
-                    "training wire bytes at that rate, no overlap"
+                    "then its bytes at the rate with TCP/IP headers; dgpipe.pipeline.timeline)" if timed else
+                    "training wire bytes at that rate with TCP/IP headers, no overlap"
                     + (", + the one-way latency once per message on the schedule's critical path (2 per boundary "
                        "and step)" if any(k.endswith("ms") for k in links) else ""))
                  + ". To measure on a real shaped link (root): python bandwidth/slow_link.py --rate 100mbit -- "
