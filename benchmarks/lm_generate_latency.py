@@ -11,8 +11,8 @@ Each is run ``--repeats`` times after an untimed warm-up per codec (its first ca
 are reported. Rank 0 writes one JSON line per setting (``<link>.jsonl``); the table (``table.md``) puts each beside
 its ideal::
 
-    ideal TTFT  = loopback TTFT + (prefill message bytes both ways) / rate + 2 x latency
-    ideal step  = loopback step + (one-token message bytes both ways) / rate + 2 x latency
+    ideal TTFT  = loopback TTFT + (prefill message bytes both ways) x TCP_FRAMING / rate + 2 x latency
+    ideal step  = loopback step + (one-token message bytes both ways) x TCP_FRAMING / rate + 2 x latency
 
 with the message bytes as the transport frames them (payloads, headers, meta; the prompt mask at
 prefill). It also lists the per-message overhead: the bytes of a one-token message that are not codes
@@ -131,6 +131,8 @@ def _medians(runs: list[list[float]]) -> tuple[float, float]:
 
 def table(out: Path) -> str:
     """The markdown table of all links' logs in ``out``."""
+    from dgpipe.train.compare import TCP_FRAMING
+
     logs = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
             for name, _, _ in LINKS}
     base = {(r["codec"], r["batch"], r["length"]): r for r in logs["loopback"]}
@@ -145,7 +147,7 @@ def table(out: Path) -> str:
             one, codes = message_bytes(spec, (b, 1, HIDDEN), False)
             loop_ttft, loop_step = _medians(base[key]["runs"])
             ttft, step = _medians(r["runs"])
-            wire = (lambda x: 8 * x / rate) if rate else (lambda x: 0.0)
+            wire = (lambda x: 8 * x * TCP_FRAMING / rate) if rate else (lambda x: 0.0)  # line rate, TCP/IP headers
             ideal_ttft = loop_ttft + wire(pre) + 2 * latency
             ideal_step = loop_step + wire(2 * one) + 2 * latency
             sent = next(m for m in r["meter"] if m["name"] == "client->server")
