@@ -164,11 +164,21 @@ def test_codebook_token_rows_on_cuda_launch_two_kernels_and_never_wait(bits, d):
     assert torch.equal(y.view(torch.int32), y_ref.view(torch.int32))
 
 
+@pytest.mark.parametrize("qs", [(6, 2), (3, 1)])
+def test_sortquant_encode_on_cuda_never_waits(qs):
+    x = torch.randn(8, 128, 576, device="cuda")
+    codec = get_codec("sortquant", quant_bits=qs[0], split_bits=qs[1])
+    y = codec.decode(codec.encode(x))  # compiles
+    assert _kernels_and_syncs(lambda: codec.encode(x)) > 0  # no wait raised in there
+    assert (y - x).abs().max() <= (x.max() - x.min()) / (1 << qs[0])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_inf_nan_on_cuda_is_refused_by_the_decoder(bad):
+@pytest.mark.parametrize("name, options", [("quant", {"bits": 8}), ("sortquant", {"quant_bits": 6, "split_bits": 2})])
+def test_inf_nan_on_cuda_is_refused_by_the_decoder(bad, name, options):
     x = torch.randn(8, 128, 576, device="cuda")
     x[3, 7, 11] = bad
-    codec = get_codec("quant", bits=8)
+    codec = get_codec(name, **options)
     p = codec.encode(x)  # does not look at the range (no read back)
     with pytest.raises(ValueError, match="grid that is not finite"):
         codec.decode(p)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgpipe.compression import get_codec
+from dgpipe.compression import Payload, get_codec
 from dgpipe.compression.kernels import buckets as sq
 from dgpipe.compression.kernels.bitpack import unpack_bits
 
@@ -195,6 +195,19 @@ def test_non_contiguous_and_empty():
     for e in (torch.zeros(0), torch.zeros(3, 0, 2)):
         y = codec.decode(codec.encode(e))
         assert y.shape == e.shape
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("qs", [(6, 2), (8, 0)])
+def test_decode_refuses_a_grid_that_is_not_finite(bad, qs):
+    """A GPU encoder sends its per-tensor grid unchecked (no read back): the decoder is where inf/NaN stop."""
+    codec = get_codec("sortquant", quant_bits=qs[0], split_bits=qs[1])
+    p = codec.encode(torch.randn(4, 256))
+    packed, meta = p.tensors
+    meta = meta.clone()
+    meta[1] = bad
+    with pytest.raises(ValueError, match="grid that is not finite"):
+        codec.decode(Payload(p.header, (packed, meta)))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

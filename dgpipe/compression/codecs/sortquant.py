@@ -53,8 +53,8 @@ from __future__ import annotations
 import torch
 
 from ..base import Codec, Payload, check_params, check_tensor_specs, make_payload, register_codec
-from ..kernels import (bucket_codes, bucket_grid, bucket_values, finite_range, grid_levels, pack_bits, packed_nbytes,
-                       unpack_bits)
+from ..kernels import (bucket_codes, bucket_grid, bucket_values, finite_grid, finite_range, grid_levels, pack_bits,
+                       packed_nbytes, unpack_bits)
 from ..kernels.uniform import grid_table
 from ..steps.grid import GROUP_PARAM, flat_float32, grid_meta, grouping_options
 from ..steps.grouping import Grouping
@@ -109,7 +109,10 @@ class SortQuantizer(Codec):
 
     Raises (encode):
         ValueError: non-floating input, inf/NaN values (policy in :mod:`.quantize`), or
-            a range overflowing float32.
+            a range overflowing float32 -- on CPU, and on a GPU for groups; a per-tensor grid on a GPU
+            is not read back, and the decoder refuses it instead.
+    Raises (decode):
+        ValueError: a corrupt header, or a grid that is not finite.
     """
 
     def __init__(self, quant_bits: int = 6, split_bits: int = 2, stochastic: bool = False, group: str = "tensor",
@@ -168,6 +171,7 @@ class SortQuantizer(Codec):
         packed, meta = payload.tensors
         if n_sent == 0:
             return meta.new_zeros(h.shape, dtype=h.dtype)
+        finite_grid(meta, self.name)  # a GPU encoder sends the grid it computed, unchecked (no read back)
         if ng == 1:
             values = bucket_values(packed, q, s, n_sent, meta)
         else:
