@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -143,3 +144,22 @@ def test_plot_ablation_points_and_png(tmp_path, capsys):
     _summary(tmp_path / "cola.jsonl", 0.3, 1000, 500, metric="val_mcc")
     with pytest.raises(ValueError, match="different metrics"):
         plot.ablation_points([tmp_path / "sq8.jsonl", tmp_path / "cola.jsonl"])
+
+
+def test_pruning_passes_over_a_step_folder_another_rank_removed(tmp_path, monkeypatch):
+    """Every rank prunes its old steps at once: when another rank removes a step's folder between this
+    rank's look at it and its listing, the write still succeeds (it raised FileNotFoundError once)."""
+    writer = checkpoint.Writer(tmp_path, 1, keep=1)
+    writer.save(10, {"x": torch.zeros(2)})
+    writer.wait()
+    real = Path.iterdir
+
+    def other_rank_first(self):
+        if self.name == "step-00000010":
+            shutil.rmtree(self)  # rank 0 got there first
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", other_rank_first)
+    writer.save(20, {"x": torch.ones(2)})
+    writer.wait()  # raised the other rank's FileNotFoundError before
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000020"]

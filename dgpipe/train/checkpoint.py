@@ -218,7 +218,8 @@ class Writer:
 
     def _prune(self) -> None:
         """Delete this rank's files of all but the newest ``keep`` steps it completed, and a step's
-        folder once it is empty (or holds only rank 0's ``meta.json``, with rank 0's files gone)."""
+        folder once it is empty (or holds only rank 0's ``meta.json``, with rank 0's files gone). The ranks
+        prune at once: a folder another rank removes meanwhile is passed over."""
         mine = [s for s in steps(self.directory) if _rank_files(step_dir(self.directory, s), self.rank)[1].exists()]
         for s in mine[:-self.keep]:
             folder = step_dir(self.directory, s)
@@ -226,7 +227,11 @@ class Writer:
                 p.unlink(missing_ok=True)
             if self.rank == 0:
                 (folder / META_NAME).unlink(missing_ok=True)
-            if folder.is_dir() and not any(folder.iterdir()):
+            try:
+                empty = not any(folder.iterdir())
+            except FileNotFoundError:  # another rank emptied and removed it first
+                continue
+            if empty:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def wait(self) -> None:
