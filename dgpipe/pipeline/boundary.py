@@ -73,8 +73,8 @@ import torch
 import torch.distributed as dist
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
-from dgpipe.comm.meter import timer
 from dgpipe.comm.delay import DelayLine
+from dgpipe.comm.meter import timer
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, parse_header
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids

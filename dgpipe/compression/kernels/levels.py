@@ -121,9 +121,10 @@ def row_rms(rows: torch.Tensor) -> torch.Tensor:
     return (total / width).sqrt().float()  # number as a multiplication by its reciprocal: not IEEE
 
 
-def _rotation_args(rotation, d: int) -> tuple:
-    """``(signs, width, block)`` of a :class:`..steps.hadamard.HadamardRotation` (None: no rotation)."""
-    return (None, d, d) if rotation is None else (rotation.signs, rotation.width, rotation.block)
+def _rotation_args(rotation, d: int, device: torch.device) -> tuple:
+    """``(signs, width, block)`` of a :class:`..steps.hadamard.HadamardRotation` (None: no rotation), the signs
+    on ``device``."""
+    return (None, d, d) if rotation is None else (rotation.signs_on(device), rotation.width, rotation.block)
 
 
 def level_rows(x: torch.Tensor, rotation, levels: torch.Tensor, bits: int,
@@ -152,14 +153,13 @@ def level_rows(x: torch.Tensor, rotation, levels: torch.Tensor, bits: int,
     """
     if not x.is_contiguous():
         return None
-    signs, width, block = _rotation_args(rotation, x.shape[1])
+    signs, width, block = _rotation_args(rotation, x.shape[1], x.device)
     if choose(x, least=1) == "triton":
         from . import triton_rows
 
         if not triton_rows.applies(bits, x, meta_dtype, width, block):
             return None
-        return triton_rows.encode_rows(x, None if rotation is None else rotation.signs_on(x.device), width, block,
-                                       levels, bits, meta_dtype)
+        return triton_rows.encode_rows(x, signs, width, block, levels, bits, meta_dtype)
     done = row_pass.encode_rows(x, signs, width, block, (levels[1:] + levels[:-1]) / 2, bits, meta_dtype)
     if done is None:
         return None
@@ -183,14 +183,13 @@ def level_rows_values(packed: torch.Tensor, bits: int, levels: torch.Tensor, sca
         float32 ``(rows, d)``, the same bits as :func:`level_values` and the inverse rotation; None
         where it does not apply.
     """
-    signs, width, block = _rotation_args(rotation, d)
+    signs, width, block = _rotation_args(rotation, d, packed.device)
     if choose(packed, rows * width, least=1) == "triton":
         from . import triton_rows
 
         if not triton_rows.applies(bits, packed, scales.dtype, width, block):
             return None
-        return triton_rows.decode_rows(packed, bits, levels.float(), scales.reshape(-1), rows, d,
-                                       None if rotation is None else rotation.signs_on(packed.device), width, block)
+        return triton_rows.decode_rows(packed, bits, levels.float(), scales.reshape(-1), rows, d, signs, width, block)
     if not row_pass.applies(bits, packed):
         return None
     n = rows * width

@@ -61,7 +61,8 @@ from .backend import failure, failed_kernels
 from .bitpack import CHUNK, layout_planes, layout_word, packed_nbytes
 
 __all__ = [
-    "COMPILE_OPTIONS", "EXTREMA_BLOCK", "MAX_PARTS", "available", "interpreting", "run_on_cpu", "encode_message",
+    "COMPILE_OPTIONS", "EXTREMA_BLOCK", "MAX_PARTS", "available", "interpreting", "run_on_cpu", "launch",
+    "encode_message",
     "encode_uniform", "decode_uniform", "bucket_maxima",
     "encode_buckets",
     "decode_buckets", "encode_levels", "decode_levels",
@@ -109,7 +110,7 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 reference's separate kernels do)."""
 
 
-def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
+def launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> bool:
     """Run ``kernel[grid](*args, **constexprs)`` with :data:`COMPILE_OPTIONS`; False if kernel ``name`` cannot
     run (:func:`.backend.failure`: one warning, then the reference for this kernel from then on)."""
     key = ("triton_" + name,)
@@ -123,12 +124,12 @@ def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> bo
 
 
 def _run(name: str, kernel, t: torch.Tensor, *args, **constexprs) -> bool:
-    """:func:`_launch` ``kernel`` with one program per whole chunk of ``t`` (the tensor read or written
+    """:func:`launch` ``kernel`` with one program per whole chunk of ``t`` (the tensor read or written
     chunk by chunk); False where the kernels do not apply to ``t`` (device, no whole chunk, not contiguous)."""
     chunks = t.numel() // CHUNK
     if not (available(t) and chunks and t.is_contiguous()):
         return False
-    return _launch(name, kernel, (chunks,), *args, **constexprs)
+    return launch(name, kernel, (chunks,), *args, **constexprs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -370,9 +371,9 @@ def encode_message(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tens
     part = torch.empty(3 * parts, dtype=torch.float32, device=x.device)
     grid = torch.empty(3, dtype=torch.float32, device=x.device)
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
-    if not (_launch("extrema", _extrema_kernel, (parts,), x, part, n, parts, EB=EXTREMA_BLOCK,
+    if not (launch("extrema", _extrema_kernel, (parts,), x, part, n, parts, EB=EXTREMA_BLOCK,
                     ROUNDS=1 << (-(-n // (parts * EXTREMA_BLOCK)) - 1).bit_length()) and
-            _launch("encode_message", _encode_message_kernel, (n // CHUNK,), x, part, grid, out, n, parts,
+            launch("encode_message", _encode_message_kernel, (n // CHUNK,), x, part, grid, out, n, parts,
                     TOP=float((1 << bits) - 1), PB=MAX_PARTS, **_layout(bits))):
         return None
     return grid, out
@@ -448,7 +449,7 @@ def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> 
     if not (available(x) and chunks and x.is_contiguous()):
         return None
     part = torch.empty(chunks, mins.numel(), dtype=torch.float32, device=x.device)
-    if not _launch("bucket_maxima", _bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(),
+    if not launch("bucket_maxima", _bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(),
                    NB=bounds.numel()):
         return None
     return torch.maximum(mins, part.amax(0)) + 0.0

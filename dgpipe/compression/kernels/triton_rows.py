@@ -41,7 +41,7 @@ import math
 import torch
 
 from .bitpack import CHUNK, layout_planes, layout_word, pack_bits_into, packed_nbytes
-from .triton_codes import _launch, available, triton
+from .triton_codes import launch, available, triton
 
 __all__ = ["MAX_BITS", "MAX_ODD", "applies", "encode_rows", "decode_rows"]
 
@@ -229,12 +229,12 @@ def encode_rows(x: torch.Tensor, signs: torch.Tensor | None, width: int, block: 
     meta = scale if meta_dtype == torch.float32 else torch.empty(rows, dtype=meta_dtype, device=dev)
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
     grid = (-(-rows // shape["RB"]),)
-    if not _launch("encode_rows_scales", _scales_kernel, grid, x, x if signs is None else signs, rot, scale, meta,
+    if not launch("encode_rows_scales", _scales_kernel, grid, x, x if signs is None else signs, rot, scale, meta,
                    rows, d, WIDTH=width, INV=1.0 / math.sqrt(block), ROTATE=signs is not None,
                    META=_META[meta_dtype], **shape):
         return None
     r, (g, w) = layout_planes(bits)[1], layout_word(layout_planes(bits)[1])[:2]
-    if n >= CHUNK and not _launch("encode_rows_codes", _codes_kernel, (n // CHUNK,), rot, scale, levels.contiguous(),
+    if n >= CHUNK and not launch("encode_rows_codes", _codes_kernel, (n // CHUNK,), rot, scale, levels.contiguous(),
                                   out, n, WIDTH=width, NM=(1 << bits) - 1, R=r, G=g, W=w):
         return None
     full = n - n % CHUNK
@@ -268,7 +268,7 @@ def decode_rows(packed: torch.Tensor, bits: int, table: torch.Tensor, scales: to
     y = torch.empty(rows, d, dtype=torch.float32, device=packed.device)
     grid = (-(-rows // shape["RB"]),)
     shape = {k: v for k, v in shape.items() if k in ("RB", "NBP", "BLOCK", "LOG")}
-    if not _launch("decode_rows", _decode_kernel, grid, packed, table.contiguous(), scales.contiguous(),
+    if not launch("decode_rows", _decode_kernel, grid, packed, table.contiguous(), scales.contiguous(),
                    packed if signs is None else signs, y, rows, d, n - n % CHUNK, packed.numel(), WIDTH=width,
                    INV=1.0 / math.sqrt(block), ROTATE=signs is not None, R=r, G=g, W=w, **shape):
         return None

@@ -79,13 +79,8 @@ class HadamardRotation:
         else:
             self.width = self.block = 1 << (d - 1).bit_length()
 
-    @property
-    def signs(self) -> torch.Tensor:
-        """The random signs, float32 ``(d,)`` on CPU (:func:`random_signs`; do not modify)."""
-        return random_signs(self.d)
-
     def signs_on(self, device: torch.device | str) -> torch.Tensor:
-        """The random signs on ``device`` (:func:`random_signs`; do not modify)."""
+        """The random signs, float32 ``(d,)`` on ``device`` (:func:`random_signs`; do not modify)."""
         return random_signs(self.d, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
