@@ -222,8 +222,10 @@ class DeltaCache:
         return h.hexdigest()
 
     def state_dict(self) -> dict:
-        """``{"values": tensor (N, *row_shape) or None}`` (a copy, safe to save)."""
-        return {"values": None if self.values is None else self.values.clone()}
+        """``{"values": tensor (N, *row_shape) or None}``: the cache's own tensor, not a copy (as
+        ``torch.nn.Module.state_dict``); copy it before the cache changes if it must outlive that
+        (the checkpoint writer snapshots it)."""
+        return {"values": self.values}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (allocating, so the limit and the file apply).

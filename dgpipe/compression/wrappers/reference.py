@@ -142,9 +142,9 @@ class TokenTable:
         self.rows[tokens] = old + (sums - n[:, None].float() * old) * weight[:, None]
 
     def state_dict(self) -> dict:
-        """``{"rows": float32 (vocab, d) or None, "count": int64 (vocab,) or None}`` (copies, safe to save)."""
-        return {"rows": None if self.rows is None else self.rows.clone(),
-                "count": None if self.count is None else self.count.clone()}
+        """``{"rows": float32 (vocab, d) or None, "count": int64 (vocab,) or None}``: the table's own tensors,
+        not copies (as ``torch.nn.Module.state_dict``; the checkpoint writer snapshots them)."""
+        return {"rows": self.rows, "count": self.count}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (on the saved tensors' device).
