@@ -1,7 +1,7 @@
 """The language-model fine-tuning benchmark (docs/lm.md): SmolLM2-135M-Instruct (offline GGUF package),
 client/server (the client holds the embeddings, the first and last block and the head), fine-tuned on
 Shakespeare for 20 steps of 8 x 64 tokens, validation loss through the link on 32 held-out blocks, under
-settings of ``dgpipe.train.ablation.LM_SETTINGS`` and paired seeds; then the report of
+settings of ``dgpipe.train.ablation.LM_FINETUNE_SETTINGS`` and paired seeds; then the report of
 :mod:`dgpipe.train.lm_benchmark` (``OUT/lm.md``).
 
     python benchmarks/lm_finetune.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
     args = p.parse_args(argv)
     labels = args.only.split(",")
-    run = ["--job", "lm", "--settings", "lm", "--seeds", args.seeds, "--out", args.out, "--only", ",".join(labels),
-           "--title", "SmolLM2-135M fine-tuning, Shakespeare, client/server"]
+    run = ["--job", "lm", "--settings", "lm_finetune", "--seeds", args.seeds, "--out", args.out,
+           "--only", ",".join(labels), "--title", "SmolLM2-135M fine-tuning, Shakespeare, client/server"]
     status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *COMMON])
     rows = lm_benchmark.results(Path(args.out), labels, [int(k) for k in args.seeds.split(",")])
     if rows:

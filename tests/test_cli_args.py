@@ -114,6 +114,7 @@ def _validated(argv, cli=VISION):
         (["--token-reference", "--delta"], "--token-reference does not combine with --delta (it codes whole tensors"),
         (["--token-reference", "--skip-padding"], "--token-reference does not combine with --skip-padding"),
         (["--mode", "dataparallel", "--token-reference"], "--token-reference works on pipeline boundaries; use --mode"),
+        (["--token-reference-scale"], "--token-reference-scale weighs the residual of --token-reference: add"),
         (["--token-reference", "--engine", "torch", "--partition", "linear"],
          "--token-reference is dgpipe's runtime (its boundaries carry the attention mask and token ids)"),
         (["--token-reference"], "--token-reference is for the nlp job's encoders"),

@@ -16,7 +16,7 @@ import torch
 
 from dgpipe.compression import Codec, CodecSpec
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec
-from dgpipe.compression.wrappers.reference import ReferenceCoder, TokenReference, TokenTable
+from dgpipe.compression.wrappers.reference import ReferenceCoder, ScaledReferenceCoder, TokenReference, TokenTable
 
 from .lanes import LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, ReferenceLane
 from .message import CODED, DELTA_CODED, LOSSLESS
@@ -132,7 +132,10 @@ class Coders:
                              "(configure it alike on every rank)")
         if pos not in self.references:
             spec = self.token_reference
-            self.references[pos] = ReferenceCoder(self.factories["forward"](), TokenTable(spec.vocab, spec.alpha))
+            table = TokenTable(spec.vocab, spec.alpha)
+            self.references[pos] = (ScaledReferenceCoder(self.factories["forward"](), table, TokenTable(1, spec.alpha),
+                                                         shared=True) if spec.scale
+                                    else ReferenceCoder(self.factories["forward"](), table))
         return self.references[pos]
 
     def lane(self, direction: str, slot: int, pos: int, kind: int, referenced: bool = False) -> Lane:
@@ -187,8 +190,9 @@ class Coders:
         return total
 
     def reference_state(self) -> dict[str, dict]:
-        """``state_dict()`` of this side's token table per tuple position (``{}`` if none)."""
-        return {str(pos): coder.table.state_dict() for pos, coder in sorted(self.references.items())}
+        """``state_dict()`` of this side's reference coder (its token table, and the squares of a scaled
+        one) per tuple position (``{}`` if none)."""
+        return {str(pos): coder.state_dict() for pos, coder in sorted(self.references.items())}
 
     def load_reference_state(self, state: dict[str, dict]) -> None:
         """Restore :meth:`reference_state` output.
@@ -197,11 +201,11 @@ class Coders:
             ValueError: this rank has no token reference, or a table does not fit.
         """
         for pos, table_state in state.items():
-            self.reference(int(pos)).table.load_state_dict(table_state)
+            self.reference(int(pos)).load_state_dict(table_state)
 
     def reference_digests(self) -> dict[int, str]:
-        """SHA-256 of this side's token table per tuple position (equal on the two sides of the boundary)."""
-        return {pos: coder.table.digest() for pos, coder in sorted(self.references.items())}
+        """SHA-256 of this side's reference tables per tuple position (equal on the two sides of the boundary)."""
+        return {pos: coder.digest() for pos, coder in sorted(self.references.items())}
 
     def delta_digests(self) -> dict[int, str]:
         """SHA-256 of this side's cache per tuple position (equal on the two sides of the boundary)."""

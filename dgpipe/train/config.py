@@ -45,6 +45,8 @@ class PipelineConfig:
         token_reference: coded hidden states cross boundaries as their residual against a per-token
             table both sides build from training messages; the token ids travel with them
             (:mod:`dgpipe.compression.wrappers.reference`).
+        token_reference_scale: with ``token_reference``, each channel of the residual is also weighed by its
+            running variance to the power -1/4 before coding (``TokenReference.scale``).
         engine: ``"dgpipe"`` (this package's GPipe runtime) or ``"torch"`` (torch's schedules).
         schedule: torch schedule of the torch engine (``"gpipe"``, ``"1f1b"``,
             ``"interleaved"``, ``"zbv"``), ``None`` with dgpipe's.
@@ -65,6 +67,7 @@ class PipelineConfig:
     compress_eval: bool
     skip_padding: bool
     token_reference: bool
+    token_reference_scale: bool
     engine: str
     schedule: str | None
     link_delay_ms: float

@@ -52,6 +52,8 @@ class TokenReference:
     Attributes:
         vocab: number of token ids; every id is in ``[0, vocab)``.
         alpha: the least weight of a new row in the running mean, in ``(0, 1]``.
+        scale: also weigh each channel of the residual before coding by its running variance to the power
+            -1/4, one variance per channel over all tokens (:class:`ScaledReferenceCoder` with ``shared``).
 
     Raises:
         ValueError: ``vocab < 1`` or ``alpha`` outside ``(0, 1]``.
@@ -59,6 +61,7 @@ class TokenReference:
 
     vocab: int
     alpha: float = 0.05
+    scale: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1:
@@ -188,6 +191,22 @@ class ReferenceCoder:
     def __init__(self, codec: Codec, table: TokenTable) -> None:
         self.codec, self.table = codec, table
 
+    def state_dict(self) -> dict:
+        """The table's :meth:`TokenTable.state_dict` (its own tensors, not copies)."""
+        return self.table.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            ValueError: a table that does not fit (:meth:`TokenTable.load_state_dict`).
+        """
+        self.table.load_state_dict(state)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of this side's tables: equal on both sides of a link."""
+        return self.table.digest()
+
     def _weights(self, ids: torch.Tensor, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """Per-channel weights of the residual before coding (``None``: unweighted; :class:`ScaledReferenceCoder`)."""
         return None
@@ -241,15 +260,47 @@ class ScaledReferenceCoder(ReferenceCoder):
 
     Args:
         codec, table: as for :class:`ReferenceCoder`.
-        squares: this side's table of squared residuals (same keys as ``table``).
+        squares: this side's table of squared residuals: the same keys as ``table``, or with ``shared`` one
+            row for every key (``TokenTable(1)``: one variance per channel, for tables keyed by a vocabulary
+            whose rare tokens would give noisy variances).
+        shared: whether ``squares`` has one row for all keys.
+
+    Raises:
+        ValueError: ``shared`` with a ``squares`` table of more than one row.
     """
 
-    def __init__(self, codec: Codec, table: TokenTable, squares: TokenTable) -> None:
+    def __init__(self, codec: Codec, table: TokenTable, squares: TokenTable, shared: bool = False) -> None:
         super().__init__(codec, table)
-        self.squares = squares
+        if shared and squares.vocab != 1:
+            raise ValueError(f"token reference: a shared table of squares has one row, not {squares.vocab}")
+        self.squares, self.shared = squares, shared
+
+    def state_dict(self) -> dict:
+        """The table's :meth:`TokenTable.state_dict` with the squares' under ``"squares"``."""
+        return {**self.table.state_dict(), "squares": self.squares.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            ValueError: a state without the squares, or tables that do not fit.
+        """
+        if not isinstance(state.get("squares"), dict):
+            raise ValueError("token reference: a saved table without its squares; resume with the same "
+                             "reference options")
+        self.table.load_state_dict(state)
+        self.squares.load_state_dict(state["squares"])
+
+    def digest(self) -> str:
+        h = hashlib.sha256(self.table.digest().encode())
+        h.update(self.squares.digest().encode())
+        return h.hexdigest()
+
+    def _keys(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(ids) if self.shared else ids
 
     def _weights(self, ids: torch.Tensor, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        v = self.squares.lookup(ids, d, device)
+        v = self.squares.lookup(self._keys(ids), d, device)
         floor = 1e-6 * v.mean(-1, keepdim=True)
         w = v.clamp(min=1e-30).maximum(floor).pow(-0.25)
         w = w / w.pow(2).mean(-1, keepdim=True).sqrt()
@@ -257,4 +308,4 @@ class ScaledReferenceCoder(ReferenceCoder):
 
     def _fold(self, ids: torch.Tensor, ref: torch.Tensor, residual: torch.Tensor) -> None:
         super()._fold(ids, ref, residual)
-        self.squares.update(ids, residual.float().pow(2))
+        self.squares.update(self._keys(ids), residual.float().pow(2))
