@@ -132,10 +132,10 @@ class Coders:
                              "(configure it alike on every rank)")
         if pos not in self.references:
             spec = self.token_reference
-            table = TokenTable(spec.vocab, spec.alpha)
-            self.references[pos] = (ScaledReferenceCoder(self.factories["forward"](), table, TokenTable(1, spec.alpha),
-                                                         shared=True) if spec.scale
-                                    else ReferenceCoder(self.factories["forward"](), table))
+            codec, table = self.factories["forward"](), TokenTable(spec.vocab + 2 * spec.backoff, spec.alpha)
+            self.references[pos] = (
+                ScaledReferenceCoder(codec, table, TokenTable(1, spec.alpha), shared=True, backoff=spec.backoff)
+                if spec.scale else ReferenceCoder(codec, table, spec.backoff))
         return self.references[pos]
 
     def lane(self, direction: str, slot: int, pos: int, kind: int, referenced: bool = False) -> Lane:

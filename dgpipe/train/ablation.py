@@ -185,20 +185,25 @@ LM_SETTINGS: dict[str, list[str]] = {
 }
 
 #: The fine-tuning benchmark of a pretrained decoder (docs/lm.md): the language-model settings, 5 levels both ways
-#: directly, against the per-token reference and against it with the channels weighed (2.37 bits a value on
-#: SmolLM2's 576-wide messages), and the same runs evaluated uncompressed (``_eval32``: what fine-tuning through
-#: the codec cost the weights, apart from what the link costs the evaluation).
+#: directly, against the per-token reference, against it with the channels weighed, and with the first positions
+#: and unseen tokens backing off to shared rows too (2.37 bits a value on SmolLM2's 576-wide messages), and the same
+#: runs evaluated uncompressed (``_eval32``: what fine-tuning through the codec cost the weights, apart from what
+#: the link costs the evaluation).
 LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
     **LM_SETTINGS,
     "ref_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference"],
     "refscaled_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference",
                                                                            "--token-reference-scale"],
+    "refscaledbackoff_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + [
+        "--token-reference", "--token-reference-scale", "--token-reference-backoff"],
     **{f"{label}_eval32": flags + ["--no-compress-eval"]
        for label, flags in LM_SETTINGS.items() if label in ("sortquant8", "codebook4", "codebook5lv_gcb5lv",
                                                             "codebook1_gsub4")},
     "ref_codebook5lv_gcb5lv_eval32": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference", "--no-compress-eval"],
     "refscaled_codebook5lv_gcb5lv_eval32": LM_SETTINGS["codebook5lv_gcb5lv"] + [
         "--token-reference", "--token-reference-scale", "--no-compress-eval"],
+    "refscaledbackoff_codebook5lv_gcb5lv_eval32": LM_SETTINGS["codebook5lv_gcb5lv"] + [
+        "--token-reference", "--token-reference-scale", "--token-reference-backoff", "--no-compress-eval"],
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,

@@ -119,6 +119,9 @@ def common_parser(
                    help="with --token-reference: also weigh each channel of the residual by its running variance "
                         "to the power -1/4 before coding (both sides keep the variances; no bytes more): the "
                         "codec's precision goes to the quiet channels, where a decoder's blocks are sensitive")
+    c.add_argument("--token-reference-backoff", action="store_true",
+                   help="with --token-reference: a sequence's first position (a decoder's attention sink) and tokens "
+                        "never seen code against shared running means instead of the token's row and zero")
     c.add_argument("--compare-to", metavar="SETTING[,SETTING...]",
                    help="also train each named setting with the same seed, data and flags, one after another "
                         f"in the same processes, and print a side-by-side table; settings: {', '.join(SETTINGS)}")
@@ -391,8 +394,10 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
     if not args.link_delay_ms >= 0:
         raise ValueError(f"--link-delay must be >= 0 milliseconds, got {args.link_delay_ms}")
     _check_checkpoint_flags(args)
-    if args.token_reference_scale and not args.token_reference:
-        raise ValueError("--token-reference-scale weighs the residual of --token-reference: add --token-reference")
+    for flag, on in (("--token-reference-scale", args.token_reference_scale),
+                     ("--token-reference-backoff", args.token_reference_backoff)):
+        if on and not args.token_reference:
+            raise ValueError(f"{flag} is an option of --token-reference: add --token-reference")
     world_size = dist_env(args.world_size, environ).world_size
     derived: dict = {"world_size": world_size, "balance": None, "stages": args.stages}
 

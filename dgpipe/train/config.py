@@ -47,6 +47,8 @@ class PipelineConfig:
             (:mod:`dgpipe.compression.wrappers.reference`).
         token_reference_scale: with ``token_reference``, each channel of the residual is also weighed by its
             running variance to the power -1/4 before coding (``TokenReference.scale``).
+        token_reference_backoff: with ``token_reference``, a sequence's first position and tokens never seen
+            read shared rows of the table (``TokenReference.backoff``).
         engine: ``"dgpipe"`` (this package's GPipe runtime) or ``"torch"`` (torch's schedules).
         schedule: torch schedule of the torch engine (``"gpipe"``, ``"1f1b"``,
             ``"interleaved"``, ``"zbv"``), ``None`` with dgpipe's.
@@ -68,6 +70,7 @@ class PipelineConfig:
     skip_padding: bool
     token_reference: bool
     token_reference_scale: bool
+    token_reference_backoff: bool
     engine: str
     schedule: str | None
     link_delay_ms: float

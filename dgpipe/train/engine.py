@@ -130,7 +130,8 @@ class PipelineEngine:
             deferred_batchnorm=job.deferred_batchnorm, compress_eval=p.compress_eval,
             delta=delta, delta_report=lambda line: print(line, flush=True),
             example_ids=train_examples if d.example_dropout else None, skip_padding=p.skip_padding,
-            token_reference=TokenReference(job.vocab, scale=p.token_reference_scale) if p.token_reference else None,
+            token_reference=TokenReference(job.vocab, scale=p.token_reference_scale,
+                                           backoff=p.token_reference_backoff) if p.token_reference else None,
             link_delay=p.link_delay_ms / 1000,
         )
         self.meter = self.pipe.meter

@@ -16,6 +16,10 @@ the running mean of the decoded rows, in which each new row keeps at least the w
 (a message's rows at most 1 together), so that it follows the weights while fine-tuning moves them. Rows of a
 token never seen are zero: its first visit is coded directly. Evaluation reads the table and never changes it.
 
+With ``backoff`` a sequence's first position (a decoder's attention sink: SmolLM2's first state after a
+block carries 170x the energy of the others) and the tokens never seen read two shared rows -- the running
+means of first positions and of all other rows -- instead of the token's row and zero (:class:`ReferenceCoder`).
+
 Both sides compute the same reconstruction from identical operands (the sender decodes its own
 payload) and apply the same update in message order, so the two tables stay bit-identical on the
 same device type (CPU ``index_add_`` sums in a fixed order; on CUDA it uses atomics, so the two
@@ -54,6 +58,8 @@ class TokenReference:
         alpha: the least weight of a new row in the running mean, in ``(0, 1]``.
         scale: also weigh each channel of the residual before coding by its running variance to the power
             -1/4, one variance per channel over all tokens (:class:`ScaledReferenceCoder` with ``shared``).
+        backoff: a sequence's first position and tokens never seen read shared rows of the table
+            (:class:`ReferenceCoder`'s ``backoff``; the table has ``vocab + 2`` rows).
 
     Raises:
         ValueError: ``vocab < 1`` or ``alpha`` outside ``(0, 1]``.
@@ -62,6 +68,7 @@ class TokenReference:
     vocab: int
     alpha: float = 0.05
     scale: bool = False
+    backoff: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1:
@@ -185,11 +192,33 @@ class ReferenceCoder:
     Args:
         codec: codes the residual, computed in the activation's dtype (the table's rows are cast to it),
             so the payload names that dtype and the receiver returns it.
-        table: this side's :class:`TokenTable`.
+        table: this side's :class:`TokenTable`; with ``backoff``, of ``vocab + 2`` rows.
+        backoff: rows the token does not decide read shared rows instead of the token's: a sequence's first
+            position (index 0 of the last axis of ``ids``; a decoder's attention sink, whose state differs from
+            every other position's) reads the table's last row (the running mean of first positions), and a
+            token never seen (count 0) the row before it (the running mean of the rows after the first
+            positions) instead of zero -- backing off to a less specific estimate where a token has none, as
+            n-gram models do (Katz, 1987). A token's own row is updated from its rows after the first position.
+
+    Raises:
+        ValueError: ``backoff`` with a table of fewer than 3 rows.
     """
 
-    def __init__(self, codec: Codec, table: TokenTable) -> None:
-        self.codec, self.table = codec, table
+    def __init__(self, codec: Codec, table: TokenTable, backoff: bool = False) -> None:
+        if backoff and table.vocab < 3:
+            raise ValueError(f"token reference: backing off needs two shared rows after the tokens' in the table, "
+                             f"got a table of {table.vocab} rows")
+        self.codec, self.table, self.backoff = codec, table, backoff
+
+    def _keys(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table rows a message's ``ids`` read (their own, or with ``backoff`` the shared ones)."""
+        if not self.backoff:
+            return ids
+        keys = ids.clone()
+        if self.table.count is not None:
+            keys[self.table.count[ids.to(self.table.count.device)].to(ids.device) == 0] = self.table.vocab - 2
+        keys[..., 0] = self.table.vocab - 1
+        return keys
 
     def state_dict(self) -> dict:
         """The table's :meth:`TokenTable.state_dict` (its own tensors, not copies)."""
@@ -213,7 +242,14 @@ class ReferenceCoder:
 
     def _fold(self, ids: torch.Tensor, ref: torch.Tensor, residual: torch.Tensor) -> None:
         """Fold a message's decoded rows ``ref + residual`` into the table."""
-        self.table.update(ids, ref + residual)
+        rows = ref + residual
+        if not self.backoff:
+            self.table.update(ids, rows)
+            return
+        keys = ids.clone()
+        keys[..., 0] = self.table.vocab - 1
+        self.table.update(keys, rows)
+        self.table.update(torch.full_like(ids[..., 1:], self.table.vocab - 2), rows[..., 1:, :])
 
     def encode(self, x: torch.Tensor, ids: torch.Tensor, update: bool) -> Payload:
         """The payload of floating ``x`` ``(*ids.shape, d)``; with ``update``, fold the reconstruction
@@ -224,7 +260,7 @@ class ReferenceCoder:
         """
         if not x.is_floating_point() or x.dim() != ids.dim() + 1 or x.shape[:-1] != ids.shape:
             raise ValueError(f"token reference: a {x.dtype} {tuple(x.shape)} tensor for token ids {tuple(ids.shape)}")
-        ref = self.table.lookup(ids, x.shape[-1], x.device).to(x.dtype)
+        ref = self.table.lookup(self._keys(ids), x.shape[-1], x.device).to(x.dtype)
         w = self._weights(ids, x.shape[-1], x.device, x.dtype)
         payload = self.codec.encode(x - ref if w is None else (x - ref) * w)
         if update:
@@ -241,7 +277,7 @@ class ReferenceCoder:
         coded = self.codec.decode(payload)
         if coded.dim() != ids.dim() + 1 or coded.shape[:-1] != ids.shape:
             raise ValueError(f"token reference: a residual {tuple(coded.shape)} for token ids {tuple(ids.shape)}")
-        ref = self.table.lookup(ids, coded.shape[-1], coded.device).to(coded.dtype)
+        ref = self.table.lookup(self._keys(ids), coded.shape[-1], coded.device).to(coded.dtype)
         w = self._weights(ids, coded.shape[-1], coded.device, coded.dtype)
         residual = coded if w is None else coded / w
         if update:
@@ -264,13 +300,15 @@ class ScaledReferenceCoder(ReferenceCoder):
             row for every key (``TokenTable(1)``: one variance per channel, for tables keyed by a vocabulary
             whose rare tokens would give noisy variances).
         shared: whether ``squares`` has one row for all keys.
+        backoff: as for :class:`ReferenceCoder`.
 
     Raises:
         ValueError: ``shared`` with a ``squares`` table of more than one row.
     """
 
-    def __init__(self, codec: Codec, table: TokenTable, squares: TokenTable, shared: bool = False) -> None:
-        super().__init__(codec, table)
+    def __init__(self, codec: Codec, table: TokenTable, squares: TokenTable, shared: bool = False,
+                 backoff: bool = False) -> None:
+        super().__init__(codec, table, backoff)
         if shared and squares.vocab != 1:
             raise ValueError(f"token reference: a shared table of squares has one row, not {squares.vocab}")
         self.squares, self.shared = squares, shared
@@ -296,11 +334,11 @@ class ScaledReferenceCoder(ReferenceCoder):
         h.update(self.squares.digest().encode())
         return h.hexdigest()
 
-    def _keys(self, ids: torch.Tensor) -> torch.Tensor:
+    def _square_keys(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(ids) if self.shared else ids
 
     def _weights(self, ids: torch.Tensor, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        v = self.squares.lookup(self._keys(ids), d, device)
+        v = self.squares.lookup(self._square_keys(ids), d, device)
         floor = 1e-6 * v.mean(-1, keepdim=True)
         w = v.clamp(min=1e-30).maximum(floor).pow(-0.25)
         w = w / w.pow(2).mean(-1, keepdim=True).sqrt()
@@ -308,4 +346,4 @@ class ScaledReferenceCoder(ReferenceCoder):
 
     def _fold(self, ids: torch.Tensor, ref: torch.Tensor, residual: torch.Tensor) -> None:
         super()._fold(ids, ref, residual)
-        self.squares.update(self._keys(ids), residual.float().pow(2))
+        self.squares.update(self._square_keys(ids), residual.float().pow(2))
