@@ -182,6 +182,10 @@ LM_SETTINGS: dict[str, list[str]] = {
     # one direction at a time (the other uncompressed): which of the two costs the 2.4-bit setting its loss
     "codebook5lv_only": _codebook(None, count=5) + ["--grad-codec", "none"],
     "gsub1lv4_only": _subspace(1, None, "--grad-codec", count=4),
+    # 5 levels both ways against the per-token reference with the channels weighed and the first positions and
+    # unseen tokens backing off to shared rows (--token-reference-scale, --token-reference-backoff)
+    "refscaledbackoff_codebook5lv_gcb5lv": _codebook(None, count=5) + _codebook(None, "--grad-codec", count=5)
+    + ["--token-reference", "--token-reference-scale", "--token-reference-backoff"],
 }
 
 #: The fine-tuning benchmark of a pretrained decoder (docs/lm.md): the language-model settings, 5 levels both ways
@@ -194,8 +198,6 @@ LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
     "ref_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference"],
     "refscaled_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference",
                                                                            "--token-reference-scale"],
-    "refscaledbackoff_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + [
-        "--token-reference", "--token-reference-scale", "--token-reference-backoff"],
     **{f"{label}_eval32": flags + ["--no-compress-eval"]
        for label, flags in LM_SETTINGS.items() if label in ("sortquant8", "codebook4", "codebook5lv_gcb5lv",
                                                             "codebook1_gsub4")},
