@@ -236,6 +236,10 @@ class ReferenceCoder:
         """SHA-256 (hex) of this side's tables: equal on both sides of a link."""
         return self.table.digest()
 
+    def _reference(self, ids: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
+        """float32 ``(*ids.shape, d)``: the rows a message's ``ids`` are coded against."""
+        return self.table.lookup(self._keys(ids), d, device)
+
     def _weights(self, ids: torch.Tensor, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """Per-channel weights of the residual before coding (``None``: unweighted; :class:`ScaledReferenceCoder`)."""
         return None
@@ -260,7 +264,7 @@ class ReferenceCoder:
         """
         if not x.is_floating_point() or x.dim() != ids.dim() + 1 or x.shape[:-1] != ids.shape:
             raise ValueError(f"token reference: a {x.dtype} {tuple(x.shape)} tensor for token ids {tuple(ids.shape)}")
-        ref = self.table.lookup(self._keys(ids), x.shape[-1], x.device).to(x.dtype)
+        ref = self._reference(ids, x.shape[-1], x.device).to(x.dtype)
         w = self._weights(ids, x.shape[-1], x.device, x.dtype)
         payload = self.codec.encode(x - ref if w is None else (x - ref) * w)
         if update:
@@ -277,7 +281,7 @@ class ReferenceCoder:
         coded = self.codec.decode(payload)
         if coded.dim() != ids.dim() + 1 or coded.shape[:-1] != ids.shape:
             raise ValueError(f"token reference: a residual {tuple(coded.shape)} for token ids {tuple(ids.shape)}")
-        ref = self.table.lookup(self._keys(ids), coded.shape[-1], coded.device).to(coded.dtype)
+        ref = self._reference(ids, coded.shape[-1], coded.device).to(coded.dtype)
         w = self._weights(ids, coded.shape[-1], coded.device, coded.dtype)
         residual = coded if w is None else coded / w
         if update:
