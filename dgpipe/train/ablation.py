@@ -198,6 +198,8 @@ LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
     "ref_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference"],
     "refscaled_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference",
                                                                            "--token-reference-scale"],
+    "refbackoff_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference",
+                                                                            "--token-reference-backoff"],
     **{f"{label}_eval32": flags + ["--no-compress-eval"]
        for label, flags in LM_SETTINGS.items() if label in ("sortquant8", "codebook4", "codebook5lv_gcb5lv",
                                                             "codebook1_gsub4")},
