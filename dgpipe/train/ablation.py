@@ -200,19 +200,12 @@ LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
                                                                            "--token-reference-scale"],
     "refbackoff_codebook5lv_gcb5lv": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference",
                                                                             "--token-reference-backoff"],
-    **{f"{label}_eval32": flags + ["--no-compress-eval"]
-       for label, flags in LM_SETTINGS.items() if label in ("sortquant8", "codebook4", "codebook5lv_gcb5lv",
-                                                            "codebook1_gsub4")},
-    "ref_codebook5lv_gcb5lv_eval32": LM_SETTINGS["codebook5lv_gcb5lv"] + ["--token-reference", "--no-compress-eval"],
-    "refscaled_codebook5lv_gcb5lv_eval32": LM_SETTINGS["codebook5lv_gcb5lv"] + [
-        "--token-reference", "--token-reference-scale", "--no-compress-eval"],
-    "refscaledbackoff_codebook5lv_gcb5lv_eval32": LM_SETTINGS["codebook5lv_gcb5lv"] + [
-        "--token-reference", "--token-reference-scale", "--token-reference-backoff", "--no-compress-eval"],
+    **{f"{label}_eval32": LM_SETTINGS[label] + ["--no-compress-eval"]
+       for label in ("codebook4", "codebook5lv_gcb5lv", "refscaledbackoff_codebook5lv_gcb5lv")},
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
-            "exdrop": EXAMPLE_DROPOUT_SETTINGS, "lm": LM_SETTINGS,
-            "lm_finetune": LM_FINETUNE_SETTINGS}
+            "exdrop": EXAMPLE_DROPOUT_SETTINGS, "lm": LM_SETTINGS, "lm_finetune": LM_FINETUNE_SETTINGS}
 
 
 def has_summary(log: Path) -> bool:
