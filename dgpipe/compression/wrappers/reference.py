@@ -210,14 +210,20 @@ class ReferenceCoder:
                              f"got a table of {table.vocab} rows")
         self.codec, self.table, self.backoff = codec, table, backoff
 
+    def _first_keyed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with every sequence's first position on the shared row of first positions (``backoff``)."""
+        keys = ids.clone()
+        keys[..., 0] = self.table.vocab - 1
+        return keys
+
     def _keys(self, ids: torch.Tensor) -> torch.Tensor:
-        """The table rows a message's ``ids`` read (their own, or with ``backoff`` the shared ones)."""
+        """The table rows a message's ``ids`` read (their own, or with ``backoff`` the shared ones; the row of
+        first positions is never unseen after the first message, as every message updates it)."""
         if not self.backoff:
             return ids
-        keys = ids.clone()
+        keys = self._first_keyed(ids)
         if self.table.count is not None:
-            keys[self.table.count[ids.to(self.table.count.device)].to(ids.device) == 0] = self.table.vocab - 2
-        keys[..., 0] = self.table.vocab - 1
+            keys[self.table.count[keys.to(self.table.count.device)].to(ids.device) == 0] = self.table.vocab - 2
         return keys
 
     def state_dict(self) -> dict:
@@ -250,9 +256,7 @@ class ReferenceCoder:
         if not self.backoff:
             self.table.update(ids, rows)
             return
-        keys = ids.clone()
-        keys[..., 0] = self.table.vocab - 1
-        self.table.update(keys, rows)
+        self.table.update(self._first_keyed(ids), rows)
         self.table.update(torch.full_like(ids[..., 1:], self.table.vocab - 2), rows[..., 1:, :])
 
     def encode(self, x: torch.Tensor, ids: torch.Tensor, update: bool) -> Payload:
