@@ -29,7 +29,7 @@ from . import rows as row_pass
 from .backend import empty
 from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, pack_bits, packed_nbytes, unpack_bits
-from .uniform import in_groups, pack_tail, values_tail
+from .uniform import divide, in_groups, pack_tail, values_tail
 
 __all__ = ["nearest_level", "level_codes", "level_values", "row_rms", "level_rows", "level_rows_values"]
 
@@ -98,11 +98,11 @@ def row_rms(rows: torch.Tensor) -> torch.Tensor:
     pairwise fold in a fixed order -- while ``m > 1`` values remain, add the upper
     ``m - ceil(m/2)`` to the lower ones -- so that it does not depend on the SIMD width or
     thread count of a library's reduction, and a compiled kernel repeats it bit for bit
-    (:mod:`.rows`, :mod:`.triton_rows`); the division by the width is IEEE everywhere (on a GPU by a
-    tensor: torch would multiply by the reciprocal of a number). The square root is taken in float64
-    and rounded to float32: torch's float32 square root on CPU is not correctly rounded (measured:
-    17% of results 1 ulp off on an AVX-512 machine); its float64 one is off by an ulp of float64 at
-    most, which moves the float32 result only with a chance of about ``2**-29`` per row.
+    (:mod:`.rows`, :mod:`.triton_rows`); the division by the width is IEEE everywhere
+    (:func:`.uniform.divide`). The square root is taken in float64 and rounded to float32: torch's
+    float32 square root on CPU is not correctly rounded (measured: 17% of results 1 ulp off on an
+    AVX-512 machine); its float64 one is off by an ulp of float64 at most, which moves the float32
+    result only with a chance of about ``2**-29`` per row.
 
     Args:
         rows: float32 ``(n_groups, group_len)``.
@@ -116,9 +116,7 @@ def row_rms(rows: torch.Tensor) -> torch.Tensor:
         h = (m + 1) // 2
         sq[:, : m - h] += sq[:, h:m]
         m = h
-    total = sq[:, :1]
-    width = rows.shape[1] if rows.is_cpu else torch.full_like(total, rows.shape[1])  # a GPU divides by a host
-    return (total / width).sqrt().float()  # number as a multiplication by its reciprocal: not IEEE
+    return divide(sq[:, :1], rows.shape[1]).sqrt().float()
 
 
 def _rotation_args(rotation, d: int, device: torch.device) -> tuple:

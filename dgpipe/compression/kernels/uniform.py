@@ -34,7 +34,7 @@ from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bit
 
 __all__ = [
     "BLOCK", "blocks", "tame", "finite_range", "range_of", "values_tail", "encode_blocks", "decode_table", "pack_tail",
-    "finite_grid", "grid_step", "grid_divisor", "grid_levels",
+    "finite_grid", "divide", "grid_step", "grid_divisor", "grid_levels",
     "grid_table", "in_groups", "uniform_codes", "uniform_values", "uniform_message",
 ]
 
@@ -141,16 +141,20 @@ def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.T
     return lo + 0.0, hi
 
 
-def grid_step(lo, hi, levels: int):
-    """Step of the uniform grid of ``levels`` points from ``lo`` to ``hi`` (float32, same shape;
-    torch tensors or numpy arrays, the same IEEE float32 division everywhere).
+def divide(t, k: int):
+    """``t / k`` correctly rounded (IEEE division) on every device: torch tensors or numpy arrays.
 
     On a GPU, torch divides a tensor by a host number as a multiplication by its reciprocal, which
     rounds differently now and then: there the divisor is a tensor of the same device."""
-    span = hi - lo
-    if isinstance(span, torch.Tensor) and not span.is_cpu:
-        return span / torch.full_like(span, levels - 1)
-    return span / (levels - 1)
+    if isinstance(t, torch.Tensor) and not t.is_cpu:
+        return t / torch.full_like(t, k)
+    return t / k
+
+
+def grid_step(lo, hi, levels: int):
+    """Step of the uniform grid of ``levels`` points from ``lo`` to ``hi`` (float32, same shape;
+    torch tensors or numpy arrays, the same IEEE float32 division everywhere: :func:`divide`)."""
+    return divide(hi - lo, levels - 1)
 
 
 def grid_divisor(step):
