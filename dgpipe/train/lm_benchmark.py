@@ -6,7 +6,8 @@ uncompressed run of that seed (same initialisation, batches and held-out tokens)
 
 - **final validation loss difference** to the uncompressed run of the same seed, in nats and in percent
   of the uncompressed loss, mean and 95% Student-t interval over the seeds (:func:`~.ablation.paired`);
-- **steps to the target**: the target is the uncompressed run's final validation loss (per seed); a run's
+- **steps to the target**: the target is the uncompressed run's final validation loss (per seed), or its
+  validation loss at a given step (``target_step``: a target the uncompressed run reaches before its end); a run's
   steps to it are the first step where its validation curve (evaluated every ``--eval-every`` steps)
   reaches it, linearly interpolated between evaluations (:func:`steps_to_target`); the ratio to the
   uncompressed run's own steps to it (ProtocolNanoGPT's measure: 3.1x at ~2.5 bits). A run that never
@@ -71,19 +72,33 @@ def mean_interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: str = "none",
-            links: Sequence[Link] = LM_LINKS, compute_seconds: dict[str, float] | None = None) -> list[dict[str, Any]]:
+            links: Sequence[Link] = LM_LINKS, compute_seconds: dict[str, float] | None = None,
+            target_step: int | None = None) -> list[dict[str, Any]]:
     """One dict per setting with paired runs in ``out`` (logs ``<label>_seed<k>.jsonl``): ``label``,
     ``seeds`` (pairs), ``forward``/``backward`` (bits per value), ``final`` (mean final val_loss),
     ``delta`` and ``delta_pct`` ((mean, low, high) paired differences, nats and percent), ``ratios``
     (per seed steps-to-target ratio, ``inf`` when not reached), ``ratio`` ((mean, low, high) when every
     seed reached the target, else None), ``steps`` (steps per run), ``step_seconds`` (measured compute
     per step: ``compute_seconds[label]`` where given, else the run's own) and ``T`` (link label -> mean
-    seconds to the target, ``inf`` if not reached)."""
+    seconds to the target, ``inf`` if not reached). The target is the baseline run's final validation loss, or
+    with ``target_step`` its validation loss evaluated at that step.
+
+    Raises:
+        ValueError: ``target_step`` is given and a baseline run has no evaluation at that step.
+    """
     def logs(label):
         return {k: read_records(out / f"{label}_seed{k}.jsonl") for k in seeds
                 if has_summary(out / f"{label}_seed{k}.jsonl")}
 
     base = logs(baseline)
+    targets = {k: runs[-1]["value"] for k, runs in base.items()}
+    if target_step is not None:
+        for k, runs in base.items():
+            points = dict(curve(runs))
+            if target_step not in points:
+                raise ValueError(f"the {baseline} run of seed {k} has no evaluation at step {target_step} "
+                                 f"(evaluations at {sorted(points)})")
+            targets[k] = points[target_step]
     rows = []
     for label in labels:
         runs = logs(label)
@@ -93,11 +108,11 @@ def results(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: st
         finals, deltas, pcts, ratios, seconds, t_link = [], [], [], [], [], {k.label: [] for k in links}
         bits = [direction_bits(runs[k]) for k in pairs]
         for k in pairs:
-            own, ref = runs[k][-1], base[k][-1]
-            target = ref["value"]
+            own, final = runs[k][-1], base[k][-1]["value"]
+            target = targets[k]
             finals.append(own["value"])
-            deltas.append(own["value"] - target)
-            pcts.append(100 * (own["value"] - target) / target)
+            deltas.append(own["value"] - final)
+            pcts.append(100 * (own["value"] - final) / final)
             reached, ref_steps = steps_to_target(curve(runs[k]), target), steps_to_target(curve(base[k]), target)
             ratios.append(math.inf if reached is None else reached / ref_steps)
             compute = (compute_seconds or {}).get(label, own["train_seconds"] / own["steps"])
