@@ -30,7 +30,9 @@
  * in memory and lowers its comparisons, run-time permutes, broadcasts and narrowing lane by lane; there
  * they go in halves of 8 lanes (`wide`), the same operations on the same values, and the codes are found in
  * vectors of 8 throughout (code_half: no 16-lane result passes through memory), each level of the search
- * one permute of a table of the midpoints it can probe. -DDGPIPE_ROWS_ONE_TARGET
+ * one permute of a table of the midpoints it can probe; a computed vector is stored in halves (the butterflies'
+ * last stride, a decoded row) or quarters (the float64 squares), which GCC would otherwise assemble in general
+ * registers first. -DDGPIPE_ROWS_ONE_TARGET
  * builds one variant, for the -march given (benchmarks/rows_compilers.py measures AVX2 on an AVX-512
  * machine so). Builds with GCC 11+ and clang 14+, on x86-64 and aarch64.
  * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
@@ -55,6 +57,8 @@ typedef double vd2 __attribute__((vector_size(8 * V))); /* the 16 float64 of one
 typedef float vf8 __attribute__((vector_size(32)));  /* half a vf */
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef uint8_t vb32 __attribute__((vector_size(32))); /* the bytes of a vi8 */
+typedef float vf4 __attribute__((vector_size(16)));  /* a quarter of a vf, and its float64 */
+typedef double vd4 __attribute__((vector_size(32)));
 
 
 /* `wide`: whether comparisons, run-time permutes, broadcasts and narrowing take the 16 lanes whole, or in
@@ -156,12 +160,25 @@ static const vf SIGN2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1}
 static const vf SIGN4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
 static const vf SIGN8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
 
-/* partner + value * sign: one fused multiply-add where the machine has one (the product is exact) */
-static inline INLINE vf short_strides(vf v) {
+/* The butterflies of strides 1, 2, 4 and 8 of v, stored at dst: partner + value * sign, one fused multiply-add
+ * where the machine has one (the product is exact). Where a vector is wider than the machine's (not `wide`),
+ * the stride-8 results go out as two halves (partner + value * 1 is their sum, partner + value * -1 the lower
+ * minus the upper, exactly): GCC would assemble the 16-lane result through general registers first. */
+static inline INLINE void short_strides(float *dst, vf v, int wide) {
     v = SWAP(v, 1) + v * SIGN1;
     v = SWAP(v, 2) + v * SIGN2;
     v = SWAP(v, 4) + v * SIGN4;
-    return SWAP(v, 8) + v * SIGN8;
+#if !NARROW_WIDE
+    if (!wide) {
+        vf8 h[2];
+        memcpy(h, &v, sizeof v);
+        vf8 r[2] = {h[1] + h[0], h[0] - h[1]};
+        memcpy(dst, r, sizeof r);
+        return;
+    }
+#endif
+    (void)wide;
+    store(dst, SWAP(v, 8) + v * SIGN8);
 }
 
 /* The butterflies of stride >= V of fwht.fwht on a row of `n` vectors in blocks of `bn` vectors, in the
@@ -247,12 +264,11 @@ static inline INLINE vf signed_load(const float *x, const float *signs, const ro
 /* The rotation of one row: y = fwht(pad(x * signs, width)) in blocks of `b`, orthonormal (factor f);
  * y is 64-byte aligned. */
 static inline INLINE void rotate_row(const float *x, const float *signs, const row_tail *t, long room, long width,
-                                     long b, float f, float *y) {
+                                     long b, float f, float *y, int wide) {
     if (b >= V) {
-        vf *r = (vf *)y;
         for (long k = 0; k < width / V; k++)
-            r[k] = short_strides(signed_load(x, signs, t, room, k * V));
-        long_strides(r, width / V, b / V, f);
+            short_strides(y + k * V, signed_load(x, signs, t, room, k * V), wide);
+        long_strides((vf *)y, width / V, b / V, f);
     } else {
         for (long j = 0; j < width; j++)
             y[j] = j < t->d ? x[j] * signs[j] : 0.0f;
@@ -285,12 +301,21 @@ static inline INLINE double sum_squares_pow2(const float *y, long w) {
     return v[0] + v[1];
 }
 
-/* levels.row_rms's fold, first level: s64[j] = y[j]**2 + y[h + j]**2 (h = ceil(width / 2)), in float64. */
-static inline INLINE void squares(const float *y, long width, double *s64) {
+/* levels.row_rms's fold, first level: s64[j] = y[j]**2 + y[h + j]**2 (h = ceil(width / 2)), in float64; V values
+ * at a time, or 4 (`wide`, above: GCC would assemble a computed vector of 16 float64 in general registers). */
+static inline INLINE void squares(const float *y, long width, double *s64, int wide) {
     long m = width, h = (m + 1) / 2, j = 0;
-    for (; j + V <= m - h; j += V) {
-        vd2 a = __builtin_convertvector(load(y + j), vd2), c = __builtin_convertvector(load(y + h + j), vd2);
-        vd2 s = a * a + c * c;
+    if (wide)
+        for (; j + V <= m - h; j += V) {
+            vd2 a = __builtin_convertvector(load(y + j), vd2), c = __builtin_convertvector(load(y + h + j), vd2);
+            vd2 s = a * a + c * c;
+            memcpy(s64 + j, &s, sizeof s);
+        }
+    for (; j + 4 <= m - h; j += 4) {
+        vf4 a4, c4;
+        memcpy(&a4, y + j, sizeof a4);
+        memcpy(&c4, y + h + j, sizeof c4);
+        vd4 a = __builtin_convertvector(a4, vd4), c = __builtin_convertvector(c4, vd4), s = a * a + c * c;
         memcpy(s64 + j, &s, sizeof s);
     }
     for (; j < m - h; j++)
@@ -536,13 +561,13 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
             long r = r0 + i;
             float *yr = y + i * wpad;
             if (signs)
-                rotate_row(x + r * d, signs, &tl, (rows - r) * d, width, block, inv_sqrt, yr);
+                rotate_row(x + r * d, signs, &tl, (rows - r) * d, width, block, inv_sqrt, yr, wide);
             else
                 memcpy(yr, x + r * d, d * sizeof(float));
             if (pow2)
                 sums[i] = sum_squares_pow2(yr, width);
             else
-                squares(yr, width, s64 + i * half);
+                squares(yr, width, s64 + i * half, wide);
         }
         if (!pow2) {
             fold(s64, half, nr, half);
@@ -642,6 +667,24 @@ static inline INLINE int encode_width(const float *x, const float *signs, long r
                                  full, out, scales, tail, w)
 
 
+/* V values at y (times the V signs at s, unless NULL) stored at o, whole or in halves (`wide`): GCC would assemble
+ * a computed 16-lane vector through general registers before storing it whole. */
+static inline INLINE void signed_store(float *o, const float *y, const float *s, int wide) {
+    if (wide) {
+        store(o, s ? load(y) * load(s) : load(y));
+        return;
+    }
+    for (int h = 0; h < V; h += 8) {
+        vf8 a, b;
+        memcpy(&a, y + h, sizeof a);
+        if (s) {
+            memcpy(&b, s + h, sizeof b);
+            a *= b;
+        }
+        memcpy(o + h, &a, sizeof a);
+    }
+}
+
 static inline INLINE void widen(int32_t *to, const uint8_t *from, long n) {
     for (long i = 0; i < n; i++)
         to[i] = from[i];
@@ -692,7 +735,10 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
             vi idx;
             memcpy(&idx, rc + j, sizeof idx);
             vf v = lookup(levels, idx, 1 << bits, wide) * s;
-            r[j / V] = signs && block >= V ? short_strides(v) : v;
+            if (signs && block >= V)
+                short_strides(y + j, v, wide);
+            else
+                r[j / V] = v;
         }
         for (; j < width; j++)
             y[j] = table[rc[j]] * scales[row];
@@ -704,7 +750,7 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
         }
         long k = 0, room = (r1 - row) * d;
         for (; k + V <= room && k < d; k += V)
-            store(o + k, signs ? r[k / V] * sg[k / V] : r[k / V]);
+            signed_store(o + k, y + k, signs ? ys + k : NULL, wide);
         for (; k < d; k++)
             o[k] = signs ? y[k] * ys[k] : y[k];
     }
