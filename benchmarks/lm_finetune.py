@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The flags every run shares (the benchmark's command, besides the setting and the seed).
 COMMON = ["--data-dir", str(ROOT.parent / "shared" / "data" / "text" / "shakespeare"), "--model",
           "smollm2-135m-instruct", "--block-length", "64", "--batch-size", "8", "--chunk", "2", "--lr", "3e-5",
-          "--max-steps", "20", "--eval-subset", "32", "--num-workers", "0"]
+          "--eval-subset", "32", "--num-workers", "0"]
+#: The steps of a run of docs/lm.md's table.
+STEPS = 20
 
 #: The settings of docs/lm.md's table, in its order.
 LABELS = ["none", "sortquant8", "codebook4", "codebook4_eval32", "codebook5lv_gcb5lv", "codebook5lv_gcb5lv_eval32",
@@ -54,11 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
     args = p.parse_args(argv)
     labels = args.only.split(",") if args.only else TARGET_LABELS if args.steps_to_target else LABELS
-    out, common, target_step = Path(args.out), COMMON, None
+    out, common, target_step = Path(args.out), [*COMMON, "--max-steps", str(STEPS)], None
     if args.steps_to_target:
         out, target_step = out / "steps_to_target", TARGET_STEP
-        common = [*COMMON[:COMMON.index("--max-steps")], "--max-steps", str(TARGET_STEPS), "--eval-every",
-                  str(TARGET_EVAL_EVERY), *COMMON[COMMON.index("--max-steps") + 2:]]
+        common = [*COMMON, "--max-steps", str(TARGET_STEPS), "--eval-every", str(TARGET_EVAL_EVERY)]
     run = ["--job", "lm", "--settings", "lm_finetune", "--seeds", args.seeds, "--out", str(out),
            "--only", ",".join(labels), "--title", "SmolLM2-135M fine-tuning, Shakespeare, client/server"]
     status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *common])
