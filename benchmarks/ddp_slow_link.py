@@ -29,8 +29,8 @@ Usage (root; a few minutes per round on this machine)::
     python benchmarks/ddp_slow_link.py [--rate 100mbit] [--steps 12] [--rounds 2]
         [--settings ddp_none,ddp_fp16,ddp_powersgd1,ddp_topk_ef] [--out DIR] [-- extra main-job flags]
 
-Logs (``<label>_<slow|free>_r<round>.jsonl`` and ``.out``) and ``table.md`` go to ``--out``.
-The exit status is 0 when every run produced its epoch-2 record.
+Logs (``<label>_<slow|free>_r<round>.jsonl`` and ``.out``) and ``table.md`` go to ``--out``; a
+finished log is reused (the benchmark resumes). The exit status is 0 when every run produced its epoch-2 record.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from slow_link_runs import add_common_args, check_args, run, shaped, split_extra
+from slow_link_runs import add_common_args, check_args, run_rounds, shaped, split_extra
 
 from dgpipe.train.ablation import DDP_SETTINGS
 from dgpipe.train.runlog import read_records
@@ -108,27 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    results: dict[str, list[dict]] = {lab: [] for lab in labels}
-    failed = []
-    for rnd in range(args.rounds):
-        for label in labels:
-            entry = {}
-            for where in ("slow", "free"):
-                log = out / f"{label}_{where}_r{rnd}.jsonl"
-                log.unlink(missing_ok=True)
-                cmd = job_command(label, args, extra, log)
-                if where == "slow":
-                    cmd = shaped(cmd, args.rate, args.timeout)
-                rc = run(cmd, log.with_suffix(".out"), args.timeout + 30)
-                try:
-                    entry[where] = measured_epoch(log)
-                except ValueError as err:
-                    failed.append(f"{err} (exit {rc})")
-                    break
-                print(f"round {rnd} {label} {where}: {entry[where]['samples_per_s']:.1f} samples/s, "
-                      f"{entry[where]['wire_mb']:.3f} MB/step/rank", flush=True)
-            if len(entry) == 2:
-                results[label].append(entry)
+    def command(label: str, place: str, log: Path) -> list[str]:
+        cmd = job_command(label, args, extra, log)
+        return shaped(cmd, args.rate, args.timeout) if place == "slow" else cmd
+
+    results, failed = run_rounds(
+        out, labels, args.rounds, ["slow", "free"], command, measured_epoch,
+        lambda m: f"{m['samples_per_s']:.1f} samples/s, {m['wire_mb']:.3f} MB/step/rank", args.timeout)
     if failed:
         print("\n".join(["failed runs:", *failed]), file=sys.stderr)
         return 1

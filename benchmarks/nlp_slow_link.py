@@ -49,7 +49,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from slow_link_runs import add_common_args, check_args, run, shaped, split_extra
+from slow_link_runs import add_common_args, check_args, run_rounds, shaped, split_extra
 
 from dgpipe.comm.slow_link import parse_rate
 from dgpipe.train.ablation import DELTA_SETTINGS
@@ -89,7 +89,8 @@ def last_epoch(log: Path, epochs: int, train_subset: int) -> dict:
 def table(results: dict, labels: list[str], rates: list[str]) -> str:
     """Markdown table of the medians over rounds (module docstring)."""
     rows = ["| setting | MB up / down per epoch | free link: s/epoch | rate | measured s/epoch | link s | "
-            "ideal s | serial s | of ideal | speedup vs " + labels[0] + " |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "ideal s | serial s | of ideal | speedup vs " + labels[0] + " |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for rate in rates:
         bits_per_s = parse_rate(rate)
         base = statistics.median(r[rate]["seconds"] for r in results[labels[0]])
@@ -121,31 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    results: dict[str, list[dict]] = {lab: [] for lab in labels}
-    failed = []
-    for rnd in range(args.rounds):
-        for label in labels:
-            entry = {}
-            for where in ("free", *rates):
-                log = out / f"{label}_{where}_r{rnd}.jsonl"
-                try:
-                    entry[where] = last_epoch(log, args.epochs, args.train_subset)
-                    continue  # finished earlier
-                except ValueError:
-                    log.unlink(missing_ok=True)
-                cmd = job_command(label, args, extra, log)
-                if where != "free":
-                    cmd = shaped(cmd, where, args.timeout)
-                rc = run(cmd, log.with_suffix(".out"), args.timeout + 30)
-                try:
-                    entry[where] = last_epoch(log, args.epochs, args.train_subset)
-                except ValueError as err:
-                    failed.append(f"{err} (exit {rc})")
-                    continue
-                print(f"round {rnd} {label} {where}: {entry[where]['seconds']:.1f} s/epoch, "
-                      f"{entry[where]['up'] / 1e6:.2f} MB up, {entry[where]['down'] / 1e6:.2f} MB down", flush=True)
-            if len(entry) == 1 + len(rates):
-                results[label].append(entry)
+    def command(label: str, place: str, log: Path) -> list[str]:
+        cmd = job_command(label, args, extra, log)
+        return cmd if place == "free" else shaped(cmd, place, args.timeout)
+
+    results, failed = run_rounds(
+        out, labels, args.rounds, ["free", *rates], command,
+        lambda log: last_epoch(log, args.epochs, args.train_subset),
+        lambda m: f"{m['seconds']:.1f} s/epoch, {m['up'] / 1e6:.2f} MB up, {m['down'] / 1e6:.2f} MB down",
+        args.timeout)
     if failed:
         print("\n".join(["failed runs:", *failed]), file=sys.stderr)
         return 1

@@ -4,8 +4,8 @@
 the main jobs through ``bandwidth/slow_link.py`` (a network namespace + veth + ``tc tbf``;
 needs root) and on the unthrottled loopback, setting by setting, in interleaved rounds.
 Both take the same ``--settings``, ``--rounds``, ``--timeout`` and ``--out`` flags, pass
-everything after ``--`` to the job, and refuse bad input with a one-line error before any
-process starts.
+everything after ``--`` to the job, refuse bad input with a one-line error before any
+process starts, and resume: a run whose log already holds its measurement is not run again.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from dgpipe.comm.slow_link import parse_rate
 from dgpipe.pipeline import stop_process_group
 
-__all__ = ["SLOW_LINK", "split_extra", "add_common_args", "check_args", "shaped", "run"]
+__all__ = ["SLOW_LINK", "split_extra", "add_common_args", "check_args", "shaped", "run", "run_rounds"]
 
 SLOW_LINK = Path(__file__).resolve().parent.parent / "bandwidth" / "slow_link.py"
 
@@ -89,3 +90,41 @@ def run(cmd: list[str], out: Path, timeout_s: float) -> int:
         except subprocess.TimeoutExpired:
             stop_process_group(proc, grace_s=10.0)
             return 124
+
+
+def run_rounds(out: Path, labels: list[str], rounds: int, places: list[str],
+               command: Callable[[str, str, Path], list[str]], measure: Callable[[Path], dict],
+               describe: Callable[[dict], str], timeout_s: float) -> tuple[dict[str, list[dict]], list[str]]:
+    """Every setting at every place (``"free"``, a rate, ...), in ``rounds`` interleaved rounds.
+
+    The log of a run is ``out/<label>_<place>_r<round>.jsonl`` (its output beside it, ``.out``); a log
+    that ``measure`` reads without a ``ValueError`` is reused, any other is deleted and the run made
+    with ``command(label, place, log)`` under :func:`run` (``timeout_s`` + 30 s), then measured and
+    printed with ``describe``.
+
+    Returns:
+        ``(results, failed)``: per label, one ``{place: measure(log)}`` for each round in which every
+        place was measured; one line per run that left no measurement (the error and exit status).
+    """
+    results: dict[str, list[dict]] = {label: [] for label in labels}
+    failed = []
+    for rnd in range(rounds):
+        for label in labels:
+            entry = {}
+            for place in places:
+                log = out / f"{label}_{place}_r{rnd}.jsonl"
+                try:
+                    entry[place] = measure(log)
+                    continue  # finished earlier
+                except ValueError:
+                    log.unlink(missing_ok=True)
+                rc = run(command(label, place, log), log.with_suffix(".out"), timeout_s + 30)
+                try:
+                    entry[place] = measure(log)
+                except ValueError as err:
+                    failed.append(f"{err} (exit {rc})")
+                    continue
+                print(f"round {rnd} {label} {place}: {describe(entry[place])}", flush=True)
+            if len(entry) == len(places):
+                results[label].append(entry)
+    return results, failed

@@ -191,7 +191,10 @@ def test_ddp_slow_link_runs_the_main_job_with_the_ablation_flags(tmp_path):
     assert "--train-subset 96 " in joined and "--epochs 2 " in joined and joined.endswith("x.jsonl --no-progress")
 
 
-def test_ddp_slow_link_run_stops_the_whole_process_group_at_its_timeout(tmp_path):
+RUNS = load_benchmark("slow_link_runs")
+
+
+def test_slow_link_run_stops_the_whole_process_group_at_its_timeout(tmp_path):
     import time
 
     pid_file = tmp_path / "child.pid"
@@ -199,7 +202,7 @@ def test_ddp_slow_link_run_stops_the_whole_process_group_at_its_timeout(tmp_path
               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
               f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
     start = time.monotonic()
-    assert DDP.run([sys.executable, "-c", parent], tmp_path / "out.txt", 2.0) == 124
+    assert RUNS.run([sys.executable, "-c", parent], tmp_path / "out.txt", 2.0) == 124
     assert time.monotonic() - start < 20
     child = int(pid_file.read_text())
     stat = Path(f"/proc/{child}/stat")
@@ -212,8 +215,35 @@ def test_ddp_slow_link_run_stops_the_whole_process_group_at_its_timeout(tmp_path
         time.sleep(0.1)
     else:
         pytest.fail("the child process outlived the timeout")
-    assert DDP.run([sys.executable, "-c", "print('hi')"], tmp_path / "ok.txt", 30.0) == 0
+    assert RUNS.run([sys.executable, "-c", "print('hi')"], tmp_path / "ok.txt", 30.0) == 0
     assert (tmp_path / "ok.txt").read_text() == "hi\n"
+
+
+def test_slow_link_rounds_reuse_finished_logs_and_keep_complete_rounds_only(tmp_path):
+    """A finished log is measured, not run again; an unfinished one is deleted and run; a run that leaves no
+    measurement is reported and its round left out of the results."""
+    def measure(log: Path) -> dict:
+        if not log.exists() or log.read_text() != "done":
+            raise ValueError(f"{log.name}: unfinished")
+        return {"log": log.name}
+
+    (tmp_path / "a_free_r0.jsonl").write_text("done")  # finished earlier: reused
+    (tmp_path / "a_slow_r0.jsonl").write_text("half")  # cut short earlier: run again
+    ran = []
+
+    def command(label: str, place: str, log: Path) -> list[str]:
+        ran.append(log.name)
+        text = "half" if (label, place) == ("b", "slow") else "done"  # this run fails every time
+        return [sys.executable, "-c", f"open({str(log)!r}, 'w').write({text!r})"]
+
+    results, failed = RUNS.run_rounds(tmp_path, ["a", "b"], 2, ["slow", "free"], command, measure,
+                                      lambda m: m["log"], 30.0)
+    assert ran == ["a_slow_r0.jsonl", "b_slow_r0.jsonl", "b_free_r0.jsonl",
+                   "a_slow_r1.jsonl", "a_free_r1.jsonl", "b_slow_r1.jsonl", "b_free_r1.jsonl"]
+    assert results == {"a": [{"slow": {"log": "a_slow_r0.jsonl"}, "free": {"log": "a_free_r0.jsonl"}},
+                             {"slow": {"log": "a_slow_r1.jsonl"}, "free": {"log": "a_free_r1.jsonl"}}],
+                       "b": []}
+    assert failed == ["b_slow_r0.jsonl: unfinished (exit 0)", "b_slow_r1.jsonl: unfinished (exit 0)"]
 
 
 @pytest.mark.parametrize("argv, message", [([], "got none"), (["bogus", "--max-steps", "2"], "got 'bogus'")])
