@@ -142,6 +142,16 @@ def roundtrip(codec, x: torch.Tensor, use_fused: bool = True):
         kernel_backend.set_enabled(previous)
 
 
+def clone_and_roundtrips(x: torch.Tensor, codecs: dict) -> dict:
+    """The functions :func:`timed` compares on one tensor ``x``: ``"clone"``, and ``(name, on)`` the
+    :func:`roundtrip` of each codec of ``codecs`` (name -> codec) with the fused kernels on and off."""
+    fns = {"clone": x.clone}
+    for name, codec in codecs.items():
+        for on in (True, False):
+            fns[(name, on)] = lambda c=codec, on=on: roundtrip(c, x, on)
+    return fns
+
+
 def hivemind_codecs() -> dict:
     """``label -> roundtrip function`` of hivemind's 8-bit compressors, or ``{}`` without hivemind."""
     try:
@@ -155,7 +165,8 @@ def hivemind_codecs() -> dict:
             return msg, compressor.extract(msg)
         return run
 
-    return {"hivemind uniform 8": make(Uniform8BitQuantization()), "hivemind quantile 8": make(Quantile8BitQuantization())}
+    return {"hivemind uniform 8": make(Uniform8BitQuantization()),
+            "hivemind quantile 8": make(Quantile8BitQuantization())}
 
 
 def timed(fns: dict, rounds: int, inner: int, clock=time.perf_counter, sync=lambda: None) -> dict:
@@ -287,7 +298,8 @@ def one_pass_data(shape: tuple[int, ...], kind: str) -> torch.Tensor:
 def same_payload(a, b) -> bool:
     """Whether two payloads are byte-identical (header and every tensor)."""
     return torch.equal(a.header, b.header) and all(
-        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors, b.tensors))
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(a.tensors, b.tensors))
 
 
 def one_pass_table(reps: int, clock) -> tuple[list[str], list[str]]:
@@ -300,11 +312,7 @@ def one_pass_table(reps: int, clock) -> tuple[list[str], list[str]]:
     for label, (shape, kind) in ONE_PASS_TENSORS.items():
         x = one_pass_data(shape, kind)
         codecs = {name: get_codec(codec, **opts) for name, (codec, opts) in ONE_PASS_CODECS.items()}
-        fns = {"clone": x.clone}
-        for name, codec in codecs.items():
-            for on in (True, False):
-                fns[(name, on)] = lambda c=codec, on=on: roundtrip(c, x, on)
-        measured = timed(fns, reps, inner=1, clock=clock)
+        measured = timed(clone_and_roundtrips(x, codecs), reps, inner=1, clock=clock)
         clone, quant8 = measured["clone"][0], measured[("quant 8", True)][0]
         rows.append(f"| {label} | clone | 32.00 | {clone * 1e3:.3f} | | | 1.0 | | |")
         for name in codecs:
@@ -420,8 +428,8 @@ def main() -> None:
 
     if args.one_pass:
         rows, fails = one_pass_table(args.reps, clock)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); encode + decode, {'CPU' if args.cpu_time else 'wall'} "
-              f"time, median of {args.reps} interleaved rounds\n")
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); encode + decode, "
+              f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.reps} interleaved rounds\n")
         print("\n".join(rows) + "\n")
         print("targets met" if not fails else "targets MISSED:\n  " + "\n  ".join(fails))
         return

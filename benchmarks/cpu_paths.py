@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import SHAPE, one_pass_data, roundtrip, same_payload, timed  # noqa: E402
+from codec_speed import SHAPE, clone_and_roundtrips, one_pass_data, same_payload, timed  # noqa: E402
 from dgpipe.compression import get_codec  # noqa: E402
 from dgpipe.compression.kernels import backend, buckets, compiled, levels, uniform  # noqa: E402
 from dgpipe.compression.kernels.fwht import fwht  # noqa: E402
@@ -250,11 +250,7 @@ def codec_rows(reps: int) -> tuple[list[str], list[str]]:
     for label, (shape, kind) in TENSORS.items():
         x = one_pass_data(shape, kind)
         codecs = {name: get_codec(c, **opts) for name, (c, opts) in CODECS.items()}
-        fns = {"clone": x.clone}
-        for name, codec in codecs.items():
-            for on in (True, False):
-                fns[(name, on)] = lambda c=codec, on=on: roundtrip(c, x, on)
-        measured = timed(fns, reps, inner=1)
+        measured = timed(clone_and_roundtrips(x, codecs), reps, inner=1)
         clone, q8 = measured["clone"][0], measured[("quant 8", True)][0]
         rows.append(f"| {label} | clone | {clone * 1e3:.3f} | | 1.00 | | |")
         for name in codecs:
