@@ -62,6 +62,7 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return {
         "randn": randn,
         "relu_ties": torch.relu(randn - 0.3),  # ~60% exact zeros: boundaries tie
+        "negative_zeros": -torch.relu(randn),  # the max is -0.0
         "integers": torch.randint(-3, 4, (n,), generator=g).float() * 0.5,  # many ties
         "constant": torch.full((n,), 2.5),
         "signed_zeros": signed_zeros,
