@@ -45,6 +45,11 @@ def _cb(**options) -> tuple[str, dict]:
     return "codebook", {"group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16", **options}
 
 
+def _uniform(bits: int) -> tuple[str, dict]:
+    """Uniform min-max levels per token after a Hadamard rotation (``quant``): the codebooks' finer neighbours."""
+    return "quant", {"bits": bits, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"}
+
+
 #: label -> (client -> server codec, server -> client codec, code against the running channel means, weigh the
 #: residual's channels too), codecs as ``(name, options)``
 SETTINGS = {
@@ -65,6 +70,9 @@ SETTINGS = {
     "codebook5lv/6lv + scaled means": (_cb(count=5), _cb(count=6), True, True),
     "codebook4lv/7lv + scaled means": (_cb(count=4), _cb(count=7), True, True),
     "codebook2 + scaled means": (_cb(bits=2), _cb(bits=2), True, True),
+    "quant5 + scaled means": (_uniform(5), _uniform(5), True, True),
+    "quant6 + scaled means": (_uniform(6), _uniform(6), True, True),
+    "quant8 + scaled means": (_uniform(8), _uniform(8), True, True),
 }
 
 
