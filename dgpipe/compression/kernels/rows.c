@@ -57,8 +57,7 @@ typedef double vd2 __attribute__((vector_size(8 * V))); /* the 16 float64 of one
 typedef float vf8 __attribute__((vector_size(32)));  /* half a vf */
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef uint8_t vb32 __attribute__((vector_size(32))); /* the bytes of a vi8 */
-typedef float vf4 __attribute__((vector_size(16)));  /* a quarter of a vf, and its float64 */
-typedef double vd4 __attribute__((vector_size(32)));
+typedef double vd4 __attribute__((vector_size(32)));  /* a quarter of a vf in float64 */
 
 
 /* `wide`: whether comparisons, run-time permutes, broadcasts and narrowing take the 16 lanes whole, or in
@@ -311,11 +310,9 @@ static inline INLINE void squares(const float *y, long width, double *s64, int w
             vd2 s = a * a + c * c;
             memcpy(s64 + j, &s, sizeof s);
         }
-    for (; j + 4 <= m - h; j += 4) {
-        vf4 a4, c4;
-        memcpy(&a4, y + j, sizeof a4);
-        memcpy(&c4, y + h + j, sizeof c4);
-        vd4 a = __builtin_convertvector(a4, vd4), c = __builtin_convertvector(c4, vd4), s = a * a + c * c;
+    for (; j + 4 <= m - h; j += 4) { /* lane by lane: GCC converts a loaded 4-float vector via the stack */
+        const float *a4 = y + j, *c4 = y + h + j;
+        vd4 a = {a4[0], a4[1], a4[2], a4[3]}, c = {c4[0], c4[1], c4[2], c4[3]}, s = a * a + c * c;
         memcpy(s64 + j, &s, sizeof s);
     }
     for (; j < m - h; j++)
@@ -327,15 +324,24 @@ static inline INLINE void squares(const float *y, long width, double *s64, int w
 /* The rest of the fold on `nr` rows of first-level sums at once (row i at s64 + i * stride, m values):
  * while m > 1 values remain, the upper m - ceil(m / 2) are added to the lower ones. A level of every row
  * before the next level of any, so that the rows' chains of dependent sums overlap. Leaves the sums
- * in s64[i * stride]. */
-static inline INLINE void fold(double *s64, long stride, long nr, long m) {
+ * in s64[i * stride]. V / 2 values at a time, or 4 (`wide`, above: GCC would store a sum of 8 float64
+ * through the stack). */
+static inline INLINE void fold(double *s64, long stride, long nr, long m, int wide) {
     for (long h; m > 1; m = h) {
         h = (m + 1) / 2;
         for (long i = 0; i < nr; i++) {
             double *s = s64 + i * stride;
             long j = 0;
-            for (; j + V / 2 <= m - h; j += V / 2) {
-                vd a, c;
+            if (wide)
+                for (; j + V / 2 <= m - h; j += V / 2) {
+                    vd a, c;
+                    memcpy(&a, s + j, sizeof a);
+                    memcpy(&c, s + h + j, sizeof c);
+                    a += c;
+                    memcpy(s + j, &a, sizeof a);
+                }
+            for (; j + 4 <= m - h; j += 4) {
+                vd4 a, c;
                 memcpy(&a, s + j, sizeof a);
                 memcpy(&c, s + h + j, sizeof c);
                 a += c;
@@ -570,7 +576,7 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
                 squares(yr, width, s64 + i * half, wide);
         }
         if (!pow2) {
-            fold(s64, half, nr, half);
+            fold(s64, half, nr, half, wide);
             for (long i = 0; i < nr; i++)
                 sums[i] = s64[i * half];
         }
@@ -589,7 +595,8 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
             scl[i] = s > 0 ? s : 1.0f;
         }
         long p0 = r0 * width, p1 = (r0 + nr) * width;
-        if (p1 - p0 == CHUNK && p0 % CHUNK == 0 && p0 >= start && p1 <= stop && p1 <= full) { /* a whole chunk */
+        /* a whole chunk (CHUNK % width first: a constant width that does not divide it drops the branch) */
+        if (CHUNK % width == 0 && p1 - p0 == CHUNK && p0 % CHUNK == 0 && p0 >= start && p1 <= stop && p1 <= full) {
             if (width % V == 0 && CHUNK / LANES(bits) % width == 0)
                 code_chunk(y, wpad, width, scl, mv, mp, bits, wide, out + p0 / CHUNK * chunk_bytes);
             else {
