@@ -31,8 +31,8 @@
  * they go in halves of 8 lanes (`wide`), the same operations on the same values, and the codes are found in
  * vectors of 8 throughout (code_half: no 16-lane result passes through memory), each level of the search
  * one permute of a table of the midpoints it can probe; a computed vector is stored in halves (the butterflies'
- * last stride, a decoded row) or quarters (the float64 squares), which GCC would otherwise assemble in general
- * registers first. -DDGPIPE_ROWS_ONE_TARGET
+ * last stride, a decoded row) or quarters (the float64 squares and their fold), which GCC would otherwise pass
+ * through general registers or the stack first. -DDGPIPE_ROWS_ONE_TARGET
  * builds one variant, for the -march given (benchmarks/rows_compilers.py measures AVX2 on an AVX-512
  * machine so). Builds with GCC 11+ and clang 14+, on x86-64 and aarch64.
  * Reference for the transform: Fino and Algazi, IEEE Trans. Computers 1976; for the levels:
@@ -300,16 +300,11 @@ static inline INLINE double sum_squares_pow2(const float *y, long w) {
     return v[0] + v[1];
 }
 
-/* levels.row_rms's fold, first level: s64[j] = y[j]**2 + y[h + j]**2 (h = ceil(width / 2)), in float64; V values
- * at a time, or 4 (`wide`, above: GCC would assemble a computed vector of 16 float64 in general registers). */
-static inline INLINE void squares(const float *y, long width, double *s64, int wide) {
+/* levels.row_rms's fold, first level: s64[j] = y[j]**2 + y[h + j]**2 (h = ceil(width / 2)), in float64, 4 values
+ * at a time: GCC would assemble a computed vector of 16 float64 in general registers on a machine without
+ * AVX-512, and the AVX-512 build runs as fast this way. */
+static inline INLINE void squares(const float *y, long width, double *s64) {
     long m = width, h = (m + 1) / 2, j = 0;
-    if (wide)
-        for (; j + V <= m - h; j += V) {
-            vd2 a = __builtin_convertvector(load(y + j), vd2), c = __builtin_convertvector(load(y + h + j), vd2);
-            vd2 s = a * a + c * c;
-            memcpy(s64 + j, &s, sizeof s);
-        }
     for (; j + 4 <= m - h; j += 4) { /* lane by lane: GCC converts a loaded 4-float vector via the stack */
         const float *a4 = y + j, *c4 = y + h + j;
         vd4 a = {a4[0], a4[1], a4[2], a4[3]}, c = {c4[0], c4[1], c4[2], c4[3]}, s = a * a + c * c;
@@ -324,22 +319,14 @@ static inline INLINE void squares(const float *y, long width, double *s64, int w
 /* The rest of the fold on `nr` rows of first-level sums at once (row i at s64 + i * stride, m values):
  * while m > 1 values remain, the upper m - ceil(m / 2) are added to the lower ones. A level of every row
  * before the next level of any, so that the rows' chains of dependent sums overlap. Leaves the sums
- * in s64[i * stride]. V / 2 values at a time, or 4 (`wide`, above: GCC would store a sum of 8 float64
- * through the stack). */
-static inline INLINE void fold(double *s64, long stride, long nr, long m, int wide) {
+ * in s64[i * stride]. 4 values at a time (GCC would store a sum of 8 float64 through the stack on a
+ * machine without AVX-512). */
+static inline INLINE void fold(double *s64, long stride, long nr, long m) {
     for (long h; m > 1; m = h) {
         h = (m + 1) / 2;
         for (long i = 0; i < nr; i++) {
             double *s = s64 + i * stride;
             long j = 0;
-            if (wide)
-                for (; j + V / 2 <= m - h; j += V / 2) {
-                    vd a, c;
-                    memcpy(&a, s + j, sizeof a);
-                    memcpy(&c, s + h + j, sizeof c);
-                    a += c;
-                    memcpy(s + j, &a, sizeof a);
-                }
             for (; j + 4 <= m - h; j += 4) {
                 vd4 a, c;
                 memcpy(&a, s + j, sizeof a);
@@ -573,10 +560,10 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
             if (pow2)
                 sums[i] = sum_squares_pow2(yr, width);
             else
-                squares(yr, width, s64 + i * half, wide);
+                squares(yr, width, s64 + i * half);
         }
         if (!pow2) {
-            fold(s64, half, nr, half, wide);
+            fold(s64, half, nr, half);
             for (long i = 0; i < nr; i++)
                 sums[i] = s64[i * half];
         }
