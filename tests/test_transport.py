@@ -160,6 +160,24 @@ def check_size_word_lie_refused_at_once(rank):
         assert torch.equal(get_codec("none").decode(p), x)
 
 
+def check_dropped_handle_still_delivers(rank):
+    """A message whose send handle is dropped unwaited, before the receiver asks for it, still arrives:
+    its Sender holds the send until it completes (gloo alone would drop it with the handle)."""
+    x = torch.arange(6.0)
+    if rank == 0:
+        sender = Sender(1, tag=41)
+        sender.send([get_codec("none").encode(x)])  # the handle is dropped here
+        assert len(sender._unfinished) == 1
+        dist.barrier()  # the receiver asks only after this
+        dist.barrier()  # the sender lives until the message has arrived
+    else:
+        dist.barrier()
+        time.sleep(0.5)
+        got = recv_payload(0, "cpu", tag=41, timeout=10)
+        assert torch.equal(get_codec("none").decode(got), x)
+        dist.barrier()
+
+
 def check_timeout_names_peer(rank):
     """A receive from a silent (alive) peer ends within its timeout with an error naming the peer."""
     if rank == 0:
@@ -186,6 +204,7 @@ CHECKS = [
     check_inconsistent_layout,
     check_oversized_message,
     check_size_word_lie_refused_at_once,
+    check_dropped_handle_still_delivers,
     check_timeout_names_peer,  # last: a timed-out gloo pair is closed afterwards
 ]
 

@@ -63,6 +63,12 @@ class HeldWork:
     def __init__(self, future: Future) -> None:
         self._future = future
 
+    def is_completed(self) -> bool:
+        """Whether the works were posted and completed, or the posting failed; never blocks."""
+        if not self._future.done():
+            return False
+        return self._future.exception() is not None or all(w.is_completed() for w in self._future.result())
+
     def wait(self, timeout: datetime.timedelta | None = None) -> None:
         start = time.monotonic()
         try:

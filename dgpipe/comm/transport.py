@@ -199,7 +199,8 @@ def pack_message(payloads: Sequence[Payload], meta: Sequence[int] = (), device: 
 
 
 class SendWork:
-    """Handle of an asynchronous send; keeps the sent buffers alive until :meth:`wait`.
+    """Handle of an asynchronous send; keeps the sent buffers alive until :meth:`wait` (or, where the
+    handle is dropped unwaited, until the send completes: its :class:`Sender` holds it till then).
 
     Attributes:
         dst: global rank of the receiver.
@@ -223,6 +224,10 @@ class SendWork:
         _wait(self._works, self.dst, _action(self.label, "sending to"), timeout, time.monotonic())
         self._works, self._buffers = [], []
 
+    def done(self) -> bool:
+        """Whether the message has been handed to the receiver (or the send failed); never blocks."""
+        return all(w.is_completed() for w in self._works)
+
 
 class _Stream:
     """Capacity bookkeeping shared by both ends of a stream (see the module docstring)."""
@@ -242,12 +247,18 @@ class _Stream:
 
 class Sender(_Stream):
     """The sending end of a stream to global rank ``dst`` on ``tag``; with a :class:`DelayLine`, every
-    message is posted that line's latency after :meth:`send` (benchmarks only)."""
+    message is posted that line's latency after :meth:`send` (benchmarks only).
+
+    The sender holds each message's :class:`SendWork` until the send completes, so that a caller who
+    drops the handle unwaited does not lose the message: gloo keeps only a weak reference to a send
+    the receiver has not asked for yet, and would drop it with the handle.
+    """
 
     def __init__(self, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0,
                  delay: DelayLine | None = None) -> None:
         super().__init__(dst, group, tag)
         self.delay = delay
+        self._unfinished: list[SendWork] = []
 
     def send(self, payloads: Sequence[Payload], meta: Sequence[int] = (), label: str = "") -> SendWork:
         """Start sending ``payloads`` and ``meta`` (int64 values) as one message; returns at once.
@@ -269,7 +280,9 @@ class Sender(_Stream):
 
         works = post() if self.delay is None else [HeldWork(self.delay.submit(post))]
         self.grow(total)
-        return SendWork(works, parts, self.peer, label)
+        work = SendWork(works, parts, self.peer, label)
+        self._unfinished = [w for w in self._unfinished if not w.done()] + [work]
+        return work
 
 
 class Receiver(_Stream):
