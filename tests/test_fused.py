@@ -103,7 +103,7 @@ def test_quant_fused_equals_eager(eager_and_fused, kernels_run, opts):
     bits = opts["bits"]
     want = {("encode_uniform", bits), ("decode_uniform", bits)}
     if len(opts) == 1:  # per tensor, float32 metadata
-        want.add(("message_values", bits, 0))
+        want |= {("message_values", bits, 0), ("value_range",)}
     assert want <= kernels_run, f"fused path not taken: {want - kernels_run}"
 
 
@@ -307,6 +307,33 @@ def test_bucket_extrema_against_sort(monkeypatch, threads):
                 want = mins.clone().scatter_reduce_(0, torch.searchsorted(bounds, x, right=True), x, "amax") + 0.0
                 assert torch.equal(maxs, want), (name, buckets)
                 assert ("bucket_extrema", buckets.bit_length() - 1) in backend._kernels
+    finally:
+        backend.set_enabled(previous)
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 3])
+def test_value_range_against_torch(monkeypatch, threads):
+    """The range pass's min and max equal torch's (up to the sign of a zero) with the extremes in the first
+    value, a middle chunk or the tail; a NaN anywhere, an inf next to it or not, gives NaN for both; on
+    one thread and on three."""
+    monkeypatch.setattr(backend, "MIN_CHUNKS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(5)
+    previous = backend.set_enabled(True)
+    try:
+        for n in (3 * CHUNK, 200_003):
+            for where in (0, CHUNK + 17, n - 1):
+                for lo, hi in ((-50.0, 60.0), (-float("inf"), float("inf")), (-0.0, 0.0)):
+                    x = torch.randn(n, generator=g) if lo else -torch.relu(torch.randn(n, generator=g))
+                    x[where], x[(where + 5 * CHUNK // 2) % n] = lo, hi
+                    got = compiled.value_range(x.numpy())
+                    want = torch.aminmax(x)
+                    assert (got[0], got[1]) == (want.min.item(), want.max.item()), (n, where, lo)
+                    x[(where + 1) % n] = float("nan")
+                    assert np.isnan(compiled.value_range(x.numpy())).all(), (n, where, lo)
+        assert ("value_range",) in backend._kernels
+        assert compiled.value_range(np.zeros(100, np.float32)) is None  # small: torch's turn
     finally:
         backend.set_enabled(previous)
 

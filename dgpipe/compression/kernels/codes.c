@@ -19,6 +19,7 @@
  *   and table[code] * scale[g];
  * - fwht: the Walsh-Hadamard butterflies of each row, in place, then the orthonormal factor;
  * - sort_sample: an LSD radix sort of float32 keys (three passes of 11-bit digits);
+ * - value_range: the min and the max in one pass (a uniform grid's range);
  * - bucket_extrema: the min and each bucket's max in one pass;
  * - sampled_grid / uniform_message / message_values: a small message's grid and codes, or its values, in one
  *   call (a call after a stage's compute has evicted the caches costs 15-25 us).
@@ -424,6 +425,42 @@ static inline INLINE int sort_sample(const float *x, const int64_t *pos, long m,
     return 0;
 }
 
+/* ---- the min and the max -------------------------------------------------------------------------------------- */
+
+#define RANGE_LANES 32 /* running minima and maxima, kept in vector registers */
+
+/* ext = [min, max] of x[0, n), n >= 1 (a zero as found: either sign), both NaN where x holds a NaN. */
+static inline INLINE int value_range(const float *x, long n, float *ext) {
+    float lo[RANGE_LANES], hi[RANGE_LANES];
+    int32_t nan[RANGE_LANES];
+    for (int t = 0; t < RANGE_LANES; t++) {
+        lo[t] = hi[t] = x[0];
+        nan[t] = 0;
+    }
+    long i = 0;
+    for (; i + RANGE_LANES <= n; i += RANGE_LANES)
+        for (int t = 0; t < RANGE_LANES; t++) {
+            const float v = x[i + t];
+            lo[t] = v < lo[t] ? v : lo[t];
+            hi[t] = v > hi[t] ? v : hi[t];
+            nan[t] |= v != v;
+        }
+    for (int t = 1; t < RANGE_LANES; t++) {
+        lo[0] = lo[t] < lo[0] ? lo[t] : lo[0];
+        hi[0] = hi[t] > hi[0] ? hi[t] : hi[0];
+        nan[0] |= nan[t];
+    }
+    for (; i < n; i++) {
+        const float v = x[i];
+        lo[0] = v < lo[0] ? v : lo[0];
+        hi[0] = v > hi[0] ? v : hi[0];
+        nan[0] |= v != v;
+    }
+    ext[0] = nan[0] ? NAN : lo[0];
+    ext[1] = nan[0] ? NAN : hi[0];
+    return 0;
+}
+
 /* ---- the min and the per-bucket maxima ------------------------------------------------------------------------ */
 
 /* Fold v into ext = [min, max of bucket 0, ...]; 1 if v is NaN. */
@@ -607,6 +644,23 @@ EXPORT_RANGED(encode_levels, ENCODE_LEVELS)
 EXPORT_RANGED(decode_levels, DECODE_LEVELS)
 EXPORT_RANGED(fwht, FWHT)
 EXPORT(sort_sample, (const float *x, const int64_t *pos, long m, float *out), (x, pos, m, out))
+
+/* The min and the max of x in parts of whole chunks (the last part takes the n % CHUNK tail), part k's in
+ * ext[2k], ext[2k + 1]. */
+VARIANTS_OF(value_range, (const float *x, long n, float *ext), (x, n, ext))
+#define VALUE_RANGE(X) X(const float *, x) X(long, n) X(float *, ext)
+struct value_range_args { VALUE_RANGE(TEAM_FIELD) };
+
+static int value_range_part(const void *data, long k, long c0, long c1) {
+    const struct value_range_args *a = data;
+    const long i0 = c0 * CHUNK, i1 = c1 == a->n / CHUNK ? a->n : c1 * CHUNK;
+    return PICK(value_range, (a->x + i0, i1 - i0, a->ext + 2 * k));
+}
+
+int dgpipe_value_range(VALUE_RANGE(TEAM_PARAM) long parts, int threads) {
+    const struct value_range_args a = {VALUE_RANGE(TEAM_ARG)};
+    return team_run(value_range_part, &a, 0, n / CHUNK, parts, threads);
+}
 
 /* The min and the bucket maxima of x in parts of whole chunks (the last part takes the n % CHUNK tail), part k
  * folded into row k of ext (2**S + 1 floats a row, each starting at the values known to be reached). */

@@ -75,6 +75,7 @@ SIGNATURES = {
     "dgpipe_decode_levels": [_P, _I, _P, _P, _L, _L, _P, *_TEAM],
     "dgpipe_fwht": [_P, _L, _F, *_TEAM],
     "dgpipe_sort_sample": [_P, _P, _L, _P],
+    "dgpipe_value_range": [_P, _L, _P, _L, _I],
     "dgpipe_bucket_extrema": [_P, _L, _P, _I, _P, _F, _P, _L, _I],
     "dgpipe_sampled_grid": [_P, _L, _P, _L, _P, _I, _I, _P, _P, _L, _P],
     "dgpipe_uniform_message": [_P, _L, _F, _F, _I, _P, _P],
@@ -301,6 +302,31 @@ def sort_sample(x: np.ndarray, positions: np.ndarray | None) -> np.ndarray | Non
     out = np.empty(m, np.float32)
     ok = _run("sort_sample", (), (x.ctypes.data, None if pos is None else pos.ctypes.data, m, out.ctypes.data))
     return out if ok else None
+
+
+def value_range(x: np.ndarray) -> tuple[np.float32, np.float32] | None:
+    """The min and the max of ``x`` in one pass (which replaces ``torch.aminmax``: twice its speed on 2
+    threads on the 25.7 MB tensor, where a pass that only reads takes what this one does).
+
+    Takes and gives numpy, as :func:`bucket_extrema`.
+
+    Args:
+        x: 1-D float32 contiguous values.
+
+    Returns:
+        ``(lo, hi)``: float32 min and max of ``x``, zeros with either sign (which zero a min keeps depends
+        on the order of the values), both NaN where ``x`` holds a NaN; None where the fused path does
+        not apply (small ``x``, switched off).
+    """
+    if x.size < MIN_VALUES or not x.flags.c_contiguous:
+        return None
+    k, threads = team(x.size // CHUNK)  # parts of whole chunks, the last one with the tail
+    ext: np.ndarray = np.empty((k, 2), np.float32)  # a row per part: its min and max
+    if not _run("value_range", (), (x.ctypes.data, x.size, ext.ctypes.data, k, threads)):
+        return None
+    if k == 1:
+        return np.float32(ext[0, 0]), np.float32(ext[0, 1])
+    return np.float32(ext[:, 0].min()), np.float32(ext[:, 1].max())  # a part's NaN propagates
 
 
 def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np.float32,

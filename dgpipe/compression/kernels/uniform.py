@@ -290,9 +290,10 @@ def uniform_message(values: torch.Tensor, bits: int, codec_name: str,
 
     Returns:
         ``(meta, packed)``: float32 ``(2,)`` ``[lo, step]``, ``lo = min(values)``,
-        ``step = (max(values) - lo) / (2**bits - 1)``, and the uint8 code stream (:func:`uniform_codes`).
-        A small CPU message runs in one compiled call; on the GPU, two kernel launches that read nothing
-        back to the host (:func:`.triton_codes.encode_message`).
+        ``step = (max(values) - lo) / (2**bits - 1)`` (a zero min or max as ``+0.0``), and the uint8 code
+        stream (:func:`uniform_codes`). On the CPU the range is one compiled pass
+        (:func:`.compiled.value_range`), and a small message's grid and codes one more call; on the GPU,
+        two kernel launches that read nothing back to the host (:func:`.triton_codes.encode_message`).
 
     Raises:
         ValueError: the range is not finite (:func:`finite_range`) -- except on the GPU path, which does
@@ -307,22 +308,27 @@ def uniform_message(values: torch.Tensor, bits: int, codec_name: str,
             n = values.numel()
             return grid[:2], pack_tail(out, n, bits, lambda start: _tail_codes(values, grid[:1], grid[2:], bits, n,
                                                                                 start))
-    lo, hi = torch.aminmax(values)
-    if backend == "c" and compiled.one_call(values) and values.is_contiguous():
-        a, b = lo.item(), hi.item()
-        if not tame(a, b):
-            finite_range(lo, hi, codec_name)  # raises
-        done = compiled.uniform_message(values, a, b, bits)
-        if done is not None:
-            return done
-    finite_range(lo, hi, codec_name)
-    if values.is_cpu:  # numpy: a fraction of torch's per-call cost
-        a, b = lo.detach().numpy().reshape(1), hi.detach().numpy().reshape(1)
-        step = grid_step(a, b, 1 << bits)
-        meta, div = torch.from_numpy(np.concatenate((a, step))), torch.from_numpy(grid_divisor(step))
+    found = compiled.value_range(values.detach().numpy()) if backend == "c" and values.is_contiguous() else None
+    if found is None:
+        lo, hi = torch.aminmax(values)
+        lo, hi = lo + 0.0, hi + 0.0  # a zero as +0.0: which zero a min or max keeps depends on the order
+        finite_range(lo, hi, codec_name)
+        if not values.is_cpu:
+            step = grid_step(lo.reshape(1), hi.reshape(1), 1 << bits)
+            meta, div = torch.cat((lo.reshape(1), step)), grid_divisor(step)
+            return meta, uniform_codes(values, meta[:1], div, bits, values.numel(), stochastic)
+        a, b = lo.detach().numpy().reshape(1), hi.detach().numpy().reshape(1)  # numpy: a fraction of torch's cost
     else:
-        step = grid_step(lo.reshape(1), hi.reshape(1), 1 << bits)
-        meta, div = torch.cat((lo.reshape(1), step)), grid_divisor(step)
+        lo_f, hi_f = float(found[0]) + 0.0, float(found[1]) + 0.0  # exact: a float32 as a Python float
+        if not tame(lo_f, hi_f):
+            finite_range(torch.tensor(lo_f), torch.tensor(hi_f), codec_name)  # raises
+        if compiled.one_call(values):
+            done = compiled.uniform_message(values, lo_f, hi_f, bits)
+            if done is not None:
+                return done
+        a, b = np.array([lo_f], np.float32), np.array([hi_f], np.float32)
+    step = grid_step(a, b, 1 << bits)
+    meta, div = torch.from_numpy(np.concatenate((a, step))), torch.from_numpy(grid_divisor(step))
     return meta, uniform_codes(values, meta[:1], div, bits, values.numel(), stochastic)
 
 
