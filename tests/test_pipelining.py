@@ -164,7 +164,7 @@ def test_refuses_variable_size_codecs_and_warns_on_untested_torch(monkeypatch):
         assert not check_torch_version("2.12.1+cu126")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert check_torch_version("2.13.0+cpu") and check_torch_version("2.14.1")
+        assert check_torch_version("2.13.0+cpu") and check_torch_version("2.14.1") and check_torch_version("2.15.0")
         monkeypatch.setenv(UNTESTED_TORCH_ENV, "1")
         assert not check_torch_version("2.16.0")
 

@@ -63,7 +63,7 @@ from dgpipe.pipeline.coders import CodecArg, codec_factory
 __all__ = ["TESTED_TORCH", "UNTESTED_TORCH_ENV", "CompressedPipelineStage", "check_torch_version"]
 
 #: ``major.minor`` versions of torch whose pipelining internals the tests cover (``benchmarks/torch_versions.sh``).
-TESTED_TORCH = ("2.13", "2.14")
+TESTED_TORCH = ("2.13", "2.14", "2.15")
 
 #: Set to 1 to silence the warning about a torch outside :data:`TESTED_TORCH`.
 UNTESTED_TORCH_ENV = "DGPIPE_UNTESTED_TORCH"

@@ -255,7 +255,7 @@ if triton is not None:
         step = tl.where(nan > 0, float("nan"), step)
         div = tl.where(step > 0, step, 1.0)
         k = tl.arange(0, 4)
-        tl.store(grid_ptr + k, tl.where(k == 0, lo, tl.where(k == 1, step, div)), mask=(k < 3) & (c == 0))
+        tl.store(grid_ptr + k, tl.where(k == 0, lo, tl.where(k == 1, step, div)), mask=k + 3 * c < 3)  # program 0 only
         i = _lanes(c, G)
         v = tl.math.div_rn(tl.load(x_ptr + i) - lo, div)
         v = (v + _ROUND) - _ROUND
