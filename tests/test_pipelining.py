@@ -159,7 +159,7 @@ def test_refuses_variable_size_codecs_and_warns_on_untested_torch(monkeypatch):
     with pytest.raises(ValueError, match="unknown codec"):
         CompressedPipelineStage(part, 0, 2, torch.device("cpu"), grad_codec="no-such-codec")
     monkeypatch.delenv(UNTESTED_TORCH_ENV, raising=False)
-    with pytest.warns(RuntimeWarning, match=r"tested with torch 2\.13, 2\.14; this is torch 2\.12\.1.*"
+    with pytest.warns(RuntimeWarning, match=r"tested with torch 2\.13, 2\.14, 2\.15; this is torch 2\.12\.1.*"
                                             r"DGPIPE_UNTESTED_TORCH=1"):
         assert not check_torch_version("2.12.1+cu126")
     with warnings.catch_warnings():
