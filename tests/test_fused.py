@@ -265,7 +265,7 @@ def test_sortquant_fused_equals_eager(eager_and_fused, kernels_run, qs):
 
 
 def test_large_sample_split_and_bucket_extrema(eager_and_fused):
-    """Above the sample size the min and maxima come from the windowed pass; equal to the exact ones."""
+    """Above the sample size the min and maxima come from the compiled pass; the decode within half a step."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300_000, generator=g) ** 3
     for q, s in ((6, 2), (3, 1), (4, 4)):
@@ -280,9 +280,9 @@ def test_large_sample_split_and_bucket_extrema(eager_and_fused):
 @needs_c
 @pytest.mark.parametrize("threads", [1, 3])
 def test_bucket_extrema_against_sort(monkeypatch, threads):
-    """The windowed pass's min and maxima equal those computed with searchsorted over all values,
-    also where the windows' ends tie with many values (a ReLU's zeros, a saturated top, integers) and
-    where the extremes are single outliers that no sample holds; on one thread and on three."""
+    """The compiled pass's min and maxima equal those computed with searchsorted over all values, also
+    where many values tie with a boundary (a ReLU's zeros, a saturated top, integers), where the extremes
+    are single outliers that no sample holds, and where a bucket is empty; on one thread and on three."""
     from dgpipe.compression.kernels.buckets import bucket_ranges
 
     monkeypatch.setattr(backend, "MIN_CHUNKS_PER_THREAD", 1)
@@ -396,8 +396,7 @@ def test_not_applicable_returns_false():
     out = torch.empty(10, dtype=torch.uint8)
     small = torch.randn(100)
     assert not compiled.encode_uniform(small, small[:1], small[:1], 8, 100, out)
-    assert compiled.bucket_extrema(np.zeros(3 * CHUNK, np.float32), np.zeros(31, np.float32), np.zeros(31, np.float32),
-                                np.float32(0.0), np.float32(1.0)) is None  # S = 5 > MAX_SPLIT_BITS
+    assert compiled.bucket_extrema(np.zeros(3 * CHUNK, np.float32), np.zeros(31, np.float32)) is None  # S = 5 > 4
 
 
 @needs_c

@@ -209,12 +209,10 @@ def _cpu_grid(flat: torch.Tensor, buckets: int, m: int, codec_name: str
     positions = None if m == n else _cpu_sample_positions(n, m)
     s = sort_sample(xs, positions)
     bounds = s[_boundary_ranks(m, buckets)] + np.float32(0.0)  # a zero as +0.0 (the sorts order zeros differently)
-    below = s[np.maximum(np.searchsorted(s, bounds) - 1, 0)]  # the largest sampled value below each boundary
     if m < n:
         found = None
         if choose(flat) == "c":
-            found = compiled.bucket_extrema(xs, bounds, np.where(below < bounds, below, np.float32(-np.inf)),
-                                                 s[0], s[-1])
+            found = compiled.bucket_extrema(xs, bounds)
         if found is None:
             lo, _ = range_of(flat, codec_name)
             bounds_t = torch.from_numpy(bounds)
@@ -224,7 +222,7 @@ def _cpu_grid(flat: torch.Tensor, buckets: int, m: int, codec_name: str
     else:  # the whole tensor sorted: NaN last, so an inf or NaN is at an end
         lo, top = s[0], s[-1]
         # bucket i's max: the largest value below the next boundary (or the top), if the bucket is not empty
-        maxs = np.append(below, top)
+        maxs = np.append(s[np.maximum(np.searchsorted(s, bounds) - 1, 0)], top)
     lo = lo + np.float32(0.0)  # -0.0 -> +0.0: which zero a min keeps depends on the order of the values
     if not tame(lo, top):
         finite_range(torch.tensor(lo), torch.tensor(top), codec_name)  # raises if the range is not finite

@@ -212,14 +212,6 @@ static inline INLINE int decode_uniform(const uint8_t *packed, int bits, const f
     default: return 1;                                                                                       \
     }
 
-/* The bucket of v: how many of the nb non-decreasing boundaries are <= v. */
-static inline INLINE int bucket_of(float v, const float *bounds, int nb) {
-    int b = 0;
-    for (int j = 0; j < nb; j++)
-        b += v >= bounds[j];
-    return b;
-}
-
 static inline INLINE void encode_buckets_w(const float *x, const float *bounds, const float *mins, const float *div,
                                            int quant_bits, int split_bits, long n, long c0, long c1,
                                            uint8_t *out) {
@@ -463,60 +455,59 @@ static inline INLINE int value_range(const float *x, long n, float *ext) {
 
 /* ---- the min and the per-bucket maxima ------------------------------------------------------------------------ */
 
-/* Fold v into ext = [min, max of bucket 0, ...]; 1 if v is NaN. */
-static inline INLINE int fold(float v, const float *bounds, int nb, float *ext) {
-    const int b = bucket_of(v, bounds, nb);
-    ext[1 + b] = v > ext[1 + b] ? v : ext[1 + b];
-    ext[0] = v < ext[0] ? v : ext[0];
-    return v != v;
-}
+#define EXTREMA_LANES 16 /* running minima and maxima, kept in vector registers */
 
-/* ext (nb + 2 floats) starts at values the min and the maxima are known to reach: only values above lows[b]
- * of their bucket b can raise its maximum, and only values below `low` can lower the min. A vectorised pass
- * flags them (and NaN), a scalar pass folds the flagged few in; ties at those values (the zeros of a ReLU, a
- * saturated top) are never flagged. ext[0] ends NaN where x holds a NaN. */
-static inline INLINE void bucket_extrema_s(const float *x, long n, const float *bounds, int split_bits,
-                                           const float *lows, float low, float *ext) {
+/* ext (nb + 2 floats) = [min of x, then for each boundary b < nb the max of the values below it (-inf: none), then
+ * the max of x], n >= 1. Bucket b < nb's max is the max of the values below boundary b where the bucket holds any
+ * (those of the buckets below are smaller than its min), else below its min, and the top bucket's is the max of x:
+ * so a pass that only reads, a compare and a masked max per boundary and value, gives every bucket's max. ext[0]
+ * is NaN where x holds a NaN (the maxima skip it); zeros as found. */
+static inline INLINE void bucket_extrema_s(const float *x, long n, const float *bounds, int split_bits, float *ext) {
     const int nb = (1 << split_bits) - 1;
-    uint8_t flags[CHUNK];
-    int nan = 0;
-    float bound[1 << MAX_SPLIT], window[1 << MAX_SPLIT];
+    float bound[1 << MAX_SPLIT], lo[EXTREMA_LANES], hi[1 << MAX_SPLIT][EXTREMA_LANES];
+    int32_t nan[EXTREMA_LANES];
     copy_table(bounds, nb, bound);
-    copy_table(lows, nb + 1, window);
-    for (long c = 0; c < n / CHUNK; c++) {
-        const float *xs = x + c * CHUNK;
-        for (int t = 0; t < CHUNK; t++) {
-            const float v = xs[t];
-            float w = window[0];
-            for (int j = 0; j < nb; j++)
-                w = pick(v >= bound[j], window[j + 1], w);
-            flags[t] = (uint8_t)((v > w) | (v < low) | (v != v));
-        }
-        for (int q = 0; q < CHUNK; q += 8) {
-            uint64_t word;
-            memcpy(&word, flags + q, 8);
-            if (!word)
-                continue;
-            for (int t = q; t < q + 8; t++)
-                if (flags[t])
-                    nan |= fold(xs[t], bounds, nb, ext);
-        }
+    for (int t = 0; t < EXTREMA_LANES; t++) {
+        lo[t] = x[0];
+        nan[t] = 0;
+        for (int b = 0; b <= nb; b++)
+            hi[b][t] = -INFINITY;
     }
-    for (long i = n / CHUNK * CHUNK; i < n; i++)
-        nan |= fold(x[i], bounds, nb, ext);
-    if (nan)
-        ext[0] = NAN;
+    long i = 0;
+    for (; i + EXTREMA_LANES <= n; i += EXTREMA_LANES)
+        for (int t = 0; t < EXTREMA_LANES; t++) {
+            const float v = x[i + t];
+            for (int j = 0; j < nb; j++) {
+                const float h = v > hi[j][t] ? v : hi[j][t];
+                hi[j][t] = v < bound[j] ? h : hi[j][t];
+            }
+            hi[nb][t] = v > hi[nb][t] ? v : hi[nb][t];
+            lo[t] = v < lo[t] ? v : lo[t];
+            nan[t] |= v != v;
+        }
+    for (; i < n; i++) { /* the tail, into lane 0 */
+        const float v = x[i];
+        for (int j = 0; j < nb; j++)
+            hi[j][0] = v < bound[j] && v > hi[j][0] ? v : hi[j][0];
+        hi[nb][0] = v > hi[nb][0] ? v : hi[nb][0];
+        lo[0] = v < lo[0] ? v : lo[0];
+        nan[0] |= v != v;
+    }
+    for (int t = 1; t < EXTREMA_LANES; t++) {
+        lo[0] = lo[t] < lo[0] ? lo[t] : lo[0];
+        nan[0] |= nan[t];
+        for (int b = 0; b <= nb; b++)
+            hi[b][0] = hi[b][t] > hi[b][0] ? hi[b][t] : hi[b][0];
+    }
+    ext[0] = nan[0] ? NAN : lo[0];
+    for (int b = 0; b <= nb; b++)
+        ext[1 + b] = hi[b][0];
 }
 
-static inline INLINE int bucket_extrema(const float *x, long n, const float *bounds, int split_bits,
-                                        const float *lows, float low, float *ext) {
-    switch (split_bits) {
-    case 1: bucket_extrema_s(x, n, bounds, 1, lows, low, ext); break;
-    case 2: bucket_extrema_s(x, n, bounds, 2, lows, low, ext); break;
-    case 3: bucket_extrema_s(x, n, bounds, 3, lows, low, ext); break;
-    case 4: bucket_extrema_s(x, n, bounds, 4, lows, low, ext); break;
-    default: return 1;
-    }
+static inline INLINE int bucket_extrema(const float *x, long n, const float *bounds, int split_bits, float *ext) {
+#define BODY(s) bucket_extrema_s(x, n, bounds, s, ext)
+    EACH_SPLIT(split_bits, BODY)
+#undef BODY
     return 0;
 }
 
@@ -531,39 +522,17 @@ static inline INLINE int sampled_grid(const float *x, long n, const int64_t *pos
                                       uint8_t *out) {
     const int nb = (1 << split_bits) - 1, w = nb + 1;
     const float steps = (float)((1 << quant_bits) - 1), half_max = 0x1p127f;
-    float bounds[1 << MAX_SPLIT], lows[(1 << MAX_SPLIT) + 1], ext[(1 << MAX_SPLIT) + 2];
+    float bounds[1 << MAX_SPLIT], ext[(1 << MAX_SPLIT) + 2];
     if (split_bits < 1 || split_bits > MAX_SPLIT)
         return 1;
     const int rc = sort_sample(x, pos, m, sample);
     if (rc)
         return rc;
-    const float *s = sample;
-    lows[0] = s[0];
-    lows[nb] = s[m - 1];
     for (int j = 0; j < nb; j++) {
-        const float bound = s[ranks[j]] + 0.0f; /* a zero as +0.0 */
-        bounds[j] = bound;
-        grid[j + 1] = bound;
-        if (j + 1 < nb)
-            lows[j + 1] = bound;
-        long a = 0, b = m; /* np.searchsorted(s, bound): the first sampled value >= bound */
-        while (a < b) {
-            const long mid = (a + b) / 2;
-            if (s[mid] < bound)
-                a = mid + 1;
-            else
-                b = mid;
-        }
-        float below = s[a > 0 ? a - 1 : 0]; /* the largest sampled value below the boundary, if any */
-        below = below < bound ? below : -INFINITY;
-        lows[j] = lows[j] > below ? lows[j] : below;
-        if (j == 0)
-            ext[1] = below;
+        bounds[j] = sample[ranks[j]] + 0.0f; /* a zero as +0.0 */
+        grid[j + 1] = bounds[j];
     }
-    ext[0] = s[0];
-    for (int j = 1; j <= nb; j++)
-        ext[1 + j] = lows[j];
-    bucket_extrema(x, n, bounds, split_bits, lows, s[0], ext);
+    bucket_extrema(x, n, bounds, split_bits, ext);
     grid[0] = ext[0] + 0.0f; /* the min, a zero as +0.0 */
     grid[3 * w] = ext[0];    /* the range, for the caller's check */
     grid[3 * w + 1] = ext[nb + 1];
@@ -662,20 +631,18 @@ int dgpipe_value_range(VALUE_RANGE(TEAM_PARAM) long parts, int threads) {
     return team_run(value_range_part, &a, 0, n / CHUNK, parts, threads);
 }
 
-/* The min and the bucket maxima of x in parts of whole chunks (the last part takes the n % CHUNK tail), part k
- * folded into row k of ext (2**S + 1 floats a row, each starting at the values known to be reached). */
-VARIANTS_OF(bucket_extrema, (const float *x, long n, const float *bounds, int split_bits, const float *lows,
-                             float low, float *ext),
-            (x, n, bounds, split_bits, lows, low, ext))
-#define BUCKET_EXTREMA(X) X(const float *, x) X(long, n) X(const float *, bounds) X(int, split_bits) \
-    X(const float *, lows) X(float, low) X(float *, ext)
+/* The min and the bucket maxima of x in parts of whole chunks (the last part takes the n % CHUNK tail), part k's
+ * in row k of ext (2**S + 1 floats a row). */
+VARIANTS_OF(bucket_extrema, (const float *x, long n, const float *bounds, int split_bits, float *ext),
+            (x, n, bounds, split_bits, ext))
+#define BUCKET_EXTREMA(X) X(const float *, x) X(long, n) X(const float *, bounds) X(int, split_bits) X(float *, ext)
 struct bucket_extrema_args { BUCKET_EXTREMA(TEAM_FIELD) };
 
 static int bucket_extrema_part(const void *data, long k, long c0, long c1) {
     const struct bucket_extrema_args *a = data;
     const long i0 = c0 * CHUNK, i1 = c1 == a->n / CHUNK ? a->n : c1 * CHUNK;
     float *ext = a->ext + k * ((1 << a->split_bits) + 1);
-    return PICK(bucket_extrema, (a->x + i0, i1 - i0, a->bounds, a->split_bits, a->lows, a->low, ext));
+    return PICK(bucket_extrema, (a->x + i0, i1 - i0, a->bounds, a->split_bits, ext));
 }
 
 int dgpipe_bucket_extrema(BUCKET_EXTREMA(TEAM_PARAM) long parts, int threads) {

@@ -76,7 +76,7 @@ SIGNATURES = {
     "dgpipe_fwht": [_P, _L, _F, *_TEAM],
     "dgpipe_sort_sample": [_P, _P, _L, _P],
     "dgpipe_value_range": [_P, _L, _P, _L, _I],
-    "dgpipe_bucket_extrema": [_P, _L, _P, _I, _P, _F, _P, _L, _I],
+    "dgpipe_bucket_extrema": [_P, _L, _P, _I, _P, _L, _I],
     "dgpipe_sampled_grid": [_P, _L, _P, _L, _P, _I, _I, _P, _P, _L, _P],
     "dgpipe_uniform_message": [_P, _L, _F, _F, _I, _P, _P],
     "dgpipe_message_values": [_P, _I, _I, _P, _L, _P],
@@ -329,53 +329,40 @@ def value_range(x: np.ndarray) -> tuple[np.float32, np.float32] | None:
     return np.float32(ext[:, 0].min()), np.float32(ext[:, 1].max())  # a part's NaN propagates
 
 
-def bucket_extrema(x: np.ndarray, bounds: np.ndarray, below: np.ndarray, low: np.float32,
-                   high: np.float32) -> tuple[np.float32, np.ndarray] | None:
-    """The min of ``x`` and the max of each bucket, in one pass over ``x`` (which replaces ``torch.aminmax``).
+def bucket_extrema(x: np.ndarray, bounds: np.ndarray) -> tuple[np.float32, np.ndarray] | None:
+    """The min of ``x`` and the max of each bucket, in one pass over ``x`` that only reads (which replaces
+    ``torch.aminmax`` and a ``scatter_reduce``).
 
-    Takes and gives numpy (a view of the CPU tensor): a small message's time goes to
-    per-call overheads, and numpy's are a fraction of torch's.
+    Bucket ``b < 2**S - 1``'s max is the max of the values below boundary ``b`` where the bucket holds any
+    (those of the buckets below are smaller than its min), else a value below its min; the top bucket's is
+    the max of ``x``. So each lane keeps a running min and, per boundary, a running masked max. Takes and
+    gives numpy (a view of the CPU tensor): a small message's time goes to per-call overheads, and numpy's
+    are a fraction of torch's.
 
     Args:
         x: 1-D float32 contiguous values.
         bounds: float32 ``(2**S - 1,)`` non-decreasing boundaries; ``bucket(v)`` is the
             number of boundaries ``<= v`` (:class:`.buckets.BucketIndex`).
-        below: float32 ``(2**S - 1,)``: for each boundary the largest sampled value below it,
-            or ``-inf`` (none): bucket ``b``'s maximum is at least ``below[b]`` where that lies
-            in bucket ``b``, and at least its min ``bounds[b - 1]`` otherwise, so only values
-            from there up are candidates.
-        low, high: float32 min and max of values of ``x`` (of the sample the boundaries
-            come from, so the max lies in the top bucket): only values below the first can
-            lower the min, only values above the second raise the top bucket's max.
 
     Returns:
         ``(lo, maxs)``: float32 min of ``x`` (NaN if ``x`` holds a NaN) and float32
-        ``(2**S,)`` maxima, such that ``max(maxs, (lo, *bounds))`` is each bucket's max as
-        :class:`.sortquant.SortQuantizer` sends it (an empty bucket's: its min); zeros as found
-        (the caller makes them ``+0.0``). None where the fused path does not apply (``S > 4``,
-        small ``x``, switched off).
+        ``(2**S,)`` maxima (``-inf`` where no value lies below a boundary), such that
+        ``max(maxs, (lo, *bounds))`` is each bucket's max as :class:`.sortquant.SortQuantizer` sends it
+        (an empty bucket's: its min); zeros as found (the caller makes them ``+0.0``). None where the
+        fused path does not apply (``S > 4``, small ``x``, switched off).
     """
     s = (bounds.size + 1).bit_length() - 1
     if x.size < MIN_VALUES or s > MAX_SPLIT_BITS or not x.flags.c_contiguous:
         return None
-    n, nb = x.size, bounds.size
+    n = x.size
     bounds = np.ascontiguousarray(bounds, np.float32)
-    # Bucket b > 0 reaches below[b] (a value in it) and its min bounds[b - 1] (where the caller's
-    # max(maxs, mins) puts an empty bucket anyway); the top bucket reaches the sampled max. Bucket 0
-    # reaches below[0]: when none was sampled (-inf), its values are all < low and flagged as such,
-    # and its window is low.
-    lows = np.empty(nb + 1, np.float32)
-    lows[0], lows[1:nb], lows[nb] = low, bounds[:-1], high
-    np.maximum(lows[:nb], below, out=lows[:nb])
     k, threads = team(n // CHUNK)  # parts of whole chunks, the last one with the tail
-    ext = np.empty((k, nb + 2), np.float32)  # a row per part: the known min and maxima
-    ext[:, 0], ext[:, 1], ext[:, 2:] = low, below[0], lows[1:]
-    if not _run("bucket_extrema", (s,), (x.ctypes.data, n, bounds.ctypes.data, s, lows.ctypes.data, low,
-                                         ext.ctypes.data, k, threads)):
+    ext = np.empty((k, bounds.size + 2), np.float32)  # a row per part: its min and maxima
+    if not _run("bucket_extrema", (s,), (x.ctypes.data, n, bounds.ctypes.data, s, ext.ctypes.data, k, threads)):
         return None
     if k == 1:
         return ext[0, 0], ext[0, 1:]
-    return ext[:, 0].min(), ext[:, 1:].max(0)  # min and max propagate a part's NaN
+    return ext[:, 0].min(), ext[:, 1:].max(0)  # min propagates a part's NaN
 
 
 def sampled_grid(x: np.ndarray, positions: np.ndarray, ranks: np.ndarray, quant_bits: int,
