@@ -8,7 +8,7 @@ KERNELS = "dgpipe/compression/kernels/"
 CODES = Extension(
     "dgpipe.compression.kernels._codes",
     sources=[KERNELS + "codes.c"],
-    depends=[KERNELS + "variants.h", KERNELS + "team.h"],
+    depends=[KERNELS + "variants.h", KERNELS + "team.h", KERNELS + "layout.h", KERNELS + "sample_sort.h"],
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
     libraries=["m"],
     optional=True,
@@ -19,7 +19,7 @@ CODES = Extension(
 ROWS = Extension(
     "dgpipe.compression.kernels._rows",
     sources=[KERNELS + "rows.c"],
-    depends=[KERNELS + "variants.h", KERNELS + "team.h"],
+    depends=[KERNELS + "variants.h", KERNELS + "team.h", KERNELS + "vectors.h", KERNELS + "rotation.h"],
     extra_compile_args=["-O3", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"],
     libraries=["m"],
     optional=True,

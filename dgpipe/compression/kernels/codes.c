@@ -2,9 +2,7 @@
  * The per-value codec steps in compiled C (see compiled.py): values read once, packed codes written once.
  *
  * Each entry point takes a run of whole chunks [c0, c1) of CHUNK codes (the caller packs the n % CHUNK tail)
- * of the packed layout of bitpack.py -- k = (bits - 1) / 8 planes of low bytes (n bytes each), then per
- * chunk the r = bits - 8k high bits of each code, g = 8 / gcd(r, 8) lanes of CHUNK / g codes sharing a word
- * of w = g * r / 8 bytes, stored as w byte planes -- and runs the same float32 operations, in the same order,
+ * of the packed layout of bitpack.py (layout.h) and runs the same float32 operations, in the same order,
  * as the reference steps (uniform.py, buckets.py, levels.py, fwht.py), so payloads and decoded values are
  * bit for bit theirs (golden payloads). Built with -ffp-contract=off: a fused multiply-add would round a
  * decode's `lo + code * step` once where the reference rounds twice. Codes are integers (uint16, at most 16
@@ -18,7 +16,7 @@
  * - encode_levels / decode_levels: the codebook's nearest level, the number of midpoints < x (bits <= 4),
  *   and table[code] * scale[g];
  * - fwht: the Walsh-Hadamard butterflies of each row, in place, then the orthonormal factor;
- * - sort_sample: an LSD radix sort of float32 keys (three passes of 11-bit digits);
+ * - sort_sample: an LSD radix sort of float32 keys (three passes of 11-bit digits; sample_sort.h);
  * - value_range: the min and the max in one pass (a uniform grid's range);
  * - bucket_extrema: the min and each bucket's max in one pass;
  * - sampled_grid / uniform_message / message_values: a small message's grid and codes, or its values, in one
@@ -34,12 +32,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layout.h"
+#include "sample_sort.h"
 #include "team.h"
 #include "variants.h"
 
-#define CHUNK 4096      /* codes per chunk of the packed layout (bitpack.CHUNK) */
-#define RADIX_BITS 11   /* bits per digit of the radix sort */
-#define MAX_SPLIT 4     /* split bits of the bucket kernels (16 buckets) */
+#define MAX_SPLIT 4 /* split bits of the bucket kernels (16 buckets) */
 
 static inline INLINE long min_l(long a, long b) { return a < b ? a : b; }
 
@@ -64,93 +62,6 @@ static inline INLINE float pick(int take, float a, float b) {
 static inline INLINE void copy_table(const float *from, int n, float *to) {
     for (int j = 0; j < n; j++)
         to[j] = from[j];
-}
-
-/* ---- the packed layout ---------------------------------------------------------------------------- */
-
-/* Codes (each < 2**bits, bits 1..16) of chunk c into the stream `out` of n codes. */
-static inline INLINE void pack_chunk(const uint16_t *codes, int bits, uint8_t *out, long n, long c) {
-    const int k = (bits - 1) / 8, r = bits - 8 * k, g = 8 >> __builtin_ctz(r), w = g * r / 8, cg = CHUNK / g;
-    uint8_t *high = out + k * n + c * (CHUNK * r / 8);
-    if (k) {
-        uint8_t *low = out + c * CHUNK;
-        for (int t = 0; t < CHUNK; t++)
-            low[t] = (uint8_t)codes[t];
-    }
-    const int s = 8 * k;
-    if (g == 1) {
-        for (int t = 0; t < CHUNK; t++)
-            high[t] = (uint8_t)(codes[t] >> s);
-    } else if (w <= 4) {
-        for (int j = 0; j < cg; j++) {
-            uint32_t word = 0;
-            for (int l = 0; l < g; l++)
-                word |= (uint32_t)(codes[l * cg + j] >> s) << (l * r);
-            for (int q = 0; q < w; q++)
-                high[q * cg + j] = (uint8_t)(word >> (8 * q));
-        }
-    } else {
-        for (int j = 0; j < cg; j++) {
-            uint64_t word = 0;
-            for (int l = 0; l < g; l++)
-                word |= (uint64_t)(codes[l * cg + j] >> s) << (l * r);
-            for (int q = 0; q < w; q++)
-                high[q * cg + j] = (uint8_t)(word >> (8 * q));
-        }
-    }
-}
-
-/* Inverse of pack_chunk: the codes of chunk c of the stream `packed` of n codes. */
-static inline INLINE void unpack_chunk(const uint8_t *packed, int bits, long n, long c, uint16_t *codes) {
-    const int k = (bits - 1) / 8, r = bits - 8 * k, g = 8 >> __builtin_ctz(r), w = g * r / 8, cg = CHUNK / g;
-    const uint8_t *high = packed + k * n + c * (CHUNK * r / 8);
-    const uint32_t mask = (1u << r) - 1;
-    if (g == 1) {
-        for (int t = 0; t < CHUNK; t++)
-            codes[t] = high[t];
-    } else if (w <= 4) {
-        for (int j = 0; j < cg; j++) {
-            uint32_t word = 0;
-            for (int q = 0; q < w; q++)
-                word |= (uint32_t)high[q * cg + j] << (8 * q);
-            for (int l = 0; l < g; l++)
-                codes[l * cg + j] = (uint16_t)((word >> (l * r)) & mask);
-        }
-    } else {
-        for (int j = 0; j < cg; j++) {
-            uint64_t word = 0;
-            for (int q = 0; q < w; q++)
-                word |= (uint64_t)high[q * cg + j] << (8 * q);
-            for (int l = 0; l < g; l++)
-                codes[l * cg + j] = (uint16_t)((word >> (l * r)) & mask);
-        }
-    }
-    if (k) {
-        const uint8_t *low = packed + c * CHUNK;
-        for (int t = 0; t < CHUNK; t++)
-            codes[t] = (uint16_t)(codes[t] << 8 | low[t]);
-    }
-}
-
-/* pack_chunk / unpack_chunk with the width a constant in each case (bits 1..16: checked by the entry points). */
-#define EACH_WIDTH(bits, CALL)                                                                              \
-    switch (bits) {                                                                                         \
-    case 1: CALL(1); break;   case 2: CALL(2); break;   case 3: CALL(3); break;   case 4: CALL(4); break;   \
-    case 5: CALL(5); break;   case 6: CALL(6); break;   case 7: CALL(7); break;   case 8: CALL(8); break;   \
-    case 9: CALL(9); break;   case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break; \
-    case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); break; \
-    }
-
-static inline INLINE void pack_any(const uint16_t *codes, int bits, uint8_t *out, long n, long c) {
-#define CALL(b) pack_chunk(codes, b, out, n, c)
-    EACH_WIDTH(bits, CALL)
-#undef CALL
-}
-
-static inline INLINE void unpack_any(const uint8_t *packed, int bits, long n, long c, uint16_t *codes) {
-#define CALL(b) unpack_chunk(packed, b, n, c, codes)
-    EACH_WIDTH(bits, CALL)
-#undef CALL
 }
 
 /* ---- uniform grids, per run of group_len values ---------------------------------------------------- */
@@ -368,52 +279,6 @@ static inline INLINE int fwht(float *y, long b, float scale, long r0, long r1) {
         for (long j = 0; j < b; j++)
             row[j] *= scale;
     }
-    return 0;
-}
-
-/* ---- the radix sort of a sample ---------------------------------------------------------------------------- */
-
-/* out[0, m) = the values x[pos[i]] (x[i] where pos is NULL) in ascending order of their float32 bits made
- * unsigned-monotone (negatives flipped, positives' sign bit set): numpy's order but for -0.0 before +0.0 and
- * NaN at the end of its sign; m < 2**32. Returns 2 where memory runs out. */
-static inline INLINE int sort_sample(const float *x, const int64_t *pos, long m, float *out) {
-    enum { D = 1 << RADIX_BITS };
-    const uint32_t sign = 1u << 31, mask = D - 1;
-    uint32_t *keys = malloc(2 * (size_t)m * sizeof *keys), hist[3 * D];
-    if (!keys)
-        return 2;
-    memset(hist, 0, sizeof hist);
-    uint32_t *tmp = keys + m;
-    for (long i = 0; i < m; i++) {
-        uint32_t u;
-        memcpy(&u, x + (pos ? pos[i] : i), 4);
-        const uint32_t k = u & sign ? ~u : u | sign;
-        keys[i] = k;
-        for (int p = 0; p < 3; p++)
-            hist[p * D + ((k >> (p * RADIX_BITS)) & mask)]++;
-    }
-    for (int p = 0; p < 3; p++) { /* least significant digit first; each pass is stable */
-        uint32_t *h = hist + p * D;
-        const int shift = p * RADIX_BITS;
-        if (h[(keys[0] >> shift) & mask] == (uint32_t)m)
-            continue; /* one digit for all keys: the pass would move nothing */
-        uint32_t total = 0;
-        for (int d = 0; d < D; d++) {
-            const uint32_t count = h[d];
-            h[d] = total;
-            total += count;
-        }
-        for (long i = 0; i < m; i++)
-            tmp[h[(keys[i] >> shift) & mask]++] = keys[i];
-        uint32_t *swap = keys;
-        keys = tmp;
-        tmp = swap;
-    }
-    for (long i = 0; i < m; i++) {
-        const uint32_t k = keys[i], u = k & sign ? k ^ sign : ~k;
-        memcpy(out + i, &u, 4);
-    }
-    free(keys < tmp ? keys : tmp);
     return 0;
 }
 
