@@ -17,8 +17,8 @@
  *   and table[code] * scale[g];
  * - fwht: the Walsh-Hadamard butterflies of each row, in place, then the orthonormal factor;
  * - sort_sample: an LSD radix sort of float32 keys (three passes of 11-bit digits; sample_sort.h);
- * - value_range: the min and the max in one pass (a uniform grid's range);
- * - bucket_extrema: the min and each bucket's max in one pass;
+ * - bucket_extrema: the min and each bucket's max in one pass; value_range: the same without boundaries, the
+ *   min and the max (a uniform grid's range);
  * - sampled_grid / uniform_message / message_values: a small message's grid and codes, or its values, in one
  *   call (a call after a stage's compute has evicted the caches costs 15-25 us).
  *
@@ -282,65 +282,33 @@ static inline INLINE int fwht(float *y, long b, float scale, long r0, long r1) {
     return 0;
 }
 
-/* ---- the min and the max -------------------------------------------------------------------------------------- */
-
-#define RANGE_LANES 32 /* running minima and maxima, kept in vector registers */
-
-/* ext = [min, max] of x[0, n), n >= 1 (a zero as found: either sign), both NaN where x holds a NaN. */
-static inline INLINE int value_range(const float *x, long n, float *ext) {
-    float lo[RANGE_LANES], hi[RANGE_LANES];
-    int32_t nan[RANGE_LANES];
-    for (int t = 0; t < RANGE_LANES; t++) {
-        lo[t] = hi[t] = x[0];
-        nan[t] = 0;
-    }
-    long i = 0;
-    for (; i + RANGE_LANES <= n; i += RANGE_LANES)
-        for (int t = 0; t < RANGE_LANES; t++) {
-            const float v = x[i + t];
-            lo[t] = v < lo[t] ? v : lo[t];
-            hi[t] = v > hi[t] ? v : hi[t];
-            nan[t] |= v != v;
-        }
-    for (int t = 1; t < RANGE_LANES; t++) {
-        lo[0] = lo[t] < lo[0] ? lo[t] : lo[0];
-        hi[0] = hi[t] > hi[0] ? hi[t] : hi[0];
-        nan[0] |= nan[t];
-    }
-    for (; i < n; i++) {
-        const float v = x[i];
-        lo[0] = v < lo[0] ? v : lo[0];
-        hi[0] = v > hi[0] ? v : hi[0];
-        nan[0] |= v != v;
-    }
-    ext[0] = nan[0] ? NAN : lo[0];
-    ext[1] = nan[0] ? NAN : hi[0];
-    return 0;
-}
-
 /* ---- the min and the per-bucket maxima ------------------------------------------------------------------------ */
 
-#define EXTREMA_LANES 16 /* running minima and maxima, kept in vector registers */
+/* Running minima and maxima per lane, kept in vector registers: 32 lanes (two independent chains of maxima on
+ * AVX-512, which a pass with one or no boundary needs to keep up with memory), 16 with more boundaries (their
+ * chains run side by side already; 32 would not fit the registers). */
+#define EXTREMA_LANES(split_bits) ((split_bits) < 2 ? 32 : 16)
 
 /* ext (nb + 2 floats) = [min of x, then for each boundary b < nb the max of the values below it (-inf: none), then
  * the max of x], n >= 1. Bucket b < nb's max is the max of the values below boundary b where the bucket holds any
  * (those of the buckets below are smaller than its min), else below its min, and the top bucket's is the max of x:
- * so a pass that only reads, a compare and a masked max per boundary and value, gives every bucket's max. ext[0]
- * is NaN where x holds a NaN (the maxima skip it); zeros as found. */
+ * so a pass that only reads, a compare and a masked max per boundary and value, gives every bucket's max. With no
+ * boundary (split_bits 0) it is a uniform grid's range, [min, max]. The min and the max of x are NaN where x holds
+ * a NaN (the other maxima skip it); zeros as found. */
 static inline INLINE void bucket_extrema_s(const float *x, long n, const float *bounds, int split_bits, float *ext) {
-    const int nb = (1 << split_bits) - 1;
-    float bound[1 << MAX_SPLIT], lo[EXTREMA_LANES], hi[1 << MAX_SPLIT][EXTREMA_LANES];
-    int32_t nan[EXTREMA_LANES];
+    const int nb = (1 << split_bits) - 1, lanes = EXTREMA_LANES(split_bits);
+    float bound[1 << MAX_SPLIT], lo[EXTREMA_LANES(0)], hi[1 << MAX_SPLIT][EXTREMA_LANES(0)];
+    int32_t nan[EXTREMA_LANES(0)];
     copy_table(bounds, nb, bound);
-    for (int t = 0; t < EXTREMA_LANES; t++) {
+    for (int t = 0; t < lanes; t++) {
         lo[t] = x[0];
         nan[t] = 0;
         for (int b = 0; b <= nb; b++)
             hi[b][t] = -INFINITY;
     }
     long i = 0;
-    for (; i + EXTREMA_LANES <= n; i += EXTREMA_LANES)
-        for (int t = 0; t < EXTREMA_LANES; t++) {
+    for (; i + lanes <= n; i += lanes)
+        for (int t = 0; t < lanes; t++) {
             const float v = x[i + t];
             for (int j = 0; j < nb; j++) {
                 const float h = v > hi[j][t] ? v : hi[j][t];
@@ -358,18 +326,23 @@ static inline INLINE void bucket_extrema_s(const float *x, long n, const float *
         lo[0] = v < lo[0] ? v : lo[0];
         nan[0] |= v != v;
     }
-    for (int t = 1; t < EXTREMA_LANES; t++) {
+    for (int t = 1; t < lanes; t++) {
         lo[0] = lo[t] < lo[0] ? lo[t] : lo[0];
         nan[0] |= nan[t];
         for (int b = 0; b <= nb; b++)
             hi[b][0] = hi[b][t] > hi[b][0] ? hi[b][t] : hi[b][0];
     }
-    ext[0] = nan[0] ? NAN : lo[0];
     for (int b = 0; b <= nb; b++)
         ext[1 + b] = hi[b][0];
+    ext[0] = nan[0] ? NAN : lo[0];
+    ext[nb + 1] = nan[0] ? NAN : hi[nb][0];
 }
 
 static inline INLINE int bucket_extrema(const float *x, long n, const float *bounds, int split_bits, float *ext) {
+    if (split_bits == 0) { /* the range alone */
+        bucket_extrema_s(x, n, bounds, 0, ext);
+        return 0;
+    }
 #define BODY(s) bucket_extrema_s(x, n, bounds, s, ext)
     EACH_SPLIT(split_bits, BODY)
 #undef BODY
@@ -479,23 +452,6 @@ EXPORT_RANGED(decode_levels, DECODE_LEVELS)
 EXPORT_RANGED(fwht, FWHT)
 EXPORT(sort_sample, (const float *x, const int64_t *pos, long m, float *out), (x, pos, m, out))
 
-/* The min and the max of x in parts of whole chunks (the last part takes the n % CHUNK tail), part k's in
- * ext[2k], ext[2k + 1]. */
-VARIANTS_OF(value_range, (const float *x, long n, float *ext), (x, n, ext))
-#define VALUE_RANGE(X) X(const float *, x) X(long, n) X(float *, ext)
-struct value_range_args { VALUE_RANGE(TEAM_FIELD) };
-
-static int value_range_part(const void *data, long k, long c0, long c1) {
-    const struct value_range_args *a = data;
-    const long i0 = c0 * CHUNK, i1 = c1 == a->n / CHUNK ? a->n : c1 * CHUNK;
-    return PICK(value_range, (a->x + i0, i1 - i0, a->ext + 2 * k));
-}
-
-int dgpipe_value_range(VALUE_RANGE(TEAM_PARAM) long parts, int threads) {
-    const struct value_range_args a = {VALUE_RANGE(TEAM_ARG)};
-    return team_run(value_range_part, &a, 0, n / CHUNK, parts, threads);
-}
-
 /* The min and the bucket maxima of x in parts of whole chunks (the last part takes the n % CHUNK tail), part k's
  * in row k of ext (2**S + 1 floats a row). */
 VARIANTS_OF(bucket_extrema, (const float *x, long n, const float *bounds, int split_bits, float *ext),
@@ -512,6 +468,12 @@ static int bucket_extrema_part(const void *data, long k, long c0, long c1) {
 
 int dgpipe_bucket_extrema(BUCKET_EXTREMA(TEAM_PARAM) long parts, int threads) {
     const struct bucket_extrema_args a = {BUCKET_EXTREMA(TEAM_ARG)};
+    return team_run(bucket_extrema_part, &a, 0, n / CHUNK, parts, threads);
+}
+
+/* The min and the max of x (no boundary), part k's in ext[2k], ext[2k + 1]. */
+int dgpipe_value_range(const float *x, long n, float *ext, long parts, int threads) {
+    const struct bucket_extrema_args a = {x, n, NULL, 0, ext};
     return team_run(bucket_extrema_part, &a, 0, n / CHUNK, parts, threads);
 }
 

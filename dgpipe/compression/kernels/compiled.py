@@ -306,7 +306,8 @@ def sort_sample(x: np.ndarray, positions: np.ndarray | None) -> np.ndarray | Non
 
 def value_range(x: np.ndarray) -> tuple[np.float32, np.float32] | None:
     """The min and the max of ``x`` in one pass (which replaces ``torch.aminmax``: twice its speed on 2
-    threads on the 25.7 MB tensor, where a pass that only reads takes what this one does).
+    threads on the 25.7 MB tensor, where a pass that only reads takes what this one does): the pass of
+    :func:`bucket_extrema` with no boundary.
 
     Takes and gives numpy, as :func:`bucket_extrema`.
 
@@ -345,8 +346,8 @@ def bucket_extrema(x: np.ndarray, bounds: np.ndarray) -> tuple[np.float32, np.nd
             number of boundaries ``<= v`` (:class:`.buckets.BucketIndex`).
 
     Returns:
-        ``(lo, maxs)``: float32 min of ``x`` (NaN if ``x`` holds a NaN) and float32
-        ``(2**S,)`` maxima (``-inf`` where no value lies below a boundary), such that
+        ``(lo, maxs)``: float32 min of ``x`` and float32 ``(2**S,)`` maxima (``-inf`` where no value
+        lies below a boundary; the min and the last, the max of ``x``, NaN where ``x`` holds a NaN), such that
         ``max(maxs, (lo, *bounds))`` is each bucket's max as :class:`.sortquant.SortQuantizer` sends it
         (an empty bucket's: its min); zeros as found (the caller makes them ``+0.0``). None where the
         fused path does not apply (``S > 4``, small ``x``, switched off).
