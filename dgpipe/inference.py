@@ -29,9 +29,15 @@ codebook's perplexity cost falls from +8.8% to +1.7%, ``benchmarks/lm_generate_q
 
 The wire: every message is a :class:`dgpipe.comm.transport.Sender` message whose meta is integers
 (:data:`PREFILL`, :data:`DECODE`, :data:`END`, :data:`HIDDEN`, the past length, the batch size and the
-step's length), checked on arrival -- nothing is unpickled; a message whose meta, shape or dtype does not
-fit the stream is refused with a ``ValueError`` naming the peer. A dead or stalled peer raises the
-transport's ``TransportError`` within ``timeout``. The :class:`~dgpipe.comm.BandwidthMeter` records each
+step's length), checked on arrival -- nothing is unpickled. The server trusts nothing a client sends
+(:class:`ServerLimits`): before it decodes or allocates anything it checks the meta (batch >= 1, length >= 1,
+``past + length`` within the context it serves, ``batch x (past + length)`` within its token budget) and
+every payload's header (the stream's codec; hidden states ``(batch, length, H)`` in the blocks' dtype; a
+prompt mask ``(batch, length)`` of integers), and bounds the message's size by what those limits allow; a
+message that does not fit is refused with a one-line ``ValueError`` that names the peer and the field
+(``client (rank 0) sent ...``), and :func:`serve` ends. The client checks the server's answers the same way
+(``server (rank 1) sent ...``). A dead or stalled peer raises the transport's ``TransportError`` within
+``timeout``. The :class:`~dgpipe.comm.BandwidthMeter` records each
 direction (``client->server`` / ``server->client``, direction ``"generate"``).
 
 Reference: split inference of decoder LMs over a network as in Petals (Borzunov et al., "Petals:
@@ -50,15 +56,15 @@ from torch import nn
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.delay import DelayLine
 from dgpipe.comm.transport import Receiver, Sender
-from dgpipe.compression import Payload, get_codec
+from dgpipe.compression import Codec, Payload, get_codec, parse_header
 from dgpipe.compression.wrappers.reference import (
     POSITION_KEYS, ReferenceCoder, ScaledReferenceCoder, TokenTable, position_keys,
 )
 from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
 from dgpipe.pipeline.coders import CodecArg, codec_factory
 
-__all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "serve", "generate", "score",
-           "split_layers", "ALPHA",
+__all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "ServerLimits", "serve",
+           "generate", "score", "split_layers", "ALPHA",
            "PREFILL", "DECODE", "END", "HIDDEN"]
 
 ALPHA = 1e-3
@@ -110,6 +116,66 @@ class Sampling:
         return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may make a generation server (:func:`serve`) hold, checked before anything is decoded
+    or allocated.
+
+    Attributes:
+        max_length: tokens per sequence (the prompt and every generated token: ``past + length``); ``None``:
+            the model's context (``config.max_position_embeddings``).
+        max_tokens: tokens the server holds for the client at once, ``batch x (past + length)``: a prefill's
+            size and the KV cache's. It bounds what one message makes the server allocate: the message
+            itself (:meth:`message_bytes`), the decoded hidden states and the blocks' activations
+            (``max_tokens x H`` values each) and the KV cache (``max_tokens`` tokens per block); a prefill's
+            attention scores take ``batch x length^2`` values per head, at most ``max_tokens x max_length``.
+            The default, 4096, is a prompt of 4096 tokens or 64 sequences of 64.
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    max_length: int | None = None
+    max_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if (self.max_length is not None and self.max_length < 1) or self.max_tokens < 1:
+            raise ValueError(f"server limits: max_length and max_tokens must be >= 1, got {self}")
+
+    def context(self, config) -> int:
+        """The tokens per sequence served: ``max_length``, at most the model's context where it has one.
+
+        Raises:
+            ValueError: neither ``max_length`` nor ``config.max_position_embeddings`` is set.
+        """
+        model = getattr(config, "max_position_embeddings", None)
+        if self.max_length is None and model is None:
+            raise ValueError("server limits: the model config has no max_position_embeddings; give max_length")
+        return min(v for v in (self.max_length, model) if v is not None)
+
+    def message_bytes(self, hidden_size: int, itemsize: int) -> int:
+        """Most bytes of one client message: ``max_tokens`` hidden states of ``hidden_size`` values of
+        ``itemsize`` bytes uncoded, an int64 mask value per token and 64 KiB of headers and framing."""
+        return self.max_tokens * (hidden_size * itemsize + 8) + (1 << 16)
+
+
+def _checked_header(payload: Payload, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype | None,
+                    who: str, what: str) -> None:
+    """Before ``payload`` is decoded: its header is ``codec``'s, of ``shape`` and (unless None) ``dtype``.
+
+    Raises:
+        ValueError: ``{who} sent {what} ...``, naming the field that does not fit.
+    """
+    try:
+        header = parse_header(payload.header, codec.codec_id)
+    except ValueError as err:
+        raise ValueError(f"{who} sent {what} with a {err}") from None
+    if header.shape != shape:
+        raise ValueError(f"{who} sent {what} of shape {header.shape}, want {shape}")
+    if dtype is not None and header.dtype != dtype:
+        raise ValueError(f"{who} sent {what} of dtype {header.dtype}, want {dtype}")
+
+
 def split_layers(layers: list[nn.Module], client_blocks: int = 1) -> tuple[list[nn.Module], list[nn.Module],
                                                                            list[nn.Module]]:
     """``(client front, server, client back)`` of ``causal_lm_layers(model)``: the embeddings and the first
@@ -140,6 +206,8 @@ class StageBlocks:
             raise ValueError("a stage of split generation holds DecoderBlock layers only")
         self.blocks, self.config = blocks, config
         self.cache = None
+        self.dtype = next((p.dtype for b in blocks for p in b.parameters() if p.is_floating_point()), torch.float32)
+        """The blocks' floating dtype: what the hidden states they take must be."""
 
     def reset(self) -> None:
         """Drop the cache (a new batch of prompts)."""
@@ -303,93 +371,170 @@ class RemoteServer:
             wire = sum(p.nbytes for p in payloads)
             self.meter.record_send("client->server", "generate", raw_bytes=hidden.numel() * hidden.element_size(),
                                    wire_bytes=wire, frame_bytes=work.nbytes - wire, encode_seconds=seconds)
+        who = f"server (rank {self.peer})"
         start = time.perf_counter()
-        back, meta = self.recv_stream.recv("cpu", self.timeout)
+        back, meta = self.recv_stream.recv("cpu", self.timeout, self.max_bytes(hidden))
         waited = time.perf_counter() - start
         if meta != [HIDDEN, self.past, b, length] or len(back) != 1:
-            raise ValueError(f"server (rank {self.peer}) answered {meta} with {len(back)} payloads to a "
+            raise ValueError(f"{who} answered {meta} with {len(back)} payloads to a "
                              f"{['', 'prefill', 'decode'][kind]} of {b}x{length} tokens at past {self.past}")
+        _checked_header(back[0], self.back.codec, tuple(hidden.shape), None, who, "hidden states")
         start = time.perf_counter()
-        out = self.back.decode(back[0], keys)
+        try:
+            out = self.back.decode(back[0], keys)
+        except ValueError as err:
+            raise ValueError(f"{who} sent hidden states that do not decode: {err}") from None
         decoded = time.perf_counter() - start
-        if out.shape != hidden.shape or not out.is_floating_point():
-            raise ValueError(f"server (rank {self.peer}) sent hidden states {tuple(out.shape)} {out.dtype} for "
-                             f"{tuple(hidden.shape)}")
+        if not out.is_floating_point():
+            raise ValueError(f"{who} sent hidden states of dtype {out.dtype}, want a floating dtype")
         if self.meter is not None:
             self.meter.record_recv("server->client", "generate", recv_bytes=back[0].nbytes, recv_seconds=waited,
                                    decode_seconds=decoded)
         self.past += length
         return out.to(hidden.dtype)
 
+    @staticmethod
+    def max_bytes(hidden: torch.Tensor) -> int:
+        """Most bytes of the server's answer to ``hidden``: its values uncoded in float64 and 64 KiB of
+        headers and framing."""
+        return hidden.numel() * 8 + (1 << 16)
+
     def close(self) -> None:
         """Tell the server this client is done (it returns from :func:`serve`)."""
         self.send_stream.send([], [END, self.past, 0, 0], "client->server").wait(self.timeout)
 
 
+class _Gate:
+    """The server's checks of one client's messages (:class:`ServerLimits`), made before anything is decoded or
+    allocated, and the state they are checked against: the past length and batch of the generation served."""
+
+    def __init__(self, blocks: StageBlocks, peer: int, limits: ServerLimits, act: _Stream) -> None:
+        self.who, self.act = f"client (rank {peer})", act
+        self.hidden_size, self.dtype = blocks.config.hidden_size, blocks.dtype
+        self.context, self.max_tokens = limits.context(blocks.config), limits.max_tokens
+        self.max_bytes = limits.message_bytes(self.hidden_size, max(self.dtype.itemsize, 4))
+        self.mask_codec = get_codec("intpack")
+        self.past, self.batch = 0, 0
+
+    def admit(self, meta: list[int], payloads: list[Payload]) -> tuple[int, int, int]:
+        """``(kind, batch, length)`` of a message whose meta and headers fit what is served.
+
+        Raises:
+            ValueError: ``client (rank N) sent ...``: a meta field, payload count or header that does not fit.
+        """
+        who = self.who
+        if len(meta) != 4 or meta[0] not in (PREFILL, DECODE, END):
+            raise ValueError(f"{who} sent meta {meta}: want [kind in 1..3, past, batch, length]")
+        kind, their_past, b, length = meta
+        if kind == END:
+            return kind, 0, 0
+        want = 2 if kind == PREFILL else 1
+        if len(payloads) != want:
+            raise ValueError(f"{who} sent {len(payloads)} payloads with meta {meta}; a "
+                             f"{'prefill' if kind == PREFILL else 'decode step'} has {want}")
+        if b < 1 or length < 1:
+            raise ValueError(f"{who} sent a batch of {b} sequences of {length} tokens: both must be >= 1")
+        past = 0 if kind == PREFILL else self.past
+        if kind == PREFILL and their_past != 0:
+            raise ValueError(f"{who} sent a prefill at past {their_past}, want 0")
+        if kind == DECODE and (self.batch == 0 or their_past != past or b != self.batch or length != 1):
+            raise ValueError(f"{who} sent a decode step with meta {meta}; the server holds {past} tokens of a batch "
+                             f"of {self.batch} (a decode step has length 1)")
+        if past + length > self.context:
+            raise ValueError(f"{who} sent {length} tokens at past {past}: past + length = {past + length} is past "
+                             f"the {self.context} tokens per sequence served (max_length)")
+        if b * (past + length) > self.max_tokens:
+            raise ValueError(f"{who} sent a batch of {b} at {past + length} tokens: {b * (past + length)} tokens, "
+                             f"more than the {self.max_tokens} served (max_tokens)")
+        _checked_header(payloads[0], self.act.codec, (b, length, self.hidden_size), self.dtype, who, "hidden states")
+        if kind == PREFILL:
+            _checked_header(payloads[1], self.mask_codec, (b, length), None, who, "a prompt mask")
+        return kind, b, length
+
+    def mask(self, payload: Payload) -> torch.Tensor:
+        """The prompt mask of an admitted prefill: int64 ``(B, L)`` of 0/1 with a token in every row.
+
+        Raises:
+            ValueError: ``client (rank N) sent a prompt mask ...`` that does not decode or fit.
+        """
+        try:
+            mask = self.mask_codec.decode(payload)
+        except ValueError as err:
+            raise ValueError(f"{self.who} sent a prompt mask that does not decode: {err}") from None
+        if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"{self.who} sent a prompt mask of {mask.dtype} values other than 0 and 1")
+        if not bool(mask.any(1).all()):
+            raise ValueError(f"{self.who} sent a prompt mask with an empty row (a prompt of no token)")
+        return mask.long()
+
+    def hidden(self, payload: Payload, keys: torch.Tensor) -> torch.Tensor:
+        """The hidden states of an admitted message, decoded.
+
+        Raises:
+            ValueError: ``client (rank N) sent hidden states that do not decode: ...``.
+        """
+        try:
+            return self.act.decode(payload, keys)
+        except ValueError as err:
+            raise ValueError(f"{self.who} sent hidden states that do not decode: {err}") from None
+
+    def served(self, b: int, length: int, prefill: bool) -> None:
+        """Count a served message's tokens."""
+        self.past, self.batch = (length if prefill else self.past + length), b
+
+
 def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
           meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
           delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA,
-          channel_scale: bool = False) -> int:
+          channel_scale: bool = False, limits: ServerLimits = ServerLimits()) -> int:
     """Run the server's stage for the client at global rank ``peer`` until it sends :data:`END`; returns
     the number of steps served. Codecs: the client's (``act_codec`` decodes what it sends, ``return_codec``,
     default ``act_codec``, codes the answers). ``delay``: hold every answer back by its latency
     (benchmarks; as :class:`RemoteServer`'s). ``channel_mean``/``alpha``/``channel_scale``: the client's.
+    ``limits``: what the client may make the server hold (:class:`ServerLimits`); every message is checked
+    against them, its size bounded by :meth:`ServerLimits.message_bytes`, before anything is decoded.
 
     Raises:
-        ValueError: a message whose meta, payload count, shapes or dtypes do not fit (names the peer).
+        ValueError: a message whose meta, payload count, header, shape, dtype or size does not fit what is
+            served: one line, ``client (rank N) sent ...`` (or the transport's ``corrupt message from rank N``).
         TransportError: the client died or sent nothing within ``timeout`` seconds.
     """
     recv_stream, send_stream = Receiver(peer, group, TAG), Sender(peer, group, TAG + 1, delay)
-    act = _Stream(act_codec, channel_mean, alpha, channel_scale)
+    gate = _Gate(blocks, peer, limits, _Stream(act_codec, channel_mean, alpha, channel_scale))
     back = _Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
-    mask_codec = get_codec("intpack")
-    hidden_size = blocks.config.hidden_size
     tracker: _Tracker | None = None
-    past, batch, steps = 0, 0, 0
-    pending = None
+    steps, pending = 0, None
     while True:
         start = time.perf_counter()
-        payloads, meta = recv_stream.recv("cpu", timeout)
+        payloads, meta = recv_stream.recv("cpu", timeout, gate.max_bytes)
         waited = time.perf_counter() - start
         if pending is not None:
             pending.wait(timeout)
-        if len(meta) != 4 or meta[0] not in (PREFILL, DECODE, END):
-            raise ValueError(f"client (rank {peer}) sent meta {meta}: want [kind in 1..3, past, batch, length]")
-        kind, their_past, b, length = meta
+        kind, b, length = gate.admit(meta, payloads)
         if kind == END:
             return steps
-        want = 2 if kind == PREFILL else 1
-        if len(payloads) != want or (kind == DECODE and (tracker is None or their_past != past or b != batch
-                                                          or length != 1)):
-            raise ValueError(f"client (rank {peer}) sent {len(payloads)} payloads with meta {meta}; the server "
-                             f"holds {past} tokens of a batch of {batch}")
         if kind == PREFILL:
-            mask = mask_codec.decode(payloads[1])
-            if mask.shape != (b, length) or bool(((mask != 0) & (mask != 1)).any()) or their_past != 0:
-                raise ValueError(f"client (rank {peer}) sent a prompt mask {tuple(mask.shape)} (want ({b}, {length})"
-                                 f" of 0/1) or a prefill at past {their_past}")
+            tracker = _Tracker(gate.mask(payloads[1]))
             blocks.reset()
-            tracker, past, batch = _Tracker(mask), 0, b
         else:
+            assert tracker is not None  # the gate admits a decode step only after a prefill
             tracker.advance()
         keys = tracker.keys(length, kind == PREFILL)
         start = time.perf_counter()
-        hidden = act.decode(payloads[0], keys)
+        hidden = gate.hidden(payloads[0], keys)
         decoded = time.perf_counter() - start
-        if hidden.shape != (b, length, hidden_size) or not hidden.is_floating_point():
-            raise ValueError(f"client (rank {peer}) sent hidden states {tuple(hidden.shape)} {hidden.dtype}, want "
-                             f"({b}, {length}, {hidden_size}) floating")
         if meter is not None:
             meter.record_recv("client->server", "generate", recv_bytes=sum(p.nbytes for p in payloads),
                               recv_seconds=waited, decode_seconds=decoded)
         out = blocks(hidden, tracker.mask, tracker.positions)
         payload, seconds = back.encode(out, keys)
-        pending = send_stream.send([payload], [HIDDEN, past, b, length], "server->client")
+        pending = send_stream.send([payload], [HIDDEN, gate.past if kind == DECODE else 0, b, length],
+                                   "server->client")
         if meter is not None:
             meter.record_send("server->client", "generate", raw_bytes=out.numel() * out.element_size(),
                               wire_bytes=payload.nbytes, frame_bytes=pending.nbytes - payload.nbytes,
                               encode_seconds=seconds)
-        past += length
+        gate.served(b, length, kind == PREFILL)
         steps += 1
 
 
@@ -438,13 +583,15 @@ def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor 
         int64 ``(B, L + n)``: the prompts followed by the ``n <= max_new_tokens`` generated tokens.
 
     Raises:
-        ValueError: bad shapes, ``max_new_tokens < 1``, or a generation past ``max_length``.
+        ValueError: bad shapes, an empty prompt, ``max_new_tokens < 1``, or a generation past ``max_length``.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 1 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids: int64 (batch, length >= 1), got {tuple(input_ids.shape)} {input_ids.dtype}")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    if not bool(mask.any(1).all()):
+        raise ValueError(f"attention_mask: row {int((~mask.any(1)).nonzero()[0])} has no token (an empty prompt)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if max_length is not None and input_ids.shape[1] + max_new_tokens > max_length:

@@ -5,8 +5,8 @@
 - :func:`spawn_checks` / :func:`assert_ranks_ok`: run named checks on every rank of one
   spawned gloo world (one process-group start for a whole module), each rank writing
   its outcome per check to a file, and let every test read the outcome of its own check.
-- :func:`message_bytes` / :func:`wire_message`: a transport message's size and bytes,
-  computed independently of :mod:`dgpipe.comm.transport`.
+- :func:`message_bytes` / :func:`wire_message` / :func:`wire_parts`: a transport message's size, bytes
+  and the parts it goes out as, computed independently of :mod:`dgpipe.comm.transport`.
 - :data:`needs_c`: skip a test of the compiled C kernels where they were not built.
 - :func:`default_sigint`: a child's ``preexec_fn`` that gives it the default Ctrl-C handling.
 """
@@ -104,16 +104,18 @@ def assert_ranks_ok(out_dir: Path, name: str, world_size: int) -> None:
 
 
 TRANSPORT_MAGIC = 0x64677033  # "dgp3", the transport's message magic
+TRANSPORT_CLOSE = b"dgp3end!"  # the transport's closing word
 
 
 def message_bytes(payloads, n_meta):
     """Packed size: int64 fields (5 fixed, meta, header lengths, headers), then each tensor at
-    an 8-byte aligned offset; computed here independently of the transport."""
+    an 8-byte aligned offset, then the 8-byte closing word at the next aligned offset; computed
+    here independently of the transport."""
     end = 8 * (5 + n_meta + len(payloads) + sum(p.header.numel() for p in payloads))
     for p in payloads:
         for t in p.tensors:
             end = (end + 7) // 8 * 8 + t.numel() * t.element_size()
-    return end
+    return (end + 7) // 8 * 8 + 8
 
 
 def wire_message(payloads, meta):
@@ -130,7 +132,17 @@ def wire_message(payloads, meta):
             start = (end + 7) // 8 * 8
             end = start + t.numel() * t.element_size()
             buf[start:end] = t.reshape(-1).view(torch.uint8)
+    buf[-8:] = torch.frombuffer(bytearray(TRANSPORT_CLOSE), dtype=torch.uint8)
     return buf
+
+
+def wire_parts(data, capacity):
+    """The parts a message's bytes ``data`` go out as on a stream of ``capacity`` bytes: itself when it
+    fits, else its first ``capacity - 8`` bytes closed by the closing word, and the rest."""
+    if data.numel() <= capacity:
+        return [data]
+    close = torch.frombuffer(bytearray(TRANSPORT_CLOSE), dtype=torch.uint8)
+    return [torch.cat([data[: capacity - 8], close]), data[capacity - 8 :]]
 
 
 def tiny_bert(vocab: int, length: int, hidden: int):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from dgpipe.comm.transport import MIN_CAPACITY, TransportError, read_message
 from dgpipe.compression import available_codecs, get_codec, parse_header
-from helpers import wire_message
+from helpers import wire_message, wire_parts
 
 LIMIT = 1 << 20  # the stream's limit in these tests: 1 MiB
 OPTIONS = {"quant": {"bits": 5, "group": "token", "rotate": "hadamard", "scale_dtype": "bfloat16"},
@@ -50,19 +50,24 @@ def _set_size_word(data: torch.Tensor, value: int) -> None:
 
 
 def _receive(data: torch.Tensor, capacity: int):
-    """Feed ``data`` to read_message as a receiver with ``capacity`` would get it."""
+    """Feed ``data`` to read_message as a receiver with ``capacity`` would get it from a sender that puts
+    ``data`` on the wire as the transport's parts (:func:`helpers.wire_parts`). Receive buffers are zeroed,
+    and gloo completes a receive with fewer bytes than its buffer holds."""
+    parts = wire_parts(data, capacity)
     first = torch.zeros(capacity, dtype=torch.uint8)  # a posted buffer holds what the message leaves
-    n = min(capacity, data.numel())
-    first[:n] = data[:n]
+    first[: parts[0].numel()] = parts[0]
     asked = []
 
     def rest(k: int) -> torch.Tensor:
         asked.append(k)
         assert k <= LIMIT, f"asked to allocate {k} bytes, over the limit"
-        sent = data[capacity : capacity + k]
-        if sent.numel() < k:  # the rest never comes: the real receive times out
+        if len(parts) == 1:  # no second part was sent: the real receive times out
             raise TransportError("timed out", 0)
-        return sent.clone()
+        if parts[1].numel() > k:  # gloo's fatal error: a part longer than the buffer ends the process
+            raise TransportError("a part longer than its buffer", 0)
+        buf = torch.zeros(k, dtype=torch.uint8)
+        buf[: parts[1].numel()] = parts[1]
+        return buf
 
     return read_message(first, rest, 0, LIMIT, "cpu"), asked
 
@@ -89,7 +94,7 @@ def test_intact_messages_decode_with_one_part_or_two(name):
     for capacity in (MIN_CAPACITY, data.numel(), 2 * data.numel()):
         (payloads, meta, total), asked = _receive(data, capacity)
         assert meta == [1, 2] and total == data.numel()
-        assert asked == ([data.numel() - capacity] if capacity < data.numel() else [])
+        assert asked == ([data.numel() - capacity + 8] if capacity < data.numel() else [])
         assert codec.decode(payloads[0]).shape == (3, 40)
 
 
@@ -130,19 +135,42 @@ def test_a_lying_size_word_is_refused_before_any_second_part(name, extra):
             _receive(lie, capacity)
 
 
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+def test_a_truncated_message_is_refused_at_every_cut(name):
+    """A sender that puts fewer bytes on the wire than its size word says, cut anywhere after the fixed
+    fields, in one part or in two: refused, never decoded from the zeros the receive buffer held."""
+    data, _ = MESSAGES[name]
+    fields = 8 * (5 + 2 + 1 + int(data[32:40].view(torch.int64)))
+    for capacity in (MIN_CAPACITY, data.numel()):
+        parts = wire_parts(data, capacity)
+        cuts = range(40, data.numel()) if len(parts) == 1 else range(40, parts[0].numel() + parts[1].numel())
+        for cut in cuts:
+            short = [parts[0][:cut], parts[1][: max(cut - parts[0].numel(), 0)]] if len(parts) == 2 else [data[:cut]]
+            first = torch.zeros(capacity, dtype=torch.uint8)
+            first[: short[0].numel()] = short[0]
+
+            def rest(k: int) -> torch.Tensor:
+                buf = torch.zeros(k, dtype=torch.uint8)
+                buf[: short[1].numel()] = short[1]
+                return buf
+
+            with pytest.raises(ValueError, match="truncated" if cut >= fields else "corrupt message from rank 0"):
+                read_message(first, rest, 0, LIMIT, "cpu")
+
+
 def test_headers_beyond_the_first_part_are_bounded_by_the_limit():
     """With more header words than the first part holds, only the limit bounds the size word."""
     codec = get_codec("none")
     payloads = [codec.encode(torch.randn(2)) for _ in range(40)]  # 40 headers: > 512 bytes of fields
     data = wire_message(payloads, [])
     (got, _, total), asked = _receive(data, MIN_CAPACITY)
-    assert len(got) == 40 and asked == [total - MIN_CAPACITY]
+    assert len(got) == 40 and asked == [total - MIN_CAPACITY + 8]
     lie = data.clone()
     _set_size_word(lie, LIMIT + 1)
     with pytest.raises(ValueError, match=f"size word says {LIMIT + 1} bytes, outside"):
         _receive(lie, MIN_CAPACITY)
     _set_size_word(lie, data.numel() + 8)  # within the limit: found out once the message is complete
-    with pytest.raises(TransportError):  # the 8 bytes never come
+    with pytest.raises(ValueError, match="but its headers describe"):  # found out once the message is complete
         _receive(lie, MIN_CAPACITY)
     ext = torch.cat([data, torch.zeros(8, dtype=torch.uint8)])
     _set_size_word(ext, ext.numel())
@@ -221,3 +249,40 @@ def test_lying_row_masks_and_token_ids_are_refused_before_decoding(lie, error):
                                          r"corrupt payload from rank 0: " + error):
         spawn(_lying_boundary, 2, args=(lie,), timeout=120, start_method="fork")
     assert time.monotonic() - start < 60  # the refusal, not a timeout, ended the ranks
+
+
+def _truncating_boundary(rank: int, world_size: int, part: int) -> None:
+    """Rank 0 sends one forward message of the runtime's boundary with part ``part`` (0: the whole message of one
+    part; 1: the second of two) 100 bytes short; rank 1 receives it through its Boundary."""
+    from dgpipe.comm import BandwidthMeter
+    from dgpipe.comm.transport import pack_message, split_parts
+    from dgpipe.compression.base import Payload
+    from dgpipe.pipeline.boundary import Boundary
+    from dgpipe.pipeline.message import CODED, REQUIRES_GRAD, Message
+
+    boundary = Boundary(0, 0, 1, _NeverDecodes, _NeverDecodes, BandwidthMeter(), torch.device("cpu"), 60.0, rank=rank,
+                        report=None)
+    if rank == 1:
+        boundary.recv_forward(0, "forward")
+        raise AssertionError("the truncated message was accepted")
+    x = torch.randn(2, 40 if part == 0 else 400)
+    payload: Payload = get_codec("quant", bits=8).encode(x)
+    buf, _ = pack_message([payload], Message((CODED | REQUIRES_GRAD,), 1, 0, atomic=True).to_meta())
+    parts = split_parts(buf, MIN_CAPACITY)
+    assert len(parts) == part + 1
+    parts[part] = parts[part][:-100]
+    for p in parts:
+        torch.distributed.isend(p, 1, tag=0).wait()
+    time.sleep(60)  # until the launcher ends this rank, once rank 1 has refused the message
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_a_truncated_message_is_refused_by_the_runtimes_boundary(part):
+    """dgpipe's runtime, two ranks on gloo: a forward message cut 100 bytes short (gloo completes the receive, the
+    buffer's tail stays zero) is refused by the receiving rank before anything is decoded, naming the boundary
+    and the sender; the launcher ends both ranks."""
+    from dgpipe.pipeline import SpawnError, spawn
+
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: stage0->stage1 forward, micro-batch 0: corrupt "
+                                         r"message from rank 0: truncated: the closing word is missing from its \d+ bytes"):
+        spawn(_truncating_boundary, 2, args=(part,), timeout=120, start_method="fork")

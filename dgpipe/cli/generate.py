@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from dgpipe.inference import ServerLimits
 from dgpipe.models.causal_lm import LM_PRESETS, OFFLINE_LMS
 
 DESCRIPTION = """\
@@ -61,6 +62,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, choices=[1, 2], default=2,
                    help="2: client and server processes (default); 1: the server in the client's process")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds a side waits for the other")
+    c.add_argument("--max-length", type=int, metavar="TOKENS",
+                   help="server: the longest sequence (prompt and new tokens) it serves (default: the model's context)")
+    c.add_argument("--max-tokens", type=int, default=ServerLimits.max_tokens, metavar="TOKENS",
+                   help="server: the most tokens it holds for the client, batch x sequence length (default "
+                        "%(default)s); bounds what one message can make it allocate")
     c.add_argument("--link-delay", dest="link_delay_ms", type=float, default=0.0, metavar="MS",
                    help="benchmarks: hold every message back by MS milliseconds before it is sent, an emulated "
                         "one-way latency where the kernel has no netem (--world-size 2 or torchrun)")
@@ -90,6 +96,8 @@ def _config(args: argparse.Namespace):
         raise ValueError("give --prompt TEXT or --prompts-file FILE")
     if args.max_new_tokens < 1 or args.client_layers < 0:
         raise ValueError("--max-new-tokens must be >= 1 and --client-layers >= 0")
+    if args.max_tokens < 1 or (args.max_length is not None and args.max_length < 1):
+        raise ValueError("--max-length and --max-tokens take a number of tokens >= 1")
     if not args.link_delay_ms >= 0 or (args.link_delay_ms and args.world_size == 1 and "RANK" not in os.environ):
         raise ValueError("--link-delay takes milliseconds >= 0 and delays messages between two processes "
                          "(--world-size 2)")
@@ -138,7 +146,8 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     delay = DelayLine(args.link_delay_ms / 1000) if args.link_delay_ms else None
     if rank == 1:
         serve(StageBlocks(middle, model.config), 0, act, back, meter=meter, timeout=args.timeout, delay=delay,
-              channel_mean=args.channel_mean, channel_scale=args.channel_scale)
+              channel_mean=args.channel_mean, channel_scale=args.channel_scale,
+              limits=ServerLimits(args.max_length, args.max_tokens))
         return
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     server = LocalServer(StageBlocks(middle, model.config), act, back, meter, args.channel_mean,

@@ -6,13 +6,15 @@ packed into one byte string (nothing is ever pickled)::
     int64 fields  [MAGIC, total_bytes, n_meta, n_payloads, header_numel,
                    *meta, *header_lengths, *headers]
     tensors       the payloads' tensors, in order, each at an 8-byte aligned offset,
-                  dtype and numel as its header says; total_bytes ends the last one
+                  dtype and numel as its header says
+    closing word  :data:`CLOSE` at the next 8-byte aligned offset; total_bytes ends it
 
 A *stream* is the sequence of messages from one rank to another on one tag
 (:class:`Sender` on one side, :class:`Receiver` on the other). Both ends keep the
 same *capacity*: 512 bytes at first, then the largest message seen so far. A message
 goes out as one ``isend`` of its bytes when it fits the capacity, else as a first
-part of exactly ``capacity`` bytes and a second part with the rest. Because the
+part of exactly ``capacity`` bytes -- the message's first ``capacity - 8`` bytes and
+the closing word -- and a second part with the rest. Because the
 receiver knows the capacity before the message exists, it can post the receive of
 the next message ahead of time (:meth:`Receiver.post`) into a buffer of that size:
 with steady shapes every message is a single pre-posted transfer, as with a
@@ -27,6 +29,14 @@ headers do not fit in the first part is bounded by the stream's limit --
 :data:`LIMIT_GROWTH` times the largest message seen on the stream, at least
 :data:`MIN_LIMIT` -- or by an explicit ``max_bytes``, and checked the same way once it is
 complete. Received tensors are views into the message buffer (no copy).
+
+The wire proves each part whole. gloo completes a receive that got *fewer* bytes than
+its buffer holds and does not say how many came, so every receive buffer is zeroed
+before it is posted and every part ends with :data:`CLOSE`, whose bytes are all nonzero:
+a part cut short leaves zeros where its closing word belongs and is refused (``corrupt
+message from rank N: truncated ...``) -- the first part before the second is allocated.
+No receive buffer reaches a decoder with memory the peer did not fill. (A part *longer*
+than the buffer is gloo's own fatal error: it ends the receiving process.)
 
 Tensors travel on the *wire device* of the process group: CUDA with NCCL, CPU
 otherwise. CUDA payloads over gloo are staged through CPU memory (packing the
@@ -62,6 +72,7 @@ from .delay import DelayLine, HeldWork
 
 __all__ = [
     "MAGIC",
+    "CLOSE",
     "MIN_CAPACITY",
     "DEFAULT_MAX_BYTES",
     "TransportError",
@@ -70,12 +81,15 @@ __all__ = [
     "Receiver",
     "wire_device",
     "pack_message",
+    "split_parts",
     "read_message",
     "send_payload",
     "recv_payload",
 ]
 
 MAGIC = 0x64677033  # "dgp3"
+CLOSE = int.from_bytes(b"dgp3end!", "little")
+"""The closing word of every message and of a split message's first part: 8 nonzero bytes."""
 MIN_CAPACITY = 512  # bytes; the first capacity of every stream
 _FIXED = 5  # MAGIC, total_bytes, n_meta, n_payloads, header_numel
 MAX_META = 64
@@ -153,13 +167,27 @@ def _align(n: int) -> int:
 
 
 def _layout(fields_numel: int, specs) -> tuple[list[int], int]:
-    """Byte offsets of the tensors described by ``specs`` [(dtype, numel)], and the total size."""
+    """Byte offsets of the tensors described by ``specs`` [(dtype, numel)], and the total size (the
+    closing word included)."""
     offsets, end = [], 8 * fields_numel
     for dt, n in specs:
         start = _align(end)
         offsets.append(start)
         end = start + n * dt.itemsize
-    return offsets, end
+    return offsets, _align(end) + 8
+
+
+_CLOSE_BYTES = torch.tensor([CLOSE], dtype=torch.int64).view(torch.uint8)
+
+
+def _closed(part: torch.Tensor) -> bool:
+    """Whether ``part`` (1-D uint8) ends with :data:`CLOSE`."""
+    return part.numel() >= 8 and bool(torch.equal(part[-8:].cpu(), _CLOSE_BYTES))
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """A receive buffer: zeroed, so that bytes a peer does not send are zeros, never earlier memory."""
+    return torch.zeros(n, dtype=torch.uint8, device=device)
 
 
 def pack_message(payloads: Sequence[Payload], meta: Sequence[int] = (), device: torch.device | str = "cpu",
@@ -195,7 +223,20 @@ def pack_message(payloads: Sequence[Payload], meta: Sequence[int] = (), device: 
     for t, off in zip(tensors, offsets):
         if t.numel():
             buf[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(torch.uint8))
+    buf[total - 8 : total].copy_(_CLOSE_BYTES)
     return buf, total
+
+
+def split_parts(buf: torch.Tensor, capacity: int) -> list[torch.Tensor]:
+    """The parts a message ``buf`` (1-D uint8) goes out as on a stream of ``capacity`` bytes: itself when
+    it fits, else a first part of ``capacity`` bytes -- its first ``capacity - 8`` and :data:`CLOSE` --
+    and the rest of the message from byte ``capacity - 8``."""
+    if buf.numel() <= capacity:
+        return [buf]
+    first = torch.empty(capacity, dtype=torch.uint8, device=buf.device)
+    first[: capacity - 8].copy_(buf[: capacity - 8])
+    first[capacity - 8 :].copy_(_CLOSE_BYTES)
+    return [first, buf[capacity - 8 :]]
 
 
 class SendWork:
@@ -271,9 +312,7 @@ class Sender(_Stream):
             TransportError: the link to the receiver is closed.
         """
         buf, total = pack_message(payloads, meta, self.device, self.capacity if self.exact else 0)
-        size = buf.numel()
-        cut = self.capacity if size > self.capacity else size
-        parts = [buf[:cut], buf[cut:]] if cut < size else [buf]
+        parts = split_parts(buf, self.capacity)
 
         def post() -> list:
             return [_post(dist.isend, p, self.peer, self.group, self.tag, _action(label, "sending to")) for p in parts]
@@ -303,7 +342,7 @@ class Receiver(_Stream):
             self._posted.append(self._irecv(self.capacity))
 
     def _irecv(self, nbytes: int) -> tuple[torch.Tensor, object]:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buf = _zeros(nbytes, self.device)
         return buf, _post(dist.irecv, buf, self.peer, self.group, self.tag, "receiving from")
 
     def recv(
@@ -332,7 +371,7 @@ class Receiver(_Stream):
         _wait([work], src, action, timeout, start)
 
         def rest(n: int) -> torch.Tensor:
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            buf = _zeros(n, self.device)
             _wait([_post(dist.irecv, buf, src, self.group, self.tag, action)], src, action, timeout, start)
             return buf
 
@@ -369,15 +408,21 @@ def _fields(words: list[int], n_meta: int, n_payloads: int, header_numel: int, t
     return meta, headers, specs, offsets
 
 
+def _truncated(src: int, what: str) -> ValueError:
+    return ValueError(f"corrupt message from rank {src}: truncated: the closing word is missing from {what} "
+                      "(fewer bytes arrived than the message says)")
+
+
 def read_message(first: torch.Tensor, rest, src: int, limit: int, device: torch.device | str):
     """Validate and unpack one message from its first part; the receiving side of the wire format.
 
     Args:
         first: 1-D uint8, the message's first part (the stream's capacity: the whole
-            message, padded, when it fits).
+            message, padded, when it fits; else its first ``capacity - 8`` bytes and
+            :data:`CLOSE`), received into a zeroed buffer.
         rest: ``rest(n)`` returns the next ``n`` bytes of the message (1-D uint8), i.e.
-            allocates and receives the second part; called at most once, and only after
-            the checks below passed.
+            allocates and receives the second part into a zeroed buffer; called at most
+            once, and only after the checks below passed.
         src: the sender's rank (for messages).
         limit: most bytes of a message whose fields and headers do not fit in ``first``
             (the others are checked exactly) -- and of any message.
@@ -389,8 +434,9 @@ def read_message(first: torch.Tensor, rest, src: int, limit: int, device: torch.
     Raises:
         ValueError: ``corrupt message from rank N: ...`` -- a wrong magic, a size word
             below the fields, above ``limit`` or other than the headers describe, counts out
-            of range, an invalid header -- before ``rest`` is called when the fields fit in
-            ``first``.
+            of range, an invalid header, a first part cut short -- before ``rest`` is called
+            when the fields fit in ``first``; a message cut short (``truncated``) once it is
+            complete.
     """
     if first.numel() < 8 * _FIXED:
         raise ValueError(f"corrupt message from rank {src}: a first part of {first.numel()} bytes")
@@ -406,17 +452,23 @@ def read_message(first: torch.Tensor, rest, src: int, limit: int, device: torch.
     if not 8 * fields_numel <= total <= limit:
         raise ValueError(f"corrupt message from rank {src}: its size word says {total} bytes, outside "
                          f"[{8 * fields_numel}, {limit}] (its {fields_numel} fields .. the limit)")  # fmt: skip
+    split = total > first.numel()  # then the first part is the message's first bytes and a closing word
+    body = first[:-8] if split else first
     checked = None
-    if 8 * fields_numel <= first.numel():  # everything needed to know the size is here: check it now
-        words = first[: 8 * fields_numel].cpu().view(torch.int64).tolist()
+    if 8 * fields_numel <= body.numel():  # everything needed to know the size is here: check it now
+        words = body[: 8 * fields_numel].cpu().view(torch.int64).tolist()
         checked = _fields(words, n_meta, n_payloads, header_numel, total, src)
-    if total > first.numel():
-        buf = torch.cat([first, rest(total - first.numel()).to(first.device)])
+    if split:
+        if not _closed(first):
+            raise _truncated(src, f"its first part of {first.numel()} bytes")
+        buf = torch.cat([body, rest(total - body.numel()).to(first.device)])
     else:
         buf = first[:total]
     if checked is None:
         checked = _fields(buf[: 8 * fields_numel].cpu().view(torch.int64).tolist(), n_meta, n_payloads,
                           header_numel, total, src)  # fmt: skip
+    if not _closed(buf):
+        raise _truncated(src, f"its {total} bytes")
     meta, headers, specs, offsets = checked
     it = iter(offsets)
     payloads = []

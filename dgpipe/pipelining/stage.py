@@ -206,7 +206,8 @@ class CompressedPipelineStage(PipelineStage):
                                        recv_seconds=0.0)
                 out.append(op)
                 continue
-            buf = torch.empty(self.message_nbytes(direction, t.shape, t.dtype), dtype=torch.uint8, device=t.device)
+            # zeroed: a message cut short leaves zeros where its closing word belongs (read_message refuses it)
+            buf = torch.zeros(self.message_nbytes(direction, t.shape, t.dtype), dtype=torch.uint8, device=t.device)
             pending.append((buf, t, name, op.peer, position))
             out.append(dist.P2POp(dist.irecv, buf, op.peer, op.group, op.tag))
         self._pending[(direction, chunk)] = pending
