@@ -284,5 +284,6 @@ def test_a_truncated_message_is_refused_by_the_runtimes_boundary(part):
     from dgpipe.pipeline import SpawnError, spawn
 
     with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: stage0->stage1 forward, micro-batch 0: corrupt "
-                                         r"message from rank 0: truncated: the closing word is missing from its \d+ bytes"):
+                                         r"message from rank 0: truncated: the closing word is missing from its "
+                                         r"\d+ bytes"):
         spawn(_truncating_boundary, 2, args=(part,), timeout=120, start_method="fork")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dgpipe.comm.transport import MIN_CAPACITY, Receiver, Sender, pack_message, split_parts
 from dgpipe.compression import get_codec
 from dgpipe.inference import (
-    DECODE, END, HIDDEN, PREFILL, TAG, ClientStages, RemoteServer, ServerLimits, StageBlocks, generate, serve,
+    DECODE, HIDDEN, PREFILL, TAG, ClientStages, RemoteServer, ServerLimits, StageBlocks, generate, serve,
     split_layers,
 )
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
@@ -90,6 +90,9 @@ def _case(send, error: str):
     return check
 
 
+TRUNCATED = r"corrupt message from rank 0: truncated: the closing word is missing from "
+
+
 def _message(payloads, meta) -> torch.Tensor:
     return pack_message(payloads, meta)[0]
 
@@ -136,12 +139,11 @@ CASES = {
     # fewer bytes than the size word, in a message of one part or in either part of two: the receive buffer's
     # zeros never reach the blocks
     "truncated": (lambda g: _send_raw(_message(_prefill(1, 1)[:1], [PREFILL, 0, 1, 1])[:-100], g),
-                  r"corrupt message from rank 0: truncated: the closing word is missing from its \d+ bytes"),
+                  TRUNCATED + r"its \d+ bytes"),
     "truncated_first_part": (lambda g: _send_parts(_prefill(2, 4), [PREFILL, 0, 2, 4], 0, g),
-                             r"corrupt message from rank 0: truncated: the closing word is missing from its first part of 512 "
-                             r"bytes"),
+                             TRUNCATED + r"its first part of 512 bytes"),
     "truncated_second_part": (lambda g: _send_parts(_prefill(2, 4), [PREFILL, 0, 2, 4], 1, g),
-                              r"corrupt message from rank 0: truncated: the closing word is missing from its \d+ bytes"),
+                              TRUNCATED + r"its \d+ bytes"),
     # a size word of 8 GiB behind 600 bytes of headers (more than the first part holds): bounded by the
     # largest message the limits allow, before anything is allocated for the rest
     "size_word": (lambda g: _send_raw(_lying_size(), g),
