@@ -5,6 +5,9 @@ steps of 16 x 128 tokens, 4 linear stages on 4 processes, under every setting of
 (``OUT/lm.md``, ``OUT/frontier.png``).
 
     python benchmarks/lm_pretrain.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
+        [--settings lm|lm_bottleneck]
+
+``--settings lm_bottleneck`` adds ``dgpipe.train.ablation.LM_BOTTLENECK_SETTINGS``: boundary bottlenecks.
 
 Resumable: a run whose log holds a summary is not run again (the runs go through
 ``dgpipe.train.ablation``, which also writes its generic ``table.md``).
@@ -33,12 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", help="comma-separated subset of the settings")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
+    p.add_argument("--settings", choices=["lm", "lm_bottleneck"], default="lm",
+                   help="lm_bottleneck: also the boundary-bottleneck settings")
     p.add_argument("--timing", default=str(ROOT / "benchmarks" / "results" / "lm_link_latency"),
                    help="folder of benchmarks/lm_link_latency.py, whose 4-stage loopback runs give each setting's "
                         "compute per step (measured side by side on a quiet machine)")
     args = p.parse_args(argv)
-    labels = args.only.split(",") if args.only else list(ablation.LM_SETTINGS)
-    run = ["--job", "lm", "--settings", "lm", "--seeds", args.seeds, "--out", args.out,
+    labels = args.only.split(",") if args.only else list(ablation.SETTINGS[args.settings])
+    run = ["--job", "lm", "--settings", args.settings, "--seeds", args.seeds, "--out", args.out,
            "--only", ",".join(labels), "--title", "small Llama pretraining, wiki-excerpt, 4 stages"]
     status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *COMMON])
     out, seeds = Path(args.out), [int(k) for k in args.seeds.split(",")]

@@ -58,6 +58,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--eval-split", choices=["valid", "test"], default="valid", help="the held-out split")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on biases and norms)")
     g.add_argument("--warmup-ratio", type=float, default=0.05, help="fraction of steps of linear warm-up")
+    g.add_argument("--bottleneck", metavar="D|1/N|I:W,...",
+                   help="a trained encoder/decoder pair at the stage boundaries: D channels (or 1/N of the model's "
+                        "width) cross each way instead of the width, at every boundary or at boundaries I, J "
+                        "(I:W,J:W); the codecs code those channels")
     return p
 
 

@@ -188,6 +188,20 @@ LM_SETTINGS: dict[str, list[str]] = {
     + ["--token-reference", "--token-reference-scale", "--token-reference-backoff"],
 }
 
+#: The pretraining benchmark with boundary bottlenecks (docs/lm.md): ``--bottleneck D`` channels of the small Llama's
+#: 128 cross each way (from a random orthonormal basis, trained with the model), alone and with codes on top; bits a
+#: value counted against the width 128: ``D / 128`` of the codec's bits.
+LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
+    "bneck16ch_quant6": ["--bottleneck", "16", "--quant", "6"],  # 0.75 bit
+    "bneck32ch_quant3": ["--bottleneck", "32", "--quant", "3"],  # 0.75 bit
+    "bneck4ch_quant8": ["--bottleneck", "4", "--quant", "8"],  # 0.25 bit
+    "bneck16ch": ["--bottleneck", "16"],  # 4 bits
+    "bneck8ch_quant8": ["--bottleneck", "8", "--quant", "8"],  # 0.5 bit
+    "bneck4ch": ["--bottleneck", "4"],  # 1 bit
+    "bneck8ch": ["--bottleneck", "8"],  # 2 bits
+    "bneck32ch": ["--bottleneck", "32"],  # 8 bits
+}
+
 #: The fine-tuning benchmark of a pretrained decoder (docs/lm.md): the language-model settings, 5 levels both ways
 #: directly, against the per-token reference, against it with the channels weighed, and with the first positions
 #: and unseen tokens backing off to shared rows too (2.37 bits a value on SmolLM2's 576-wide messages), and the same
@@ -205,7 +219,8 @@ LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
-            "exdrop": EXAMPLE_DROPOUT_SETTINGS, "lm": LM_SETTINGS, "lm_finetune": LM_FINETUNE_SETTINGS}
+            "exdrop": EXAMPLE_DROPOUT_SETTINGS, "lm": LM_SETTINGS, "lm_finetune": LM_FINETUNE_SETTINGS,
+            "lm_bottleneck": {**LM_SETTINGS, **LM_BOTTLENECK_SETTINGS}}
 
 
 def has_summary(log: Path) -> bool:

@@ -115,6 +115,7 @@ class PipelineEngine:
                  device: torch.device, train_examples: int | None = None) -> None:
         p, d = config.pipeline, config.delta
         stages, self.placement = partition(layers, p, job.pinned)
+        stages = job.shape_stages(stages)
         self.layers_per_stage = [len(list(s.children())) for s in stages]
         self._warmup_epochs = d.delta_warmup_epochs if d.delta else 0
         delta = None
@@ -241,6 +242,7 @@ class TorchScheduleEngine:
 
         p = config.pipeline
         stages, self.placement = partition(layers, p, job.pinned)
+        stages = job.shape_stages(stages)
         self.layers_per_stage = [len(list(s.children())) for s in stages]
         mine = [i for i, r in enumerate(self.placement) if r == rank]
         comp = config.codec.compression

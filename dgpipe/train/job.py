@@ -116,6 +116,11 @@ class Job:
         the loop seeds torch first)."""
         raise NotImplementedError
 
+    def shape_stages(self, stages: list[nn.Module]) -> list[nn.Module]:
+        """The partition's stages as the job trains them (same on every rank): unchanged by default; a job may
+        add layers at the boundaries (the LM job's bottlenecks)."""
+        return stages
+
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         """``(train, eval)`` loaders yielding ``(inputs, targets)``.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,12 @@ from torch.utils.data import DataLoader
 
 from dgpipe.data.loading import make_dataloader
 from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus
+from dgpipe.models.bottleneck import insert_bottlenecks, parse_widths
 from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, build_causal_lm, causal_lm_layers, preset_config,
                                      resolve_lm)
 
 from .compare import LM_LINKS
-from .config import RunConfig
+from .config import PipelineConfig, RunConfig
 from .job import Job, check_partition, decay_groups
 
 __all__ = ["LMJob", "LMOptions", "DEFAULT_BPE"]
@@ -54,6 +55,9 @@ class LMOptions:
         eval_split: the held-out split, ``"valid"`` or ``"test"``.
         weight_decay: AdamW weight decay (matrices only).
         warmup_ratio: fraction of the steps of linear warm-up.
+        bottleneck: ``--bottleneck`` as given: the width of a trained encoder/decoder pair at every boundary
+            (``D`` channels or a ratio ``1/N`` of the model's width) or at some (``I:W,J:W``); ``None``: none
+            (:mod:`dgpipe.models.bottleneck`).
     """
 
     model: str | None
@@ -63,6 +67,14 @@ class LMOptions:
     eval_split: str
     weight_decay: float
     warmup_ratio: float
+    bottleneck: str | None = None
+
+
+def _boundaries(pipeline: PipelineConfig) -> int:
+    """The stage boundaries of the partition (0 in data-parallel mode)."""
+    if pipeline.mode != "pipeline":
+        return 0
+    return 2 if pipeline.partition == "client-server" else (pipeline.stages or 1) - 1
 
 
 def _tokenizer(opts: LMOptions, corpus: str):
@@ -180,6 +192,8 @@ class LMJob(Job):
                 raise ValueError(f"{flag}: {len(blocks)} training blocks of {opts.block_length} tokens are fewer than "
                                  f"one batch (--batch-size {data.batch_size})")
         check_partition(model_config.num_hidden_layers + 2, config.pipeline, cls.pinned)
+        if opts.bottleneck is not None:
+            parse_widths(opts.bottleneck, model_config.hidden_size, _boundaries(config.pipeline))
         return opts
 
     def build_layers(self) -> list[nn.Module]:
@@ -191,8 +205,19 @@ class LMJob(Job):
         opts = self.config.job
         config = _model_config(opts, len(self.tokenizer))
         model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
-        self.vocab = model.config.vocab_size
+        config_: Any = model.config
+        self.vocab, self.hidden_size = config_.vocab_size, int(config_.hidden_size)
         return causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference)
+
+    def shape_stages(self, stages: list[nn.Module]) -> list[nn.Module]:
+        """With ``--bottleneck``: a pair at the boundaries it names, each started as a random orthonormal basis
+        (:func:`~dgpipe.models.bottleneck.insert_bottlenecks`; the identity at the model's full width)."""
+        spec = self.config.job.bottleneck
+        if spec is None:
+            return stages
+        widths = parse_widths(spec, self.hidden_size, len(stages) - 1)
+        init = "identity" if all(w == self.hidden_size for w in widths.values()) else "orthonormal"
+        return [*insert_bottlenecks(stages, widths, self.hidden_size, init, seed=self.config.train.seed)]
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         opts, d, seed = self.config.job, self.config.data, self.config.train.seed

@@ -1,0 +1,228 @@
+"""Boundary bottlenecks: a trained encoder at the end of the stage before a boundary (``H -> d`` channels) and a
+decoder at the start of the stage after it (``d -> H``), so that ``d`` channels cross the boundary forward and
+``d`` channels of gradient come back; the boundary's codecs code those ``d`` channels.
+
+The pair is affine: ``y = W_e x + b_e`` with ``W_e`` ``(d, H)``, ``x_hat = W_d y + b_d`` with ``W_d`` ``(H, d)``.
+It starts as one of:
+
+- the identity (``d == H``: ``W_e = W_d = I``, zero biases): a model with it computes what the model without it
+  computes, so a run with ``d = H`` and codec ``none`` equals the unsplit model;
+- a random orthonormal basis ``Q`` ``(H, d)`` (``W_e = Q^T``, ``W_d = Q``): ``x_hat`` is ``x`` projected onto a
+  random ``d``-dimensional subspace (pretraining from scratch);
+- the boundary states' principal components (:func:`fit_principal_components`): the mean ``mu`` and the top-``d``
+  right singular vectors ``V_d`` of the centred states (``W_e = V_d^T``, ``b_e = -V_d^T mu``, ``W_d = V_d``,
+  ``b_d = mu``) -- the best rank-``d`` affine code of what crosses, in squared error, before any training
+  (Eckart and Young, 1936).
+
+Then both train with the model (the LM loss, or distillation to the unsplit model). Only the value's first tensor
+(the hidden states, float ``(..., H)``) goes through the pair; a padding mask and token ids that ride with it pass
+unchanged.
+
+References: IOTA (arXiv 2507.17766; macrocosm-os/iota's bottleneck outputs and ``BottleneckDecoder``), ResBM
+(arXiv 2604.11947), MAPL (arXiv 2606.05484: learned projections at pipeline boundaries).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["BottleneckEncoder", "BottleneckDecoder", "bottleneck_pair", "insert_bottlenecks",
+           "fit_principal_components", "parse_width", "parse_widths"]
+
+INITS = ("identity", "orthonormal")
+
+
+def _first(value) -> tuple[torch.Tensor, tuple]:
+    """``(hidden, rest)`` of a layer value: a tensor, or a tuple whose first tensor is the hidden states."""
+    if isinstance(value, torch.Tensor):
+        return value, ()
+    parts = tuple(value)
+    return parts[0], parts[1:]
+
+
+def _join(hidden: torch.Tensor, rest: tuple):
+    return hidden if not rest else (hidden, *rest)
+
+
+class BottleneckEncoder(nn.Module):
+    """``H -> d``: the value's hidden states float ``(..., H)`` -> ``(..., d)``; other tensors of the value pass.
+
+    Attributes:
+        proj: ``nn.Linear(H, d)`` (weight ``W_e`` ``(d, H)``, bias ``b_e`` ``(d,)``).
+    """
+
+    def __init__(self, hidden_size: int, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, width)
+
+    def forward(self, value):
+        hidden, rest = _first(value)
+        return _join(self.proj(hidden), rest)
+
+
+class BottleneckDecoder(nn.Module):
+    """``d -> H``: the value's coded channels float ``(..., d)`` -> hidden states ``(..., H)``; other tensors pass.
+
+    Attributes:
+        proj: ``nn.Linear(d, H)`` (weight ``W_d`` ``(H, d)``, bias ``b_d`` ``(H,)``).
+    """
+
+    def __init__(self, hidden_size: int, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, hidden_size)
+
+    def forward(self, value):
+        hidden, rest = _first(value)
+        return _join(self.proj(hidden), rest)
+
+
+def parse_width(text: str | int, hidden_size: int) -> int:
+    """A bottleneck width from ``D`` or a ratio ``1/N`` of ``hidden_size`` (``"1/16"`` of 576 -> 36).
+
+    Raises:
+        ValueError: not a number or ratio, or a width outside ``[1, hidden_size]``.
+    """
+    s = str(text).strip()
+    try:
+        if "/" in s:
+            num, den = (int(v) for v in s.split("/"))
+            width = hidden_size * num // den
+        else:
+            width = int(s)
+    except ValueError:
+        raise ValueError(f"bottleneck width {text!r}: give channels D or a ratio such as 1/16") from None
+    if not 1 <= width <= hidden_size:
+        raise ValueError(f"bottleneck width {text!r} = {width} channels: must be in [1, {hidden_size}] (the model's "
+                         "width)")
+    return width
+
+
+def parse_widths(spec: str, hidden_size: int, boundaries: int) -> dict[int, int]:
+    """The widths of ``--bottleneck SPEC``: ``D`` or ``1/N`` at every one of ``boundaries`` boundaries, or
+    ``I:W,J:W`` at boundaries ``I``, ``J`` (each ``W`` a width or a ratio, :func:`parse_width`).
+
+    Raises:
+        ValueError: a bad width, a boundary index outside ``[0, boundaries)``, one given twice, or no boundary.
+    """
+    if boundaries < 1:
+        raise ValueError("--bottleneck sits at a stage boundary: this partition has none")
+    if ":" not in spec:
+        width = parse_width(spec, hidden_size)
+        return dict.fromkeys(range(boundaries), width)
+    widths: dict[int, int] = {}
+    for item in spec.split(","):
+        index, _, text = item.partition(":")
+        try:
+            i = int(index)
+        except ValueError:
+            raise ValueError(f"--bottleneck {spec}: {item!r} is not BOUNDARY:WIDTH") from None
+        if not 0 <= i < boundaries or i in widths:
+            raise ValueError(f"--bottleneck {spec}: boundary {i} is not one of 0..{boundaries - 1} or is given twice")
+        widths[i] = parse_width(text, hidden_size)
+    return widths
+
+
+@torch.no_grad()
+def bottleneck_pair(hidden_size: int, width: int, init: str = "identity",
+                    generator: torch.Generator | None = None) -> tuple[BottleneckEncoder, BottleneckDecoder]:
+    """An encoder/decoder pair of ``width`` channels for hidden states of ``hidden_size``, float32.
+
+    Args:
+        init: ``"identity"`` (needs ``width == hidden_size``) or ``"orthonormal"`` (a random orthonormal basis from
+            ``generator``; module docstring).
+
+    Raises:
+        ValueError: an unknown ``init``, a width outside ``[1, hidden_size]``, or identity with ``width < H``.
+    """
+    if init not in INITS:
+        raise ValueError(f"bottleneck init {init!r}: one of {', '.join(INITS)}")
+    if not 1 <= width <= hidden_size:
+        raise ValueError(f"bottleneck width {width}: must be in [1, {hidden_size}]")
+    if init == "identity" and width != hidden_size:
+        raise ValueError(f"an identity bottleneck has the model's width {hidden_size}, not {width}")
+    enc, dec = BottleneckEncoder(hidden_size, width), BottleneckDecoder(hidden_size, width)
+    if init == "identity":
+        basis = torch.eye(hidden_size)
+    else:
+        basis, _ = torch.linalg.qr(torch.randn(hidden_size, width, generator=generator))
+    enc.proj.weight.copy_(basis.T)
+    dec.proj.weight.copy_(basis)
+    enc.proj.bias.zero_()
+    dec.proj.bias.zero_()
+    return enc, dec
+
+
+@torch.no_grad()
+def fit_principal_components(encoder: BottleneckEncoder, decoder: BottleneckDecoder, states: torch.Tensor) -> float:
+    """Set the pair to the mean and top-``d`` principal directions of ``states`` (module docstring).
+
+    Args:
+        states: float ``(N, H)`` hidden states that cross the boundary (a sample of training tokens), ``N >= 1``.
+
+    Returns:
+        The fraction of the centred states' energy (sum of squares) the ``d`` directions keep, in ``[0, 1]``.
+
+    Raises:
+        ValueError: ``states`` not ``(N, H)`` for the pair's ``H``.
+    """
+    width, hidden_size = encoder.proj.weight.shape
+    if states.dim() != 2 or states.shape[1] != hidden_size or states.shape[0] < 1:
+        raise ValueError(f"principal components of states {tuple(states.shape)}: want (N >= 1, {hidden_size})")
+    x = states.double()
+    mean = x.mean(0)
+    _, s, vh = torch.linalg.svd(x - mean, full_matrices=False)
+    basis = torch.zeros(hidden_size, width, dtype=torch.float64)
+    k = min(width, vh.shape[0])
+    basis[:, :k] = vh[:k].T
+    if k < width:  # fewer states than channels: complete the basis with orthonormal directions
+        extra, _ = torch.linalg.qr(torch.randn(hidden_size, width, dtype=torch.float64))
+        basis, _ = torch.linalg.qr(torch.cat([basis[:, :k], extra[:, : width - k]], 1))
+    encoder.proj.weight.copy_(basis.T)
+    encoder.proj.bias.copy_(-(basis.T @ mean))
+    decoder.proj.weight.copy_(basis)
+    decoder.proj.bias.copy_(mean)
+    energy = float((s**2).sum())
+    return float((s[:k] ** 2).sum()) / energy if energy > 0 else 1.0
+
+
+def insert_bottlenecks(stages: Sequence[nn.Module], widths: int | Mapping[int, int], hidden_size: int,
+                       init: str = "identity", seed: int = 0) -> list[nn.Sequential]:
+    """Stages with a bottleneck pair at chosen boundaries: stage ``i`` ends with the encoder and stage ``i + 1``
+    starts with the decoder of boundary ``i`` (``stage{i}->stage{i+1}``).
+
+    Args:
+        stages: the partition (each an ``nn.Sequential`` or any module), in order; not modified.
+        widths: one width for every boundary, or ``{boundary index: width}``.
+        hidden_size: the width ``H`` of what crosses without a bottleneck.
+        init: ``"identity"`` or ``"orthonormal"`` (:func:`bottleneck_pair`); each boundary's basis is drawn from
+            ``seed + i``.
+
+    Returns:
+        One ``nn.Sequential`` per stage, sharing the original layers; a stage's own children keep their names,
+        the encoder is ``"bottleneck_encoder"`` and the decoder ``"bottleneck_decoder"``.
+
+    Raises:
+        ValueError: fewer than two stages, a boundary index outside ``[0, len(stages) - 1)``, or a bad width.
+    """
+    n = len(stages)
+    if n < 2:
+        raise ValueError("a bottleneck sits at a stage boundary: the partition has none (one stage)")
+    chosen = dict.fromkeys(range(n - 1), widths) if isinstance(widths, int) else dict(widths)
+    for i in chosen:
+        if not 0 <= i < n - 1:
+            raise ValueError(f"bottleneck at boundary {i}: the partition's boundaries are 0..{n - 2}")
+    out = []
+    pairs = {i: bottleneck_pair(hidden_size, w, init, torch.Generator().manual_seed(seed + i))
+             for i, w in chosen.items()}
+    for i, stage in enumerate(stages):
+        named = list(stage.named_children()) if isinstance(stage, nn.Sequential) else [("0", stage)]
+        if i - 1 in pairs:
+            named.insert(0, ("bottleneck_decoder", pairs[i - 1][1]))
+        if i in pairs:
+            named.append(("bottleneck_encoder", pairs[i][0]))
+        out.append(nn.Sequential(OrderedDict(named)))
+    return out

@@ -1,0 +1,186 @@
+"""Boundary bottlenecks (dgpipe.models.bottleneck): an encoder (H -> d) at the end of a stage and a decoder
+(d -> H) at the start of the next.
+
+In one process: widths and their errors; the identity pair leaves a model's logits bit for bit; an orthonormal
+pair is a projection; the principal-component start reconstructs states with the error Eckart-Young predicts
+(the trailing singular values of the centred states, computed here on their own).
+
+Spawned (gloo, 2 ranks): a tiny Llama with bottlenecks of 16 channels (H = 64) trained one step through dgpipe's
+runtime (client/server [0, 1, 0]) and through ``CompressedPipelineStage`` under torch's 1F1B, uncompressed, gives
+the loss and every gradient of the same bottleneck model run unsplit, micro-batch by micro-batch; the wire carries
+16 channels each way; with d = H the identity pairs give the original model's loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dgpipe.compression import get_codec
+from dgpipe.models import client_server_split
+from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, bottleneck_pair, fit_principal_components,
+                                      insert_bottlenecks, parse_width, parse_widths)
+from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
+from dgpipe.pipeline import Pipeline, split_layers
+from dgpipe.pipeline.tied import TiedParameters
+from helpers import assert_ranks_ok, spawn_checks
+
+VOCAB, LENGTH, BATCH, CHUNKS, H, D = 97, 16, 4, 2, 64, 16
+
+
+def tiny():
+    torch.manual_seed(0)
+    return build_causal_lm(preset_config("tiny-llama", VOCAB, LENGTH)).train()
+
+
+def batch():
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_widths_and_their_errors():
+    assert parse_width("16", 64) == 16 and parse_width("1/16", 576) == 36 and parse_width(64, 64) == 64
+    assert parse_widths("1/4", 64, 2) == {0: 16, 1: 16} and parse_widths("1:8", 64, 2) == {1: 8}
+    for bad, message in (("0", r"must be in \[1, 64\]"), ("65", r"must be in \[1, 64\]"), ("x", "give channels D"),
+                         ("1/128", r"= 0 channels")):
+        with pytest.raises(ValueError, match=message):
+            parse_width(bad, 64)
+    with pytest.raises(ValueError, match="boundary 2 is not one of 0..1"):
+        parse_widths("2:8", 64, 2)
+    with pytest.raises(ValueError, match="this partition has none"):
+        parse_widths("8", 64, 0)
+    with pytest.raises(ValueError, match="an identity bottleneck has the model's width 64, not 8"):
+        bottleneck_pair(64, 8, "identity")
+    with pytest.raises(ValueError, match="the partition's boundaries are 0..1"):
+        insert_bottlenecks([nn.Identity()] * 3, {2: 8}, 64)
+
+
+def test_identity_pairs_leave_the_logits_bit_for_bit():
+    model = tiny().eval()
+    x, _ = batch()
+    stages = insert_bottlenecks(client_server_split(causal_lm_layers(model), 1, (1, 1)), H, H)
+    assert [list(dict(s.named_children()))[0] for s in stages][1:] == ["bottleneck_decoder"] * 2
+    assert isinstance(stages[0][-1], BottleneckEncoder) and isinstance(stages[1][0], BottleneckDecoder)
+    with torch.no_grad():
+        assert torch.equal(nn.Sequential(*stages)(x), model(x).logits)
+
+
+def test_orthonormal_pair_is_a_projection():
+    enc, dec = bottleneck_pair(H, D, "orthonormal", torch.Generator().manual_seed(0))
+    x = torch.randn(50, H)
+    with torch.no_grad():
+        p = dec(enc(x))
+        torch.testing.assert_close(dec(enc(p)), p, rtol=0, atol=1e-5)  # idempotent
+        assert float((p * (x - p)).sum(1).abs().max()) < 1e-4  # the error is orthogonal to what is kept
+
+
+def test_principal_components_reconstruct_with_the_eckart_young_error():
+    g = torch.Generator().manual_seed(0)
+    scales = torch.logspace(1, -2, H)  # channels of falling variance, rotated, around a large mean
+    rotation, _ = torch.linalg.qr(torch.randn(H, H, generator=g))
+    states = (torch.randn(400, H, generator=g) * scales) @ rotation.T + 5.0
+    enc, dec = bottleneck_pair(H, D, "orthonormal")
+    kept = fit_principal_components(enc, dec, states)
+    with torch.no_grad():
+        error = float(((dec(enc(states)) - states).double() ** 2).sum())
+    s = torch.linalg.svdvals((states - states.mean(0)).double())
+    assert error == pytest.approx(float((s[D:] ** 2).sum()), rel=1e-3)
+    assert kept == pytest.approx(float((s[:D] ** 2).sum() / (s**2).sum()), rel=1e-9)
+    low_rank = states[:, :D] @ torch.randn(D, H, generator=g) + 3.0  # rank D around a mean: kept exactly
+    assert fit_principal_components(enc, dec, low_rank) == pytest.approx(1.0)
+    with torch.no_grad():
+        torch.testing.assert_close(dec(enc(low_rank)), low_rank, rtol=0, atol=1e-3)
+
+
+# -- split equals unsplit, across processes ---------------------------------------------------------------------
+
+
+def _stages(width: int, kind: str):
+    layers = causal_lm_layers(tiny())
+    cut = client_server_split(layers, 1, (1, 1)) if kind == "client-server" else split_layers(layers, [3, 3])
+    return insert_bottlenecks(cut, width, H, "identity" if width == H else "orthonormal", seed=3)
+
+
+def _reference(width: int, kind: str, x, y, chunks: int):
+    """Loss and gradients (by position in the bottleneck model's parameters) of the same model unsplit."""
+    model = nn.Sequential(*_stages(width, kind))
+    loss = 0.0
+    for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
+        part = lm_loss(model(xm), ym) / chunks
+        part.backward()
+        loss += float(part)
+    return loss, model
+
+
+def _check_grads(stages, reference: nn.Module, mine) -> None:
+    """Every parameter of this rank's stages has the reference's gradient (parameters matched by their place in
+    the whole model: the stages in order, each parameter once)."""
+    whole = list(dict.fromkeys(p for s in stages for p in s.parameters()))
+    want = list(dict.fromkeys(reference.parameters()))
+    assert len(whole) == len(want)
+    index = {id(p): i for i, p in enumerate(whole)}
+    for p in dict.fromkeys(q for s in mine for q in s.parameters()):
+        torch.testing.assert_close(p.grad, want[index[id(p)]].grad, rtol=1e-4, atol=1e-6)
+
+
+def _dgpipe_check(width: int):
+    def check(rank: int) -> None:
+        stages = _stages(width, "client-server")
+        codec = get_codec("none")
+        pipe = Pipeline(stages, [0, 1, 0], chunks=CHUNKS, loss_fn=lm_loss, act_codec=codec)
+        x, y = batch()
+        loss = pipe.train_step(x, y)
+        want_loss, reference = _reference(width, "client-server", x, y, CHUNKS)
+        assert abs(loss - want_loss) < 1e-5 * abs(want_loss)
+        _check_grads(stages, reference, [s for s, r in zip(stages, [0, 1, 0]) if r == rank])
+        payload = codec.encode(torch.randn(BATCH // CHUNKS, LENGTH, width)).nbytes  # d channels each way
+        for r in pipe.meter.records():
+            assert r["wire_bytes"] in (0, CHUNKS * payload), r
+        if width == H:  # the identity pairs: the original model's loss
+            model = tiny()
+            want = sum(float(lm_loss(model(xm).logits, ym)) for xm, ym in zip(x.chunk(CHUNKS), y.chunk(CHUNKS)))
+            assert abs(loss - want / CHUNKS) < 1e-5 * abs(loss)
+    check.__name__ = f"dgpipe_client_server_{width}"
+    return check
+
+
+def check_torch_1f1b(rank: int) -> None:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from dgpipe.pipelining import CompressedPipelineStage
+    from dgpipe.train.engine import _Positional
+
+    stages = _stages(D, "linear")
+    stage = CompressedPipelineStage(_Positional(stages[rank]), rank, 2, torch.device("cpu"), act_codec="none",
+                                    grad_codec="none")
+    schedule = Schedule1F1B(stage, BATCH, loss_fn=lm_loss)
+    x, y = batch()
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    TiedParameters(stages, [0, 1], rank).sum_gradients()
+    want_loss, reference = _reference(D, "linear", x, y, BATCH)
+    if rank == 1:
+        assert abs(float(torch.stack(losses).mean()) - want_loss) < 1e-5 * abs(want_loss)
+    _check_grads(stages, reference, [stages[rank]])
+
+
+CHECKS = {c.__name__: c for c in (_dgpipe_check(D), _dgpipe_check(H), check_torch_1f1b)}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return spawn_checks(CHECKS, 2, tmp_path_factory.mktemp("bottleneck"))
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_split_equals_unsplit(outcomes, name):
+    assert_ranks_ok(outcomes, name, 2)
