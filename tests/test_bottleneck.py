@@ -8,7 +8,8 @@ pair is a projection; the principal-component start reconstructs states with the
 Spawned (gloo, 2 ranks): a tiny Llama with bottlenecks of 16 channels (H = 64) trained one step through dgpipe's
 runtime (client/server [0, 1, 0]) and through ``CompressedPipelineStage`` under torch's 1F1B, uncompressed, gives
 the loss and every gradient of the same bottleneck model run unsplit, micro-batch by micro-batch; the wire carries
-16 channels each way; with d = H the identity pairs give the original model's loss.
+16 channels each way; with d = H the identity pairs give the original model's loss; anchored pairs (the token
+embedding shared by the client's and the server's stages) likewise, the ids crossing forward.
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ def test_identity_pairs_leave_the_logits_bit_for_bit():
         assert torch.equal(nn.Sequential(*stages)(x), model(x).logits)
 
 
+def test_anchored_pairs_rebuild_the_token_embedding():
+    """An anchored pair codes the residual stream less the token embedding of the ids (the value's last tensor):
+    the identity pair leaves the logits (to rounding), and an orthonormal pair's reconstruction error is that of
+    the embedding-free part alone -- a residual stream that is only the embedding crosses exactly."""
+    model = tiny().eval()
+    x, _ = batch()
+    layers = causal_lm_layers(model, carry_ids=True)
+    embed = layers[0].embed_tokens
+    stages = insert_bottlenecks(client_server_split(layers, 1, (1, 1)), H, H, anchor=embed)
+    with torch.no_grad():
+        torch.testing.assert_close(nn.Sequential(*stages)(x), model(x).logits, rtol=1e-5, atol=1e-5)
+        enc, dec = bottleneck_pair(H, 1, "orthonormal", anchor=embed)
+        hidden = embed(x)
+        torch.testing.assert_close(dec(enc((hidden, x)))[0], hidden, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="needs the token ids as the value's last tensor"):
+        enc(hidden)
+
+
 def test_orthonormal_pair_is_a_projection():
     enc, dec = bottleneck_pair(H, D, "orthonormal", torch.Generator().manual_seed(0))
     x = torch.randn(50, H)
@@ -101,15 +120,16 @@ def test_principal_components_reconstruct_with_the_eckart_young_error():
 # -- split equals unsplit, across processes ---------------------------------------------------------------------
 
 
-def _stages(width: int, kind: str):
-    layers = causal_lm_layers(tiny())
+def _stages(width: int, kind: str, anchored: bool = False):
+    layers = causal_lm_layers(tiny(), carry_ids=anchored)
     cut = client_server_split(layers, 1, (1, 1)) if kind == "client-server" else split_layers(layers, [3, 3])
-    return insert_bottlenecks(cut, width, H, "identity" if width == H else "orthonormal", seed=3)
+    return insert_bottlenecks(cut, width, H, "identity" if width == H else "orthonormal", seed=3,
+                              anchor=layers[0].embed_tokens if anchored else None)
 
 
-def _reference(width: int, kind: str, x, y, chunks: int):
+def _reference(width: int, kind: str, x, y, chunks: int, anchored: bool = False):
     """Loss and gradients (by position in the bottleneck model's parameters) of the same model unsplit."""
-    model = nn.Sequential(*_stages(width, kind))
+    model = nn.Sequential(*_stages(width, kind, anchored))
     loss = 0.0
     for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
         part = lm_loss(model(xm), ym) / chunks
@@ -129,24 +149,27 @@ def _check_grads(stages, reference: nn.Module, mine) -> None:
         torch.testing.assert_close(p.grad, want[index[id(p)]].grad, rtol=1e-4, atol=1e-6)
 
 
-def _dgpipe_check(width: int):
+def _dgpipe_check(width: int, anchored: bool = False):
     def check(rank: int) -> None:
-        stages = _stages(width, "client-server")
+        stages = _stages(width, "client-server", anchored)
         codec = get_codec("none")
         pipe = Pipeline(stages, [0, 1, 0], chunks=CHUNKS, loss_fn=lm_loss, act_codec=codec)
         x, y = batch()
         loss = pipe.train_step(x, y)
-        want_loss, reference = _reference(width, "client-server", x, y, CHUNKS)
+        want_loss, reference = _reference(width, "client-server", x, y, CHUNKS, anchored)
         assert abs(loss - want_loss) < 1e-5 * abs(want_loss)
         _check_grads(stages, reference, [s for s, r in zip(stages, [0, 1, 0]) if r == rank])
         payload = codec.encode(torch.randn(BATCH // CHUNKS, LENGTH, width)).nbytes  # d channels each way
+        ids = get_codec("intpack").encode(x[: BATCH // CHUNKS]).nbytes if anchored else 0  # forward: the ids too
         for r in pipe.meter.records():
-            assert r["wire_bytes"] in (0, CHUNKS * payload), r
+            assert r["wire_bytes"] in (0, CHUNKS * (payload + (ids if r["direction"] == "forward" else 0))), r
+        if anchored:  # the embedding is shared by the client's and the server's stages: its gradients summed
+            assert TiedParameters(stages, [0, 1, 0], rank).shared
         if width == H:  # the identity pairs: the original model's loss
             model = tiny()
             want = sum(float(lm_loss(model(xm).logits, ym)) for xm, ym in zip(x.chunk(CHUNKS), y.chunk(CHUNKS)))
             assert abs(loss - want / CHUNKS) < 1e-5 * abs(loss)
-    check.__name__ = f"dgpipe_client_server_{width}"
+    check.__name__ = f"dgpipe_client_server_{width}" + ("_anchored" if anchored else "")
     return check
 
 
@@ -173,7 +196,7 @@ def check_torch_1f1b(rank: int) -> None:
     _check_grads(stages, reference, [stages[rank]])
 
 
-CHECKS = {c.__name__: c for c in (_dgpipe_check(D), _dgpipe_check(H), check_torch_1f1b)}
+CHECKS = {c.__name__: c for c in (_dgpipe_check(D), _dgpipe_check(H), _dgpipe_check(D, True), check_torch_1f1b)}
 
 
 @pytest.fixture(scope="module")

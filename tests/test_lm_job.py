@@ -123,6 +123,12 @@ def _error(argv, capsys) -> str:
     (["--model-config", "tiny-llama", "--client-layers", "3"], "--client-layers 3"),
     (["--model-config", "tiny-llama", "--link-delay", "-5"], "--link-delay must be >= 0 milliseconds"),
     (["--model-config", "tiny-llama", "--eval-every", "0"], "--eval-every must be positive"),
+    (["--model-config", "tiny-llama", "--bottleneck", "0"], "bottleneck width '0' = 0 channels: must be in [1, 64]"),
+    (["--model-config", "tiny-llama", "--bottleneck", "1/128"], "bottleneck width '1/128' = 0 channels"),
+    (["--model-config", "tiny-llama", "--bottleneck", "65"], "must be in [1, 64] (the model's width)"),
+    (["--model-config", "tiny-llama", "--bottleneck", "2:8"], "boundary 2 is not one of 0..1"),
+    (["--model-config", "tiny-llama", "--mode", "dataparallel", "--bottleneck", "8"], "this partition has none"),
+    (["--model-config", "tiny-llama", "--bottleneck-anchor"], "--bottleneck-anchor anchors the bottlenecks"),
 ])
 def test_bad_input_is_one_line_before_any_process(argv, message, corpus, monkeypatch, capsys):
     monkeypatch.setattr(loop, "run", lambda *a, **k: pytest.fail("a process was started"))

@@ -62,6 +62,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="a trained encoder/decoder pair at the stage boundaries: D channels (or 1/N of the model's "
                         "width) cross each way instead of the width, at every boundary or at boundaries I, J "
                         "(I:W,J:W); the codecs code those channels")
+    g.add_argument("--bottleneck-anchor", action="store_true",
+                   help="with --bottleneck: code the residual stream less the token embedding of the ids, which the "
+                        "decoder adds back (the ids cross every boundary, losslessly)")
     return p
 
 

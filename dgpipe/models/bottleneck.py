@@ -18,6 +18,15 @@ Then both train with the model (the LM loss, or distillation to the unsplit mode
 (the hidden states, float ``(..., H)``) goes through the pair; a padding mask and token ids that ride with it pass
 unchanged.
 
+With an *anchor* -- the model's own token embedding, shared with its first layer -- the pair codes what the
+blocks added to the residual stream: the encoder projects ``x - E[ids]`` and the decoder returns
+``W_d y + b_d + E[ids]``, rebuilding the token-specific part from the ids, which then ride with the value
+(the last tensor; the boundary carries them losslessly, ~12 bits a token at a 4,096-token vocabulary). The
+shared embedding is one parameter of every stage that holds a pair: its gradients are summed across ranks
+like tied embeddings (:class:`~dgpipe.pipeline.tied.TiedParameters`). Subspace Networks (arXiv 2506.01260)
+rebuild the token embeddings on every stage from the ids the same way; MAPL (arXiv 2606.05484) adds a
+per-stage anchor embedding of the ids at each boundary.
+
 References: IOTA (arXiv 2507.17766; macrocosm-os/iota's bottleneck outputs and ``BottleneckDecoder``), ResBM
 (arXiv 2604.11947), MAPL (arXiv 2606.05484: learned projections at pipeline boundaries).
 """
@@ -48,20 +57,35 @@ def _join(hidden: torch.Tensor, rest: tuple):
     return hidden if not rest else (hidden, *rest)
 
 
+def _anchored(anchor: nn.Module | None, rest: tuple) -> torch.Tensor | None:
+    """The anchor's embedding of the value's token ids (its last tensor), or None without an anchor.
+
+    Raises:
+        ValueError: an anchor but no integer token ids at the end of the value.
+    """
+    if anchor is None:
+        return None
+    if not rest or rest[-1].is_floating_point():
+        raise ValueError("an anchored bottleneck needs the token ids as the value's last tensor (carry_ids)")
+    return anchor(rest[-1])
+
+
 class BottleneckEncoder(nn.Module):
     """``H -> d``: the value's hidden states float ``(..., H)`` -> ``(..., d)``; other tensors of the value pass.
 
     Attributes:
         proj: ``nn.Linear(H, d)`` (weight ``W_e`` ``(d, H)``, bias ``b_e`` ``(d,)``).
+        anchor: the token embedding subtracted first (ids: the value's last tensor), or None.
     """
 
-    def __init__(self, hidden_size: int, width: int) -> None:
+    def __init__(self, hidden_size: int, width: int, anchor: nn.Module | None = None) -> None:
         super().__init__()
-        self.proj = nn.Linear(hidden_size, width)
+        self.proj, self.anchor = nn.Linear(hidden_size, width), anchor
 
     def forward(self, value):
         hidden, rest = _first(value)
-        return _join(self.proj(hidden), rest)
+        base = _anchored(self.anchor, rest)
+        return _join(self.proj(hidden if base is None else hidden - base), rest)
 
 
 class BottleneckDecoder(nn.Module):
@@ -69,15 +93,18 @@ class BottleneckDecoder(nn.Module):
 
     Attributes:
         proj: ``nn.Linear(d, H)`` (weight ``W_d`` ``(H, d)``, bias ``b_d`` ``(H,)``).
+        anchor: the token embedding added back (ids: the value's last tensor), or None.
     """
 
-    def __init__(self, hidden_size: int, width: int) -> None:
+    def __init__(self, hidden_size: int, width: int, anchor: nn.Module | None = None) -> None:
         super().__init__()
-        self.proj = nn.Linear(width, hidden_size)
+        self.proj, self.anchor = nn.Linear(width, hidden_size), anchor
 
     def forward(self, value):
         hidden, rest = _first(value)
-        return _join(self.proj(hidden), rest)
+        base = _anchored(self.anchor, rest)
+        out = self.proj(hidden)
+        return _join(out if base is None else out + base, rest)
 
 
 def parse_width(text: str | int, hidden_size: int) -> int:
@@ -127,13 +154,14 @@ def parse_widths(spec: str, hidden_size: int, boundaries: int) -> dict[int, int]
 
 
 @torch.no_grad()
-def bottleneck_pair(hidden_size: int, width: int, init: str = "identity",
-                    generator: torch.Generator | None = None) -> tuple[BottleneckEncoder, BottleneckDecoder]:
+def bottleneck_pair(hidden_size: int, width: int, init: str = "identity", generator: torch.Generator | None = None,
+                    anchor: nn.Module | None = None) -> tuple[BottleneckEncoder, BottleneckDecoder]:
     """An encoder/decoder pair of ``width`` channels for hidden states of ``hidden_size``, float32.
 
     Args:
         init: ``"identity"`` (needs ``width == hidden_size``) or ``"orthonormal"`` (a random orthonormal basis from
             ``generator``; module docstring).
+        anchor: a token embedding ``ids -> (..., H)`` both sides share (module docstring), or None.
 
     Raises:
         ValueError: an unknown ``init``, a width outside ``[1, hidden_size]``, or identity with ``width < H``.
@@ -144,7 +172,7 @@ def bottleneck_pair(hidden_size: int, width: int, init: str = "identity",
         raise ValueError(f"bottleneck width {width}: must be in [1, {hidden_size}]")
     if init == "identity" and width != hidden_size:
         raise ValueError(f"an identity bottleneck has the model's width {hidden_size}, not {width}")
-    enc, dec = BottleneckEncoder(hidden_size, width), BottleneckDecoder(hidden_size, width)
+    enc, dec = BottleneckEncoder(hidden_size, width, anchor), BottleneckDecoder(hidden_size, width, anchor)
     if init == "identity":
         basis = torch.eye(hidden_size)
     else:
@@ -190,7 +218,7 @@ def fit_principal_components(encoder: BottleneckEncoder, decoder: BottleneckDeco
 
 
 def insert_bottlenecks(stages: Sequence[nn.Module], widths: int | Mapping[int, int], hidden_size: int,
-                       init: str = "identity", seed: int = 0) -> list[nn.Sequential]:
+                       init: str = "identity", seed: int = 0, anchor: nn.Module | None = None) -> list[nn.Sequential]:
     """Stages with a bottleneck pair at chosen boundaries: stage ``i`` ends with the encoder and stage ``i + 1``
     starts with the decoder of boundary ``i`` (``stage{i}->stage{i+1}``).
 
@@ -200,6 +228,7 @@ def insert_bottlenecks(stages: Sequence[nn.Module], widths: int | Mapping[int, i
         hidden_size: the width ``H`` of what crosses without a bottleneck.
         init: ``"identity"`` or ``"orthonormal"`` (:func:`bottleneck_pair`); each boundary's basis is drawn from
             ``seed + i``.
+        anchor: the token embedding every pair subtracts and adds back (module docstring), or None.
 
     Returns:
         One ``nn.Sequential`` per stage, sharing the original layers; a stage's own children keep their names,
@@ -216,7 +245,7 @@ def insert_bottlenecks(stages: Sequence[nn.Module], widths: int | Mapping[int, i
         if not 0 <= i < n - 1:
             raise ValueError(f"bottleneck at boundary {i}: the partition's boundaries are 0..{n - 2}")
     out = []
-    pairs = {i: bottleneck_pair(hidden_size, w, init, torch.Generator().manual_seed(seed + i))
+    pairs = {i: bottleneck_pair(hidden_size, w, init, torch.Generator().manual_seed(seed + i), anchor)
              for i, w in chosen.items()}
     for i, stage in enumerate(stages):
         named = list(stage.named_children()) if isinstance(stage, nn.Sequential) else [("0", stage)]

@@ -192,6 +192,14 @@ LM_SETTINGS: dict[str, list[str]] = {
 #: 128 cross each way (from a random orthonormal basis, trained with the model), alone and with codes on top; bits a
 #: value counted against the width 128: ``D / 128`` of the codec's bits.
 LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
+    # anchored (--bottleneck-anchor): the pairs code the residual stream less the token embedding, rebuilt from the
+    # ids on the far side (the ids cross losslessly: ~0.1 bit a value forward at this width)
+    "abneck16ch_quant6": ["--bottleneck", "16", "--bottleneck-anchor", "--quant", "6"],  # 0.75 bit + ids
+    "abneck16ch": ["--bottleneck", "16", "--bottleneck-anchor"],  # 4 bits + ids
+    "abneck8ch_quant8": ["--bottleneck", "8", "--bottleneck-anchor", "--quant", "8"],  # 0.5 bit + ids
+    "abneck4ch_quant8": ["--bottleneck", "4", "--bottleneck-anchor", "--quant", "8"],  # 0.25 bit + ids
+    "abneck32ch_quant3": ["--bottleneck", "32", "--bottleneck-anchor", "--quant", "3"],  # 0.75 bit + ids
+    # plain pairs
     "bneck16ch_quant6": ["--bottleneck", "16", "--quant", "6"],  # 0.75 bit
     "bneck32ch_quant3": ["--bottleneck", "32", "--quant", "3"],  # 0.75 bit
     "bneck4ch_quant8": ["--bottleneck", "4", "--quant", "8"],  # 0.25 bit

@@ -121,6 +121,12 @@ class Job:
         add layers at the boundaries (the LM job's bottlenecks)."""
         return stages
 
+    def raw_scale(self, boundary: str) -> float:
+        """What the logs multiply ``boundary``'s raw bytes by (1 by default): the model's width over the channels
+        that cross where the job narrowed a boundary (:meth:`shape_stages`), so that bits a value and wire/raw
+        count against what the model without it would send."""
+        return 1.0
+
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         """``(train, eval)`` loaders yielding ``(inputs, targets)``.
 

@@ -29,8 +29,9 @@ from torch.utils.data import DataLoader
 from dgpipe.data.loading import make_dataloader
 from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus
 from dgpipe.models.bottleneck import insert_bottlenecks, parse_widths
-from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, build_causal_lm, causal_lm_layers, preset_config,
-                                     resolve_lm)
+from dgpipe.pipeline.boundary import boundary_name
+from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, CausalEmbeddings, build_causal_lm, causal_lm_layers,
+                                     preset_config, resolve_lm)
 
 from .compare import LM_LINKS
 from .config import PipelineConfig, RunConfig
@@ -58,6 +59,8 @@ class LMOptions:
         bottleneck: ``--bottleneck`` as given: the width of a trained encoder/decoder pair at every boundary
             (``D`` channels or a ratio ``1/N`` of the model's width) or at some (``I:W,J:W``); ``None``: none
             (:mod:`dgpipe.models.bottleneck`).
+        bottleneck_anchor: the bottlenecks code the residual stream less the model's token embedding of the ids,
+            which the decoder adds back (the ids then cross every boundary).
     """
 
     model: str | None
@@ -68,6 +71,7 @@ class LMOptions:
     weight_decay: float
     warmup_ratio: float
     bottleneck: str | None = None
+    bottleneck_anchor: bool = False
 
 
 def _boundaries(pipeline: PipelineConfig) -> int:
@@ -123,6 +127,7 @@ class LMJob(Job):
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
         self.tokenizer = _tokenizer(config.job, config.data.data_dir)
+        self.bottlenecks: dict[str, int] = {}  # boundary name -> channels that cross (:meth:`shape_stages`)
 
     @classmethod
     def check(cls, config: RunConfig) -> LMOptions:
@@ -194,6 +199,8 @@ class LMJob(Job):
         check_partition(model_config.num_hidden_layers + 2, config.pipeline, cls.pinned)
         if opts.bottleneck is not None:
             parse_widths(opts.bottleneck, model_config.hidden_size, _boundaries(config.pipeline))
+        elif opts.bottleneck_anchor:
+            raise ValueError("--bottleneck-anchor anchors the bottlenecks of --bottleneck D: add it")
         return opts
 
     def build_layers(self) -> list[nn.Module]:
@@ -207,7 +214,11 @@ class LMJob(Job):
         model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
         config_: Any = model.config
         self.vocab, self.hidden_size = config_.vocab_size, int(config_.hidden_size)
-        return causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference)
+        layers = causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference or opts.bottleneck_anchor)
+        first = layers[0]
+        assert isinstance(first, CausalEmbeddings)  # causal_lm_layers' first layer
+        self.token_embedding = first.embed_tokens
+        return layers
 
     def shape_stages(self, stages: list[nn.Module]) -> list[nn.Module]:
         """With ``--bottleneck``: a pair at the boundaries it names, each started as a random orthonormal basis
@@ -216,8 +227,16 @@ class LMJob(Job):
         if spec is None:
             return stages
         widths = parse_widths(spec, self.hidden_size, len(stages) - 1)
+        self.bottlenecks = {boundary_name(i): w for i, w in widths.items()}
         init = "identity" if all(w == self.hidden_size for w in widths.values()) else "orthonormal"
-        return [*insert_bottlenecks(stages, widths, self.hidden_size, init, seed=self.config.train.seed)]
+        anchor = self.token_embedding if self.config.job.bottleneck_anchor else None
+        return [*insert_bottlenecks(stages, widths, self.hidden_size, init, seed=self.config.train.seed,
+                                    anchor=anchor)]
+
+    def raw_scale(self, boundary: str) -> float:
+        """The model's width over a bottleneck's channels at ``boundary`` (1 where none)."""
+        width = self.bottlenecks.get(boundary)
+        return 1.0 if width is None else self.hidden_size / width
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         opts, d, seed = self.config.job, self.config.data, self.config.train.seed

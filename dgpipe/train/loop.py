@@ -198,14 +198,17 @@ def _start_epoch(loader: DataLoader | None, epoch: int, start: int = 0):
 _METER_EXTRAS = ("frame_bytes", "encode_seconds", "decode_seconds")
 
 
-def _boundaries(meter, delta: dict[str, dict] | None = None) -> list[dict[str, Any]]:
+def _boundaries(meter, delta: dict[str, dict] | None = None, job: Job | None = None) -> list[dict[str, Any]]:
     """Boundary entries of the log; ``delta``: the delta-coded boundaries' statistics by name
     (:meth:`PipelineEngine.delta_stats <dgpipe.train.engine.PipelineEngine.delta_stats>`): their
-    training forward entries get ``"delta": true`` and those fields, every other entry ``false``."""
+    training forward entries get ``"delta": true`` and those fields, every other entry ``false``.
+    ``job``: its :meth:`~dgpipe.train.job.Job.raw_scale` scales each boundary's raw bytes (a bottleneck's
+    boundary counts the model's width)."""
     delta = delta or {}
     out = []
     for r in meter.records():
-        entry = runlog.boundary_record(r["name"], r["direction"], r["raw_bytes"], r["wire_bytes"], r["recv_bytes"],
+        raw = r["raw_bytes"] * (job.raw_scale(r["name"]) if job is not None else 1)
+        entry = runlog.boundary_record(r["name"], r["direction"], round(raw), r["wire_bytes"], r["recv_bytes"],
                                        r["recv_seconds"]) | {k: r[k] for k in _METER_EXTRAS}
         coded = r["direction"] == "forward" and r["name"] in delta
         out.append(entry | {"delta": coded} | (delta[r["name"]] if coded else {}))
@@ -457,10 +460,10 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
             # training traffic (evaluations inside the epoch are left out), then this evaluation's
-            boundaries = [b for b in _boundaries(merged, delta_stats) if b["direction"] not in EVAL_DIRECTIONS]
+            boundaries = [b for b in _boundaries(merged, delta_stats, job) if b["direction"] not in EVAL_DIRECTIONS]
             progress.raw_bytes += sum(b["raw_bytes"] for b in boundaries)
             progress.wire_bytes += sum(b["wire_bytes"] for b in boundaries)
-            boundaries += [b for b in _boundaries(eval_traffic) if b["direction"] in EVAL_DIRECTIONS]
+            boundaries += [b for b in _boundaries(eval_traffic, job=job) if b["direction"] in EVAL_DIRECTIONS]
             rate = done * config.data.batch_size / seconds if seconds else 0.0
             record = runlog.epoch_record(epoch + 1, train_loss, metrics, rate, boundaries, steps=n, step=progress.step,
                                          lr=scheduler.get_last_lr()[0],
