@@ -21,8 +21,8 @@ from torch import nn
 
 from dgpipe.compression import get_codec
 from dgpipe.models import client_server_split
-from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, bottleneck_pair, fit_principal_components,
-                                      insert_bottlenecks, parse_width, parse_widths)
+from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, bottleneck_pair, fit_bottlenecks,
+                                      fit_principal_components, insert_bottlenecks, parse_width, parse_widths)
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
 from dgpipe.pipeline import Pipeline, split_layers
 from dgpipe.pipeline.tied import TiedParameters
@@ -115,6 +115,28 @@ def test_principal_components_reconstruct_with_the_eckart_young_error():
     assert fit_principal_components(enc, dec, low_rank) == pytest.approx(1.0)
     with torch.no_grad():
         torch.testing.assert_close(dec(enc(low_rank)), low_rank, rtol=0, atol=1e-3)
+
+
+def test_fit_bottlenecks_starts_every_boundary_from_its_own_states():
+    """Each pair is fitted on the states that reach it -- computed here layer by layer, through the pairs fitted
+    before -- and reconstructs them with the Eckart-Young error of those states."""
+    model = tiny().eval()
+    x = torch.randint(0, VOCAB, (8, LENGTH), generator=torch.Generator().manual_seed(2))
+    stages = insert_bottlenecks(client_server_split(causal_lm_layers(model), 1, (1, 1)), D, H, "orthonormal")
+    kept = fit_bottlenecks(stages, x)
+    assert set(kept) == {0, 1} and all(0.5 < k < 1 for k in kept.values())
+    with torch.no_grad():
+        value = x
+        for i in (0, 1):
+            for layer in list(stages[i].children())[i:-1]:  # after the decoder (applied below), up to the encoder
+                value = layer(value)
+            states = value.reshape(-1, H)
+            enc, dec = stages[i][-1], stages[i + 1][0]
+            error = float(((dec(enc(states)) - states).double() ** 2).sum())
+            s = torch.linalg.svdvals((states - states.mean(0)).double())
+            assert error == pytest.approx(float((s[D:] ** 2).sum()), rel=1e-3)
+            assert kept[i] == pytest.approx(float((s[:D] ** 2).sum() / (s**2).sum()), rel=1e-6)
+            value = dec(enc(value))  # the next stage starts from the reconstruction
 
 
 # -- split equals unsplit, across processes ---------------------------------------------------------------------

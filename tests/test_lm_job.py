@@ -128,7 +128,7 @@ def _error(argv, capsys) -> str:
     (["--model-config", "tiny-llama", "--bottleneck", "65"], "must be in [1, 64] (the model's width)"),
     (["--model-config", "tiny-llama", "--bottleneck", "2:8"], "boundary 2 is not one of 0..1"),
     (["--model-config", "tiny-llama", "--mode", "dataparallel", "--bottleneck", "8"], "this partition has none"),
-    (["--model-config", "tiny-llama", "--bottleneck-anchor"], "--bottleneck-anchor anchors the bottlenecks"),
+    (["--model-config", "tiny-llama", "--bottleneck-anchor"], "shape the bottlenecks of --bottleneck D"),
 ])
 def test_bad_input_is_one_line_before_any_process(argv, message, corpus, monkeypatch, capsys):
     monkeypatch.setattr(loop, "run", lambda *a, **k: pytest.fail("a process was started"))

@@ -65,6 +65,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--bottleneck-anchor", action="store_true",
                    help="with --bottleneck: code the residual stream less the token embedding of the ids, which the "
                         "decoder adds back (the ids cross every boundary, losslessly)")
+    g.add_argument("--bottleneck-init", choices=["auto", "pca", "orthonormal"], default="auto",
+                   help="how the bottlenecks start: the principal components of the boundary states on 32 training "
+                        "blocks (pca), a random orthonormal basis, or auto: pca with --model, orthonormal with "
+                        "--model-config")
     return p
 
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 __all__ = ["BottleneckEncoder", "BottleneckDecoder", "bottleneck_pair", "insert_bottlenecks",
-           "fit_principal_components", "parse_width", "parse_widths"]
+           "fit_principal_components", "fit_bottlenecks", "parse_width", "parse_widths"]
 
 INITS = ("identity", "orthonormal")
 
@@ -215,6 +215,39 @@ def fit_principal_components(encoder: BottleneckEncoder, decoder: BottleneckDeco
     decoder.proj.bias.copy_(mean)
     energy = float((s**2).sum())
     return float((s[:k] ** 2).sum()) / energy if energy > 0 else 1.0
+
+
+@torch.no_grad()
+def fit_bottlenecks(stages: Sequence[nn.Module], inputs) -> dict[int, float]:
+    """Start every pair in ``stages`` (as :func:`insert_bottlenecks` placed them) from the principal components of
+    what crosses its boundary when ``inputs`` run through the stages in order: each encoder is fitted
+    (:func:`fit_principal_components`, with its decoder, the first layer of the next stage) on the hidden states
+    that reach it -- less the anchor's embedding where it has one -- just before they go through it, so a later
+    boundary is fitted on what its stage computes from the earlier pairs' reconstruction, as in training.
+
+    Args:
+        stages: ``nn.Sequential`` stages with bottleneck pairs.
+        inputs: the first stage's input (e.g. token ids int64 ``(B, L)``; a sample of training text).
+
+    Returns:
+        ``{boundary index: fraction of the centred states' energy the pair keeps}``.
+
+    Raises:
+        ValueError: an encoder whose next stage does not start with a decoder.
+    """
+    value, kept = inputs, {}
+    for i, stage in enumerate(stages):
+        for layer in stage.children():
+            if isinstance(layer, BottleneckEncoder):
+                hidden, rest = _first(value)
+                base = _anchored(layer.anchor, rest)
+                states = hidden if base is None else hidden - base
+                decoder = next(iter(stages[i + 1].children()))
+                if not isinstance(decoder, BottleneckDecoder):
+                    raise ValueError(f"stage {i + 1} does not start with the decoder of boundary {i}'s encoder")
+                kept[i] = fit_principal_components(layer, decoder, states.reshape(-1, states.shape[-1]).float())
+            value = layer(value)
+    return kept
 
 
 def insert_bottlenecks(stages: Sequence[nn.Module], widths: int | Mapping[int, int], hidden_size: int,

@@ -208,6 +208,9 @@ LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "bneck4ch": ["--bottleneck", "4"],  # 1 bit
     "bneck8ch": ["--bottleneck", "8"],  # 2 bits
     "bneck32ch": ["--bottleneck", "32"],  # 8 bits
+    "bneck64ch": ["--bottleneck", "64"],  # 16 bits
+    "bneck32ch_codebook4": ["--bottleneck", "32"] + _codebook(4),  # 1.1 bits
+    "bneck64ch_codebook2": ["--bottleneck", "64"] + _codebook(2),  # 1.1 bits
 }
 
 #: The fine-tuning benchmark of a pretrained decoder (docs/lm.md): the language-model settings, 5 levels both ways

@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 
 from dgpipe.data.loading import make_dataloader
 from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus
-from dgpipe.models.bottleneck import insert_bottlenecks, parse_widths
+from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, fit_bottlenecks, insert_bottlenecks,
+                                      parse_widths)
 from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, CausalEmbeddings, build_causal_lm, causal_lm_layers,
                                      preset_config, resolve_lm)
@@ -61,6 +62,9 @@ class LMOptions:
             (:mod:`dgpipe.models.bottleneck`).
         bottleneck_anchor: the bottlenecks code the residual stream less the model's token embedding of the ids,
             which the decoder adds back (the ids then cross every boundary).
+        bottleneck_init: how the pairs start: ``"pca"`` (the principal components of what crosses each boundary
+            on :data:`PCA_BLOCKS` training blocks), ``"orthonormal"`` (a random basis), or ``"auto"``: PCA for
+            pretrained weights (``--model``), orthonormal for a random model.
     """
 
     model: str | None
@@ -72,6 +76,11 @@ class LMOptions:
     warmup_ratio: float
     bottleneck: str | None = None
     bottleneck_anchor: bool = False
+    bottleneck_init: str = "auto"
+
+
+PCA_BLOCKS = 32
+"""Training blocks whose boundary states start the bottlenecks of a pretrained model (``--bottleneck-init pca``)."""
 
 
 def _boundaries(pipeline: PipelineConfig) -> int:
@@ -199,8 +208,9 @@ class LMJob(Job):
         check_partition(model_config.num_hidden_layers + 2, config.pipeline, cls.pinned)
         if opts.bottleneck is not None:
             parse_widths(opts.bottleneck, model_config.hidden_size, _boundaries(config.pipeline))
-        elif opts.bottleneck_anchor:
-            raise ValueError("--bottleneck-anchor anchors the bottlenecks of --bottleneck D: add it")
+        elif opts.bottleneck_anchor or opts.bottleneck_init != "auto":
+            raise ValueError("--bottleneck-anchor and --bottleneck-init shape the bottlenecks of --bottleneck D: "
+                             "add it")
         return opts
 
     def build_layers(self) -> list[nn.Module]:
@@ -226,12 +236,38 @@ class LMJob(Job):
         spec = self.config.job.bottleneck
         if spec is None:
             return stages
+        opts = self.config.job
         widths = parse_widths(spec, self.hidden_size, len(stages) - 1)
         self.bottlenecks = {boundary_name(i): w for i, w in widths.items()}
         init = "identity" if all(w == self.hidden_size for w in widths.values()) else "orthonormal"
-        anchor = self.token_embedding if self.config.job.bottleneck_anchor else None
-        return [*insert_bottlenecks(stages, widths, self.hidden_size, init, seed=self.config.train.seed,
-                                    anchor=anchor)]
+        anchor = self.token_embedding if opts.bottleneck_anchor else None
+        shaped = insert_bottlenecks(stages, widths, self.hidden_size, init, seed=self.config.train.seed, anchor=anchor)
+        pca = opts.bottleneck_init == "pca" or (opts.bottleneck_init == "auto" and opts.model is not None)
+        if pca:
+            self._fit(shaped)
+        return [*shaped]
+
+    def _fit(self, stages: list[nn.Sequential]) -> None:
+        """Start the pairs from the principal components of :data:`PCA_BLOCKS` training blocks' boundary states,
+        computed on rank 0 and sent to the others (every rank then holds the same pairs)."""
+        opts, d = self.config.job, self.config.data
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            corpus = tokenize_corpus(str(d.data_dir), "train", self.tokenizer)
+            blocks = TokenBlocks(corpus, opts.block_length, PCA_BLOCKS)
+            ids = torch.stack([blocks[i][0] for i in range(min(PCA_BLOCKS, len(blocks)))])
+            modes = [s.training for s in stages]
+            for s in stages:
+                s.eval()
+            kept = fit_bottlenecks(stages, ids)
+            for s, mode in zip(stages, modes):
+                s.train(mode)
+            print("bottlenecks started from principal components, energy kept: "
+                  + ", ".join(f"{boundary_name(i)} {k:.1%}" for i, k in kept.items()), flush=True)
+        if dist.is_initialized():
+            for layer in (m for s in stages for m in s.children()):
+                if isinstance(layer, (BottleneckEncoder, BottleneckDecoder)):
+                    for p in layer.proj.parameters():
+                        dist.broadcast(p.data, 0)
 
     def raw_scale(self, boundary: str) -> float:
         """The model's width over a bottleneck's channels at ``boundary`` (1 where none)."""
