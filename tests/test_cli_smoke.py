@@ -291,3 +291,34 @@ def test_vision_resume_continues_exactly(tmp_path, monkeypatch, workers):
               "--num-workers", str(workers), "--no-progress"]
     _check_resume(tmp_path, monkeypatch, "test_vision_dgpipe", VisionJob, common, steps=4, save_every=3, crash_step=3,
                   corrupt=bool(workers))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_resume_auto_refuses_a_directory_of_damaged_checkpoints(tmp_path):
+    """``--resume auto`` over a directory whose every checkpoint is damaged refuses, naming the steps, instead of
+    starting again from step 0 into the same log; a directory where no checkpoint was ever finished still starts
+    afresh."""
+    from dgpipe.train import checkpoint
+    from dgpipe.train.lm import LMJob
+
+    corpus = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
+    if not corpus.is_dir():
+        pytest.skip(f"needs {corpus}")
+    save = tmp_path / "ckpt"
+    common = ["--data-dir", str(corpus), "--model-config", "tiny-llama", "--partition", "linear", "--stages", "2",
+              "--world-size", "1", "--batch-size", "4", "--chunk", "2", "--block-length", "16", "--train-subset", "8",
+              "--eval-subset", "4", "--max-steps", "2", "--no-progress", "--save", str(save), "--save-every", "1",
+              "--log", str(tmp_path / "run.jsonl")]
+    _in_process("test_lm_dgpipe", LMJob, common)
+    saved = checkpoint.steps(save)
+    assert saved == [1, 2]
+    for step in saved:
+        file = checkpoint.step_dir(save, step) / "rank0.pt"
+        file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"--resume auto: no checkpoint in .* that every rank can load: steps 1, 2 "
+                                         r"were written but cannot be loaded"):
+        _in_process("test_lm_dgpipe", LMJob, [*common, "--resume", "auto"])
+    for step in saved:  # records gone: nothing was ever finished there
+        (checkpoint.step_dir(save, step) / "rank0.json").unlink()
+    _in_process("test_lm_dgpipe", LMJob, [*common, "--resume", "auto"])
+    assert checkpoint.steps(save)[-1] == 2

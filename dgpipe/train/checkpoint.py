@@ -264,6 +264,13 @@ def _all_min(value: int, device: torch.device) -> int:
     return int(buf.item())
 
 
+def written_anywhere(directory: str | os.PathLike, rank: int, device: torch.device) -> list[int]:
+    """The steps under ``directory`` for which this rank finished writing its file (its record exists), if any
+    rank finished one; else ``[]``. A collective: every rank calls it (``device``: where its collectives run)."""
+    mine = [s for s in steps(directory) if _rank_files(step_dir(directory, s), rank)[1].is_file()]
+    return mine if -_all_min(-len(mine), device) > 0 else []
+
+
 def agree(directory: str | os.PathLike, rank: int, device: torch.device,
           map_location: str | torch.device = "cpu") -> tuple[int, dict[str, Any]] | None:
     """The newest step whose checkpoint every rank can load, and this rank's state of it; None

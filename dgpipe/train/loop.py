@@ -360,17 +360,21 @@ def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimize
     fresh start).
 
     Raises:
-        ValueError: ``--resume DIR`` and no checkpoint complete on every rank.
+        ValueError: ``--resume DIR`` and no checkpoint complete on every rank; ``--resume auto`` and a directory
+            whose checkpoints are all damaged (a fresh start only where no rank finished writing one).
     """
     resume = config.log.resume
     if resume is None:
         return None
-    directory = config.log.save if resume == "auto" else resume
+    directory = str(config.log.save if resume == "auto" else resume)  # auto: --save is checked before launch
     found = checkpoint.agree(directory, rank, wire_device(), map_location=device)
     if found is None:
-        if resume == "auto":
+        written = checkpoint.written_anywhere(directory, rank, wire_device())
+        if resume == "auto" and not written:
             return None
-        raise ValueError(f"--resume {resume}: no checkpoint there that every rank can load")
+        why = (f": steps {', '.join(map(str, written))} were written but cannot be loaded on every rank (each "
+               "one's reason above); repair or remove them to start again" if written else "")
+        raise ValueError(f"--resume {resume}: no checkpoint in {directory} that every rank can load{why}")
     step, state = found
     if config.log.save is not None and Path(directory).resolve() == Path(config.log.save).resolve():
         checkpoint.discard_after(directory, rank, step)  # where this run writes: no mixing with the next steps
