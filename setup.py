@@ -36,6 +36,7 @@ setup(
         "torch>=2.13,<2.16",  # the releases the suite ran on (benchmarks/torch_versions.sh)
         "torchgpipe",
         "transformers",
+        "peft",
         "datasets",
         "numpy",
         "tqdm",

@@ -129,6 +129,11 @@ def _error(argv, capsys) -> str:
     (["--model-config", "tiny-llama", "--bottleneck", "2:8"], "boundary 2 is not one of 0..1"),
     (["--model-config", "tiny-llama", "--mode", "dataparallel", "--bottleneck", "8"], "this partition has none"),
     (["--model-config", "tiny-llama", "--bottleneck-anchor"], "shape the bottlenecks of --bottleneck D"),
+    (["--model-config", "tiny-llama", "--lora", "4", "--lora-targets", "foo_proj"],
+     "--lora-targets foo_proj: Target modules {'foo_proj'} not found in the base model"),
+    (["--model-config", "tiny-llama", "--lora-alpha", "16"], "shape the adapters of --lora R: add it"),
+    (["--model-config", "tiny-llama", "--lora", "-1"], "--lora takes a rank >= 1"),
+    (["--model-config", "tiny-llama", "--lora", "4", "--lora-dropout", "1"], "--lora-dropout one in [0, 1)"),
 ])
 def test_bad_input_is_one_line_before_any_process(argv, message, corpus, monkeypatch, capsys):
     monkeypatch.setattr(loop, "run", lambda *a, **k: pytest.fail("a process was started"))

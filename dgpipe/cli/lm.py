@@ -65,6 +65,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--bottleneck-anchor", action="store_true",
                    help="with --bottleneck: code the residual stream less the token embedding of the ids, which the "
                         "decoder adds back (the ids cross every boundary, losslessly)")
+    a = p.add_argument_group("LoRA adapters (peft)")
+    a.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="train LoRA adapters of rank R on every block's targeted modules instead of every weight (the "
+                        "base weights frozen); 0: full fine-tuning")
+    a.add_argument("--lora-alpha", type=int, metavar="A", help="LoRA's scale A / R (default: peft's, 8)")
+    a.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    a.add_argument("--lora-targets", metavar="NAME,...",
+                   help="module names the adapters attach to (default: peft's for the family, e.g. q_proj,v_proj)")
     g.add_argument("--bottleneck-init", choices=["auto", "pca", "orthonormal"], default="auto",
                    help="how the bottlenecks start: the principal components of the boundary states on 32 training "
                         "blocks (pca), a random orthonormal basis, or auto: pca with --model, orthonormal with "

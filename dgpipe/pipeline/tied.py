@@ -54,9 +54,10 @@ class TiedParameters:
                     params[id(p)], owners[id(p)] = p, set()
                     order.append(id(p))
                 owners[id(p)].add(placement[i])
-        #: ``[(ranks, parameter)]`` of every parameter held by more than one rank, in model order.
+        #: ``[(ranks, parameter)]`` of every trained parameter held by more than one rank, in model order (a
+        #: frozen one, e.g. the embeddings under LoRA, has no gradient to sum).
         self.shared: list[tuple[tuple[int, ...], nn.Parameter]] = [
-            (tuple(sorted(owners[k])), params[k]) for k in order if len(owners[k]) > 1]
+            (tuple(sorted(owners[k])), params[k]) for k in order if len(owners[k]) > 1 and params[k].requires_grad]
         self._groups: dict[tuple[int, ...], object] = {}
         for ranks, _ in self.shared:
             if ranks not in self._groups:  # every rank creates every group, in the same order

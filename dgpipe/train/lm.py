@@ -65,6 +65,12 @@ class LMOptions:
         bottleneck_init: how the pairs start: ``"pca"`` (the principal components of what crosses each boundary
             on :data:`PCA_BLOCKS` training blocks), ``"orthonormal"`` (a random basis), or ``"auto"``: PCA for
             pretrained weights (``--model``), orthonormal for a random model.
+        lora: rank of LoRA adapters (``peft``) on the targeted modules of every block; 0: none (every weight
+            trains). With adapters only they (and any bottleneck) train; the base weights are frozen.
+        lora_alpha: LoRA's scale numerator (``None``: peft's default, 8).
+        lora_dropout: dropout on the adapters' input.
+        lora_targets: comma-separated module names the adapters attach to (``None``: peft's defaults for the
+            family, e.g. ``q_proj,v_proj`` for Llama).
     """
 
     model: str | None
@@ -77,10 +83,66 @@ class LMOptions:
     bottleneck: str | None = None
     bottleneck_anchor: bool = False
     bottleneck_init: str = "auto"
+    lora: int = 0
+    lora_alpha: int | None = None
+    lora_dropout: float = 0.0
+    lora_targets: str | None = None
+
+
+def _check_lora(opts: LMOptions, model_config) -> None:
+    """``--lora`` flags against the model's modules (a model built on the meta device: no weights allocated).
+
+    Raises:
+        ValueError: a rank below 0, an alpha <= 0, a dropout outside [0, 1), a LoRA flag without ``--lora``,
+            or targets that match no module.
+    """
+    if not opts.lora:
+        if opts.lora_alpha is not None or opts.lora_dropout or opts.lora_targets is not None:
+            raise ValueError("--lora-alpha, --lora-dropout and --lora-targets shape the adapters of --lora R: add it")
+        return
+    if opts.lora < 0 or (opts.lora_alpha is not None and opts.lora_alpha <= 0) or not 0 <= opts.lora_dropout < 1:
+        raise ValueError("--lora takes a rank >= 1, --lora-alpha an integer > 0 and --lora-dropout one in [0, 1)")
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    try:
+        add_adapters(model, lora_config(opts))
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ValueError(f"--lora-targets {opts.lora_targets}: {first}") from None
 
 
 PCA_BLOCKS = 32
 """Training blocks whose boundary states start the bottlenecks of a pretrained model (``--bottleneck-init pca``)."""
+
+
+def lora_config(opts: LMOptions, init_lora_weights: bool = True):
+    """The ``peft.LoraConfig`` of ``--lora`` (a causal LM's adapters), or None without ``--lora``."""
+    if not opts.lora:
+        return None
+    from peft import LoraConfig
+
+    targets = None if opts.lora_targets is None else [t.strip() for t in opts.lora_targets.split(",") if t.strip()]
+    config = LoraConfig(r=opts.lora, lora_dropout=opts.lora_dropout, target_modules=targets, task_type="CAUSAL_LM",
+                        init_lora_weights=init_lora_weights)
+    if opts.lora_alpha is not None:
+        config.lora_alpha = opts.lora_alpha
+    return config
+
+
+def add_adapters(model: nn.Module, config) -> nn.Module:
+    """``model`` with the LoRA adapters of ``config`` (a ``peft.LoraConfig``) injected in place and every other
+    weight frozen (``peft.get_peft_model``); returns the same model object, whose layers
+    (:func:`~dgpipe.models.causal_lm.causal_lm_layers`) then carry the adapters.
+
+    Raises:
+        ValueError: targets that match no module of the model (peft's message).
+    """
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, config)
+    return peft_model.get_base_model()
 
 
 def _boundaries(pipeline: PipelineConfig) -> int:
@@ -206,6 +268,7 @@ class LMJob(Job):
                 raise ValueError(f"{flag}: {len(blocks)} training blocks of {opts.block_length} tokens are fewer than "
                                  f"one batch (--batch-size {data.batch_size})")
         check_partition(model_config.num_hidden_layers + 2, config.pipeline, cls.pinned)
+        _check_lora(opts, model_config)
         if opts.bottleneck is not None:
             parse_widths(opts.bottleneck, model_config.hidden_size, _boundaries(config.pipeline))
         elif opts.bottleneck_anchor or opts.bottleneck_init != "auto":
@@ -222,6 +285,8 @@ class LMJob(Job):
         opts = self.config.job
         config = _model_config(opts, len(self.tokenizer))
         model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
+        if opts.lora:
+            model = add_adapters(model, lora_config(opts))
         config_: Any = model.config
         self.vocab, self.hidden_size = config_.vocab_size, int(config_.hidden_size)
         layers = causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference or opts.bottleneck_anchor)
