@@ -58,15 +58,23 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"with --steps-to-target: the uncompressed run's step whose loss is the target (even, "
                         f"2-{TARGET_STEPS}; default {TARGET_STEP})")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
+    p.add_argument("--bottleneck", action="store_true",
+                   help="the boundary-bottleneck settings (dgpipe.train.ablation.LM_FINETUNE_BOTTLENECK_SETTINGS) into "
+                        "benchmarks/results/lm_finetune_bottleneck, whose uncompressed logs link to this benchmark's")
     args = p.parse_args(argv)
     if not (2 <= args.target_step <= TARGET_STEPS and args.target_step % TARGET_EVAL_EVERY == 0):
         p.error(f"--target-step must be an evaluated step: even, 2-{TARGET_STEPS}; got {args.target_step}")
-    labels = args.only.split(",") if args.only else TARGET_LABELS if args.steps_to_target else LABELS
+    settings = "lm_finetune_bottleneck" if args.bottleneck else "lm_finetune"
+    default = list(ablation.SETTINGS[settings]) if args.bottleneck else TARGET_LABELS if args.steps_to_target \
+        else LABELS
+    labels = args.only.split(",") if args.only else default
+    if args.bottleneck and args.out == p.get_default("out"):
+        args.out = str(ROOT / "benchmarks" / "results" / "lm_finetune_bottleneck")
     out, common, target_step = Path(args.out), [*COMMON, "--max-steps", str(STEPS)], None
     if args.steps_to_target:
         out, target_step = out / "steps_to_target", args.target_step
         common = [*COMMON, "--max-steps", str(TARGET_STEPS), "--eval-every", str(TARGET_EVAL_EVERY)]
-    run = ["--job", "lm", "--settings", "lm_finetune", "--seeds", args.seeds, "--out", str(out),
+    run = ["--job", "lm", "--settings", settings, "--seeds", args.seeds, "--out", str(out),
            "--only", ",".join(labels), "--title", "SmolLM2-135M fine-tuning, Shakespeare, client/server"]
     status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *common])
     rows = lm_benchmark.results(out, labels, [int(k) for k in args.seeds.split(",")], target_step=target_step)

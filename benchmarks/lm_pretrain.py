@@ -7,7 +7,8 @@ steps of 16 x 128 tokens, 4 linear stages on 4 processes, under every setting of
     python benchmarks/lm_pretrain.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
         [--settings lm|lm_bottleneck]
 
-``--settings lm_bottleneck`` adds ``dgpipe.train.ablation.LM_BOTTLENECK_SETTINGS``: boundary bottlenecks.
+``--settings lm_bottleneck`` runs ``dgpipe.train.ablation.LM_BOTTLENECK_SETTINGS`` (boundary bottlenecks) instead,
+into ``benchmarks/results/lm_bottleneck`` by default, whose uncompressed logs link to this benchmark's.
 
 Resumable: a run whose log holds a summary is not run again (the runs go through
 ``dgpipe.train.ablation``, which also writes its generic ``table.md``).
@@ -32,16 +33,18 @@ COMMON = ["--data-dir", str(ROOT.parent / "shared" / "data" / "text" / "wiki-exc
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_pretrain"))
+    p.add_argument("--out", help="default: benchmarks/results/lm_pretrain (lm_bottleneck: .../lm_bottleneck)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", help="comma-separated subset of the settings")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
     p.add_argument("--settings", choices=["lm", "lm_bottleneck"], default="lm",
-                   help="lm_bottleneck: also the boundary-bottleneck settings")
+                   help="lm_bottleneck: the boundary-bottleneck settings instead")
     p.add_argument("--timing", default=str(ROOT / "benchmarks" / "results" / "lm_link_latency"),
                    help="folder of benchmarks/lm_link_latency.py, whose 4-stage loopback runs give each setting's "
                         "compute per step (measured side by side on a quiet machine)")
     args = p.parse_args(argv)
+    folder = {"lm": "lm_pretrain", "lm_bottleneck": "lm_bottleneck"}[args.settings]
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / folder)
     labels = args.only.split(",") if args.only else list(ablation.SETTINGS[args.settings])
     run = ["--job", "lm", "--settings", args.settings, "--seeds", args.seeds, "--out", args.out,
            "--only", ",".join(labels), "--title", "small Llama pretraining, wiki-excerpt, 4 stages"]

@@ -229,9 +229,19 @@ LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
        for label in ("codebook4", "codebook5lv_gcb5lv", "refscaledbackoff_codebook5lv_gcb5lv")},
 }
 
+#: Fine-tuning SmolLM2 (576 wide) with boundary bottlenecks started from the boundary states' principal components
+#: (``--model``: ``--bottleneck-init auto``), alone and with codes on top; bits a value against the width 576.
+LM_FINETUNE_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
+    "bneck72ch": ["--bottleneck", "1/8"],  # 4 bits
+    "bneck72ch_quant7": ["--bottleneck", "1/8", "--quant", "7"],  # 0.875 bit
+    "bneck72ch_codebook4": ["--bottleneck", "1/8"] + _codebook(4),  # 0.53 bit
+    "bneck36ch_quant8": ["--bottleneck", "1/16", "--quant", "8"],  # 0.5 bit
+}
+
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
             "exdrop": EXAMPLE_DROPOUT_SETTINGS, "lm": LM_SETTINGS, "lm_finetune": LM_FINETUNE_SETTINGS,
-            "lm_bottleneck": {**LM_SETTINGS, **LM_BOTTLENECK_SETTINGS}}
+            "lm_bottleneck": {"none": [], **LM_BOTTLENECK_SETTINGS},
+            "lm_finetune_bottleneck": {"none": [], **LM_FINETUNE_BOTTLENECK_SETTINGS}}
 
 
 def has_summary(log: Path) -> bool:
