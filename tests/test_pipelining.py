@@ -247,6 +247,34 @@ def test_a_lying_frame_is_refused_before_it_is_decoded(lie, field):
         spawn(_lying_sender, 2, args=(lie,), timeout=300, start_method="fork")
 
 
+class _Honest(QUANT8):
+    def __init__(self) -> None:
+        super().__init__(bits=8)
+
+
+def _truncating_sender(rank: int, world_size: int) -> None:
+    """Rank 0 puts every coded message on the wire 8 bytes short of its size (torch's receive completes)."""
+    if rank == 0:
+        import dgpipe.pipelining.stage as stage
+
+        honest = stage.pack_message
+
+        def short(*args, **kwargs):
+            buf, total = honest(*args, **kwargs)
+            return buf[:-8], total
+
+        stage.pack_message = short
+    _train(rank, world_size, "1f1b", act_codec=_Honest if rank == 0 else _NeverDecodes, grad_codec="none")
+
+
+def test_a_truncated_frame_is_refused_before_it_is_decoded():
+    """Inside torch's schedules the receive buffer is the size the shape implies; a message cut short leaves its
+    closing word zero, and rank 1 refuses it without decoding, naming the stage and the peer."""
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: stage 1: corrupt forward message from rank 0 "
+                                         r"\(micro-batch 0\): corrupt message from rank 0: truncated"):
+        spawn(_truncating_sender, 2, timeout=300, start_method="fork")
+
+
 def _one_stalled_rank(rank: int, world_size: int) -> None:
     if rank == 1:
         time.sleep(120)  # alive but silent: never posts its receives
