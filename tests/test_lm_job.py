@@ -211,3 +211,28 @@ def test_projection_without_a_profile_counts_latency_per_critical_message():
     assert compare.project(10.0, 1_000_000, 5, 3, link) == pytest.approx(want)
     assert compare.TCP_FRAMING == pytest.approx(1514 / 1448)
     assert compare.critical_messages(2) == 4
+
+
+def test_bottleneck_bits_count_against_the_models_width(corpus, tmp_path):
+    """A 16-channel bottleneck of the 64-wide tiny Llama with 8-bit codes: the log's raw bytes are those of the
+    whole width (float32 x 64 per token, computed here from the run's tokens), so the bits a value are 8 x 16 / 64
+    = 2 and the headers' share; the wire carries 16 channels."""
+    from dgpipe.compression import get_codec
+    from dgpipe.train.runlog import direction_bits
+
+    log = tmp_path / "lm.jsonl"
+    assert LM.main(["--data-dir", str(corpus), "--model-config", "tiny-llama", "--tokenizer", "bpe:600",
+                    "--block-length", "32", "--batch-size", "8", "--chunk", "2", "--max-steps", "2", "--eval-subset",
+                    "6", "--num-workers", "0", "--quant", "8", "--bottleneck", "16", "--log-file", str(log),
+                    "--no-progress"]) == 0
+    epoch = next(r for r in read_records(log) if r["event"] == "epoch")
+    backward = [b for b in epoch["boundaries"] if b["direction"] == "backward"]
+    assert {b["name"] for b in backward} == {"stage0->stage1", "stage1->stage2"}
+    tokens = 2 * 8 * 32  # steps x blocks x tokens
+    payload = get_codec("quant", bits=8).encode(torch.randn(4, 32, 16)).nbytes  # a micro-batch's 16 channels
+    for b in backward:
+        assert b["raw_bytes"] == tokens * 64 * 4
+        assert b["wire_bytes"] == 2 * 2 * payload  # steps x micro-batches
+    bits = direction_bits(read_records(log))  # per value of the width: 2 bits and the headers' share
+    assert bits["backward"] == bits["forward"] == pytest.approx(8 * 2 * 2 * payload / (tokens * 64))
+    assert 2.0 < bits["backward"] < 2.2
