@@ -310,6 +310,13 @@ class LMJob(Job):
         pca = opts.bottleneck_init == "pca" or (opts.bottleneck_init == "auto" and opts.model is not None)
         if pca:
             self._fit(shaped)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            pairs = [m for s in shaped for m in s.children() if isinstance(m, (BottleneckEncoder, BottleneckDecoder))]
+            added = sum(p.numel() for m in pairs for p in m.proj.parameters())
+            model = sum(p.numel() for p in {id(p): p for s in stages for p in s.parameters()}.values())
+            print(f"bottlenecks: {len(pairs) // 2} pairs of {', '.join(map(str, widths.values()))} channels of "
+                  f"{self.hidden_size}, {added:,} parameters ({100 * added / model:.2f}% of the model's); about "
+                  f"{2 * added:,} FLOPs a token", flush=True)
         return [*shaped]
 
     def _fit(self, stages: list[nn.Sequential]) -> None:
