@@ -134,6 +134,7 @@ def _error(argv, capsys) -> str:
     (["--model-config", "tiny-llama", "--lora-alpha", "16"], "shape the adapters of --lora R: add it"),
     (["--model-config", "tiny-llama", "--lora", "-1"], "--lora takes a rank >= 1"),
     (["--model-config", "tiny-llama", "--lora", "4", "--lora-dropout", "1"], "--lora-dropout one in [0, 1)"),
+    (["--model-config", "tiny-llama", "--distill"], "--distill trains the bottlenecks and adapters"),
 ])
 def test_bad_input_is_one_line_before_any_process(argv, message, corpus, monkeypatch, capsys):
     monkeypatch.setattr(loop, "run", lambda *a, **k: pytest.fail("a process was started"))
@@ -236,3 +237,20 @@ def test_bottleneck_bits_count_against_the_models_width(corpus, tmp_path):
     bits = direction_bits(read_records(log))  # per value of the width: 2 bits and the headers' share
     assert bits["backward"] == bits["forward"] == pytest.approx(8 * 2 * 2 * payload / (tokens * 64))
     assert 2.0 < bits["backward"] < 2.2
+
+
+@pytest.mark.parametrize("width, first", [(64, "zero"), (16, "positive")])
+def test_distillation_starts_at_zero_where_the_bottleneck_is_the_identity(corpus, tmp_path, width, first):
+    """``--distill``: the loss is KL(teacher || model) against a frozen copy of the model as built. Through identity
+    bottlenecks (the model's width) the model is its teacher: the first step's loss is 0; through 16 channels it is
+    not. Only the pairs train, so the identity stays nearly exact."""
+    log = tmp_path / "lm.jsonl"
+    assert LM.main(["--data-dir", str(corpus), "--model-config", "tiny-llama", "--tokenizer", "bpe:600",
+                    "--block-length", "32", "--batch-size", "8", "--chunk", "2", "--max-steps", "2", "--eval-subset",
+                    "6", "--num-workers", "0", "--bottleneck", str(width), "--distill", "--log-file", str(log),
+                    "--no-progress"]) == 0
+    losses = [r["loss"] for r in read_records(log) if r["event"] == "step"]
+    if first == "zero":
+        assert losses[0] < 1e-6 and losses[1] < 1e-3
+    else:
+        assert losses[0] > 1e-2

@@ -65,6 +65,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--bottleneck-anchor", action="store_true",
                    help="with --bottleneck: code the residual stream less the token embedding of the ids, which the "
                         "decoder adds back (the ids cross every boundary, losslessly)")
+    g.add_argument("--distill", action="store_true",
+                   help="train the bottlenecks (and LoRA adapters) to the model's own next-token distributions on the "
+                        "training text (KL from a frozen copy), the model's weights frozen: adapt a pretrained model "
+                        "to its link")
     a = p.add_argument_group("LoRA adapters (peft)")
     a.add_argument("--lora", type=int, default=0, metavar="R",
                    help="train LoRA adapters of rank R on every block's targeted modules instead of every weight (the "

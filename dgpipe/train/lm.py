@@ -16,6 +16,7 @@ validation loss -- the mean token negative log-likelihood, in nats, over every h
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from dgpipe.data.loading import make_dataloader
 from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus
@@ -71,6 +72,9 @@ class LMOptions:
         lora_dropout: dropout on the adapters' input.
         lora_targets: comma-separated module names the adapters attach to (``None``: peft's defaults for the
             family, e.g. ``q_proj,v_proj`` for Llama).
+        distill: train to the unsplit model's own next-token distributions (KL divergence from a frozen copy
+            of the model as it was built, on the training text) instead of the text's tokens; the model's
+            weights frozen, only the bottlenecks and LoRA adapters train.
     """
 
     model: str | None
@@ -87,6 +91,7 @@ class LMOptions:
     lora_alpha: int | None = None
     lora_dropout: float = 0.0
     lora_targets: str | None = None
+    distill: bool = False
 
 
 def _check_lora(opts: LMOptions, model_config) -> None:
@@ -143,6 +148,21 @@ def add_adapters(model: nn.Module, config) -> nn.Module:
 
     peft_model = get_peft_model(model, config)
     return peft_model.get_base_model()
+
+
+class _Windows(Dataset):
+    """Training blocks whose target is the whole window of ``L + 1`` tokens (``--distill``: the teacher reads the
+    inputs from it): ``(input_ids (L,), window (L + 1,))``."""
+
+    def __init__(self, blocks: TokenBlocks) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.blocks[k]
+        return x, torch.cat([x[:1], y])
 
 
 def _boundaries(pipeline: PipelineConfig) -> int:
@@ -269,6 +289,9 @@ class LMJob(Job):
                                  f"one batch (--batch-size {data.batch_size})")
         check_partition(model_config.num_hidden_layers + 2, config.pipeline, cls.pinned)
         _check_lora(opts, model_config)
+        if opts.distill and opts.bottleneck is None and not opts.lora:
+            raise ValueError("--distill trains the bottlenecks and adapters to the model's own outputs: add "
+                             "--bottleneck D or --lora R")
         if opts.bottleneck is not None:
             parse_widths(opts.bottleneck, model_config.hidden_size, _boundaries(config.pipeline))
         elif opts.bottleneck_anchor or opts.bottleneck_init != "auto":
@@ -285,6 +308,9 @@ class LMJob(Job):
         opts = self.config.job
         config = _model_config(opts, len(self.tokenizer))
         model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
+        if opts.distill:  # the teacher: the model as built, frozen; the student's own weights frozen too
+            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
+            model.requires_grad_(False)
         if opts.lora:
             model = add_adapters(model, lora_config(opts))
         config_: Any = model.config
@@ -348,7 +374,8 @@ class LMJob(Job):
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         opts, d, seed = self.config.job, self.config.data, self.config.train.seed
-        train = TokenBlocks(tokenize_corpus(d.data_dir, "train", self.tokenizer), opts.block_length, d.train_subset)
+        blocks = TokenBlocks(tokenize_corpus(d.data_dir, "train", self.tokenizer), opts.block_length, d.train_subset)
+        train: Dataset = _Windows(blocks) if opts.distill else blocks
         held = TokenBlocks(tokenize_corpus(d.data_dir, opts.eval_split, self.tokenizer), opts.block_length,
                            d.eval_subset)
         train_loader = make_dataloader(train, d.batch_size // world_size, shuffle=True, seed=seed,
@@ -358,8 +385,17 @@ class LMJob(Job):
         return train_loader, eval_loader
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy: logits float ``(B, L, V)``, targets int64 ``(B, L)``."""
-        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+        """Mean next-token cross-entropy: logits float ``(B, L, V)``, targets int64 ``(B, L)``. With ``--distill``
+        the target is the window of ``L + 1`` tokens (:class:`_Windows`) and the loss the mean over tokens of
+        ``KL(teacher || model)`` between the next-token distributions (Hinton et al., "Distilling the Knowledge in
+        a Neural Network", 2015, at temperature 1)."""
+        if not self.config.job.distill:
+            return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+        with torch.no_grad():
+            teacher = self.teacher(target[:, :-1].to(next(self.teacher.parameters()).device)).logits
+        student = F.log_softmax(output.flatten(0, 1).float(), -1)
+        return F.kl_div(student, F.log_softmax(teacher.flatten(0, 1).float(), -1).to(student.device),
+                        log_target=True, reduction="batchmean")
 
     def eval_outputs(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per block: float64 ``(B, 2)`` = (summed token NLL in nats, tokens) instead of the logits."""
