@@ -236,6 +236,9 @@ LM_FINETUNE_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "bneck72ch_quant7": ["--bottleneck", "1/8", "--quant", "7"],  # 0.875 bit
     "bneck72ch_codebook4": ["--bottleneck", "1/8"] + _codebook(4),  # 0.53 bit
     "bneck36ch_quant8": ["--bottleneck", "1/16", "--quant", "8"],  # 0.5 bit
+    # the pairs distilled to the model's own outputs (--distill: the model frozen), at a pair's learning rate
+    "distill_bneck72ch": ["--bottleneck", "1/8", "--distill", "--lr", "1e-3"],  # 4 bits
+    "distill_bneck72ch_codebook4": ["--bottleneck", "1/8", "--distill", "--lr", "1e-3"] + _codebook(4),  # 0.92 bit
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
