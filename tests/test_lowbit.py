@@ -348,7 +348,7 @@ def test_codebook_count_in_a_corrupt_header_is_refused():
 def test_codebook_is_at_least_as_good_as_quant_and_sortquant(bits, data):
     """At equal bits the codebook codec beats per-tensor uniform and sort quantization, and on Gaussian
     data also per-token uniform quantization (with synthetic block outliers per-token uniform can win:
-    the README's real-tensor table is the measure)."""
+    docs/quality.md's real-tensor table is the measure)."""
     x = outlier_hidden() if data == "outliers" else torch.randn(4, 12, 96, generator=torch.Generator().manual_seed(2))
     rt = lambda c: rel_mse(x, c.decode(c.encode(x)))  # noqa: E731
     for levels in ("normal", "fit"):

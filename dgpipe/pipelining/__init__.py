@@ -2,7 +2,7 @@
 for torch's ``PipelineStage`` that every torch schedule (GPipe, 1F1B, interleaved 1F1B,
 zero-bubble) drives, with the boundary tensors crossing as codec payloads.
 
-Usage (2 ranks, one stage each; see ``README.md`` for the whole example)::
+Usage (2 ranks, one stage each; see ``docs/pipeline-api.md`` for the whole example)::
 
     stage = CompressedPipelineStage(part, rank, 2, device, act_codec=("quant", {"bits": 8}),
                                     grad_codec=("quant", {"bits": 8}))
