@@ -36,7 +36,8 @@ from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, CausalEmbeddings, bui
                                      preset_config, resolve_lm)
 
 from .compare import LM_LINKS
-from .config import PipelineConfig, RunConfig
+from .config import RunConfig
+from .engine import placement
 from .job import Job, check_partition, decay_groups
 
 __all__ = ["LMJob", "LMOptions", "DEFAULT_BPE"]
@@ -122,15 +123,14 @@ PCA_BLOCKS = 32
 """Training blocks whose boundary states start the bottlenecks of a pretrained model (``--bottleneck-init pca``)."""
 
 
-def lora_config(opts: LMOptions, init_lora_weights: bool = True):
+def lora_config(opts: LMOptions):
     """The ``peft.LoraConfig`` of ``--lora`` (a causal LM's adapters), or None without ``--lora``."""
     if not opts.lora:
         return None
     from peft import LoraConfig
 
     targets = None if opts.lora_targets is None else [t.strip() for t in opts.lora_targets.split(",") if t.strip()]
-    config = LoraConfig(r=opts.lora, lora_dropout=opts.lora_dropout, target_modules=targets, task_type="CAUSAL_LM",
-                        init_lora_weights=init_lora_weights)
+    config = LoraConfig(r=opts.lora, lora_dropout=opts.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
     if opts.lora_alpha is not None:
         config.lora_alpha = opts.lora_alpha
     return config
@@ -163,13 +163,6 @@ class _Windows(Dataset):
     def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.blocks[k]
         return x, torch.cat([x[:1], y])
-
-
-def _boundaries(pipeline: PipelineConfig) -> int:
-    """The stage boundaries of the partition (0 in data-parallel mode)."""
-    if pipeline.mode != "pipeline":
-        return 0
-    return 2 if pipeline.partition == "client-server" else (pipeline.stages or 1) - 1
 
 
 def _tokenizer(opts: LMOptions, corpus: str):
@@ -293,7 +286,8 @@ class LMJob(Job):
             raise ValueError("--distill trains the bottlenecks and adapters to the model's own outputs: add "
                              "--bottleneck D or --lora R")
         if opts.bottleneck is not None:
-            parse_widths(opts.bottleneck, model_config.hidden_size, _boundaries(config.pipeline))
+            boundaries = len(placement(config.pipeline)) - 1 if config.pipeline.mode == "pipeline" else 0
+            parse_widths(opts.bottleneck, model_config.hidden_size, boundaries)
         elif opts.bottleneck_anchor or opts.bottleneck_init != "auto":
             raise ValueError("--bottleneck-anchor and --bottleneck-init shape the bottlenecks of --bottleneck D: "
                              "add it")
