@@ -10,10 +10,11 @@ from .bottleneck import fit_bottlenecks, insert_bottlenecks
 from .causal_lm import build_causal_lm, causal_lm_layers, preset_config
 from .encoder import OFFLINE_PACKAGES, build_encoder, encoder_layers, resolve_model, small_encoder_config
 from .mobilenet import build_mobilenet, mobilenet_layers
-from .split import Stage, client_server_split
+from .split import Stage, as_stage, client_server_split
 
 __all__ = [
     "Stage",
+    "as_stage",
     "OFFLINE_PACKAGES",
     "build_causal_lm",
     "build_encoder",

@@ -8,10 +8,13 @@ convention; a tuple such as ``(hidden_states, attention_mask)`` passes from laye
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Stage(nn.Sequential):
@@ -19,15 +22,48 @@ class Stage(nn.Sequential):
 
     ``stage(x)`` with a tensor or a tuple, or ``stage(a, b, ...)`` (packed into the tuple
     ``(a, b, ...)``), returns the last layer's output (a tensor or a tuple).
+
+    Attributes:
+        autocast: run the layers under ``torch.autocast`` of this dtype (``torch.bfloat16`` or
+            ``torch.float16``) and return the floating outputs in it (what crosses a boundary is then 16-bit
+            whichever op came last, e.g. a residual sum promoted to float32 by a float32 input), or None.
+        checkpointing: in training, keep only each layer's input and recompute the layer in the
+            backward pass (``torch.utils.checkpoint``, non-reentrant; Chen et al., "Training Deep Nets
+            with Sublinear Memory Cost", arXiv:1604.06174), instead of storing its activations.
     """
+
+    autocast: torch.dtype | None = None
+    checkpointing: bool = False
 
     def forward(self, *inputs):
         if not inputs:
             raise TypeError("Stage needs an input (a tensor or a tuple of tensors)")
         x = inputs[0] if len(inputs) == 1 else inputs
-        for layer in self:
-            x = layer(x)
-        return x
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
+        with self._precision(x):
+            for layer in self:
+                x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        return x if self.autocast is None else _cast_floating(x, self.autocast)
+
+    def _precision(self, x):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        first = x if isinstance(x, torch.Tensor) else x[0]
+        return torch.autocast(first.device.type, dtype=self.autocast)
+
+
+def _cast_floating(x, dtype: torch.dtype):
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    return tuple(_cast_floating(t, dtype) for t in x)
+
+
+def as_stage(stage: nn.Module, autocast: torch.dtype | None = None, checkpointing: bool = False) -> Stage:
+    """``stage`` (an ``nn.Sequential``) as a :class:`Stage` of the same named layers -- same parameters, same
+    ``state_dict`` keys -- that runs under ``autocast`` and with ``checkpointing`` (see :class:`Stage`)."""
+    out = stage if isinstance(stage, Stage) else Stage(OrderedDict(stage.named_children()))
+    out.autocast, out.checkpointing = autocast, checkpointing
+    return out
 
 
 def client_server_split(

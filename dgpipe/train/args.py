@@ -28,6 +28,7 @@ from . import checkpoint
 from .codecs import SETTINGS, BoundaryCompression, boundary_compression, grad_compression, setting_label
 from .config import RunConfig
 from .placement import all_cuda, dist_env, parse_devices, placement_backend, shared_gpu
+from .precision import check_precision
 
 __all__ = [
     "HelpFormatter",
@@ -164,6 +165,13 @@ def common_parser(
                         "epoch")
     t.add_argument("--seed", type=int, default=0,
                    help="seed of the initialisation, the subsets, the batch order and dropout")
+    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="the stages' forward under torch.autocast in 16 bits (bf16, or fp16 with loss scaling): "
+                        "16-bit activations and gradients cross the boundaries, weights that do not train are stored "
+                        "in 16 bits; trainable weights and the optimizer stay float32")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer's activations in the backward pass instead of storing them "
+                        "(torch.utils.checkpoint): less memory for a second forward")
 
     s = p.add_argument_group("partition and processes")
     s.add_argument("--mode", choices=["pipeline", "dataparallel"], default="pipeline",
@@ -468,7 +476,7 @@ def run_config(args: argparse.Namespace, job_options: type, environ: dict | None
                          f"{args.batch_size}); use --train-subset >= {args.batch_size} or a smaller batch")
     config = RunConfig.from_flags({**vars(args), **derived}, job_options)
     pipeline = config.pipeline
-    parse_devices(pipeline.devices, world_size)
+    check_precision(config.train.precision, parse_devices(pipeline.devices, world_size))
     if placement_backend(pipeline, environ) == "nccl":
         if not all_cuda(pipeline):
             raise ValueError("--backend nccl needs a CUDA device on every rank; use --backend gloo with CPU ranks")

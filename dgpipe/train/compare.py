@@ -164,6 +164,7 @@ def rows(runs: list[tuple[str, RunConfig]], links: tuple[Link, ...] = LINKS) -> 
                           for k in links},
             "timeline": profile is not None,
             "top_class": summary.get("top_class"),
+            "peak_bytes": [m["peak_bytes"] for m in summary.get("memory", [])],
         })
     base = next((r["value"] for r in out if r["setting"] == "none"), None)
     for r in out:
@@ -202,7 +203,7 @@ def format_table(rows_: list[dict[str, Any]]) -> str:
     base = next((r["value"] for r in rows_ if r["setting"] == "none"), None)
     head = ("setting", metric, *(("Δ vs none (nats, %)", metric.replace("_loss", "_ppl")) if loss
                                  else ("Δ vs none (pt)",)),
-            "fwd bits/value", "bwd bits/value", "wire MB", "train s",
+            "fwd bits/value", "bwd bits/value", "wire MB", "train s", "peak MiB by rank",
             *((f"s/step at {k} (proj.)" if loss else f"at {k} (proj.)") for k in links), "bits/value (avg)")
     table = [head]
     for r in rows_:
@@ -215,6 +216,7 @@ def format_table(rows_: list[dict[str, Any]]) -> str:
         table.append((
             r["setting"], *cells, f"{r['forward_bits']:.2f}", f"{r['backward_bits']:.2f}",
             f"{r['wire_bytes'] / 1e6:.1f}", f"{r['train_seconds']:.1f}",
+            "/".join(f"{b / 2**20:.0f}" for b in r["peak_bytes"]) or "--",
             *(f"{s:.3f} s" if loss else f"{s:.1f} s" for s in projected),
             f"{(r['forward_bits'] + r['backward_bits']) / 2:.2f}",
         ))

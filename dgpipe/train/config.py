@@ -104,6 +104,8 @@ class TrainConfig:
         max_steps: stop after this many optimizer steps, or ``None``.
         eval_every: also evaluate every this many optimizer steps, or ``None`` (after each epoch only).
         seed: seed of the initialisation, the subsets, the batch order and dropout.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the stages' autocast dtype (:mod:`dgpipe.train.precision`).
+        activation_checkpointing: recompute each layer's activations in the backward pass instead of storing them.
     """
 
     epochs: int
@@ -111,6 +113,8 @@ class TrainConfig:
     max_steps: int | None
     eval_every: int | None
     seed: int
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from dgpipe.pipeline.tied import TiedParameters, unique_parameters
 
 from .config import PipelineConfig, RunConfig
 from .job import Job
+from .precision import LossScale, prepare_stages
 
 __all__ = ["partition", "placement", "reads_data", "warm_up_codecs", "PipelineEngine", "TorchScheduleEngine",
            "DataParallelEngine", "make_engine"]
@@ -115,8 +116,9 @@ class PipelineEngine:
                  device: torch.device, train_examples: int | None = None) -> None:
         p, d = config.pipeline, config.delta
         stages, self.placement = partition(layers, p, job.pinned)
-        stages = job.shape_stages(stages)
+        stages = prepare_stages(job.shape_stages(stages), config.train.precision, config.train.activation_checkpointing)
         self.layers_per_stage = [len(list(s.children())) for s in stages]
+        self.loss_scale = LossScale(config.train.precision == "fp16")
         self._warmup_epochs = d.delta_warmup_epochs if d.delta else 0
         delta = None
         if d.delta:
@@ -125,7 +127,7 @@ class PipelineEngine:
         comp = config.codec.compression
         warm_up_codecs((comp.forward, comp.backward), device)
         self.pipe = Pipeline(
-            stages, self.placement, rank, chunks=p.chunk, loss_fn=job.loss,
+            stages, self.placement, rank, chunks=p.chunk, loss_fn=self.loss_scale.scaled(job.loss),
             act_codec=comp.forward, grad_codec=comp.backward,
             device=device, timeout=p.timeout,
             deferred_batchnorm=job.deferred_batchnorm, compress_eval=p.compress_eval,
@@ -150,7 +152,7 @@ class PipelineEngine:
 
     def train_step(self, inputs, targets, sample_ids=None) -> float:
         """GPipe step; returns the mini-batch's mean loss (the same on every rank)."""
-        return self.pipe.train_step(inputs, targets, sample_ids=sample_ids)
+        return self.pipe.train_step(inputs, targets, sample_ids=sample_ids) / self.loss_scale.scale
 
     def eval_step(self, inputs, targets=None):
         """Outputs on the last stage's rank, None elsewhere (``targets`` unused)."""
@@ -242,8 +244,9 @@ class TorchScheduleEngine:
 
         p = config.pipeline
         stages, self.placement = partition(layers, p, job.pinned)
-        stages = job.shape_stages(stages)
+        stages = prepare_stages(job.shape_stages(stages), config.train.precision, config.train.activation_checkpointing)
         self.layers_per_stage = [len(list(s.children())) for s in stages]
+        self.loss_scale = LossScale(config.train.precision == "fp16")
         mine = [i for i, r in enumerate(self.placement) if r == rank]
         comp = config.codec.compression
         warm_up_codecs((comp.forward, comp.backward), device)
@@ -256,7 +259,7 @@ class TorchScheduleEngine:
         kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                  "looped-bfs": ScheduleLoopedBFS, "interleaved-zb": ScheduleInterleavedZeroBubble}
         self.schedule = kinds[p.schedule](self.stages if len(self.stages) > 1 else self.stages[0], p.chunk,
-                                          loss_fn=job.loss)
+                                          loss_fn=self.loss_scale.scaled(job.loss))
         self.first, self.last = 0 in mine, len(stages) - 1 in mine
         self.device, self.batch_size = device, config.data.batch_size
         self.reads_data = self.first or self.last
@@ -288,7 +291,7 @@ class TorchScheduleEngine:
         loss = torch.tensor([float(torch.stack(losses).detach().mean()) if self.last else 0.0], dtype=torch.float64,
                             device=wire_device())
         dist.broadcast(loss, self.output_rank)
-        return float(loss)
+        return float(loss) / self.loss_scale.scale
 
     def eval_step(self, inputs, targets=None):
         """Outputs on the last stage's rank, None elsewhere (a partial batch padded, then trimmed).
@@ -345,7 +348,8 @@ class DataParallelEngine:
 
         spec = config.codec.dp_compression
         self.job, self.device = job, device
-        self.model = Stage(*layers)
+        self.model = prepare_stages([Stage(*layers)], config.train.precision, config.train.activation_checkpointing)[0]
+        self.loss_scale = LossScale(config.train.precision == "fp16")
         self.dp = build_ddp(self.model, device, spec, seed=config.train.seed)
         self.model = self.dp.module.module
         self.meter = self.dp.meter
@@ -365,7 +369,7 @@ class DataParallelEngine:
         """Forward and backward of this rank's shard; returns its loss (``sample_ids`` unused)."""
         self.dp.module.train()
         loss = self.job.loss(self.dp.module(_to(inputs, self.device)), _to(targets, self.device))
-        loss.backward()
+        (loss * self.loss_scale.scale).backward()
         return float(loss.detach())
 
     def eval_step(self, inputs, targets=None):

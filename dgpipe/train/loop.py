@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import itertools
 import os
 import sys
@@ -46,7 +47,7 @@ from dgpipe.comm import wire_device
 from dgpipe.data.loading import EpochBatchSampler
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
-from . import checkpoint, runlog
+from . import checkpoint, memory, runlog
 from .args import check_resume, run_config
 from .placement import dist_env, placement_backend, rank_device
 from .config import RunConfig
@@ -55,6 +56,8 @@ from .job import Job
 
 __all__ = ["main", "parse_config", "run", "launch", "run_settings", "worker", "top_class"]
 
+#: Bytes of one floating value crossing a boundary uncompressed, per ``--precision`` (epoch records' ``value_bytes``).
+VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Meter directions that are evaluation traffic (not counted in the summary's bytes).
 EVAL_DIRECTIONS = ("eval",)
 
@@ -284,7 +287,7 @@ def _train_epoch(engine, optimizer, scheduler, batches, progress: _Progress, ste
         inputs, targets, *ids = next(batches) if batches is not None else (None, None)
         optimizer.zero_grad(set_to_none=True)
         loss = engine.train_step(inputs, targets, ids[0] if ids else None)
-        optimizer.step()
+        engine.loss_scale.step(optimizer, wire_device())
         scheduler.step()
         progress.loss_sum += loss
         progress.recent.append(loss)
@@ -351,7 +354,8 @@ def _step_hook(engine, job: Job, eval_loader: DataLoader | None, eval_steps: int
 def _checkpoint_state(engine, optimizer, scheduler, device: torch.device, progress: _Progress) -> dict[str, Any]:
     """Everything a rank needs to continue exactly (see :mod:`dgpipe.train.checkpoint`)."""
     return {"engine": engine.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": _rng_state(device), "meter": engine.meter.state_dict(), "progress": dataclasses.asdict(progress)}
+            "rng": _rng_state(device), "meter": engine.meter.state_dict(), "progress": dataclasses.asdict(progress),
+            "loss_scale": engine.loss_scale.state_dict()}
 
 
 def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimizer, scheduler) -> _Progress | None:
@@ -383,6 +387,7 @@ def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimize
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"], device)
     engine.meter.load_state_dict(state["meter"])
+    engine.loss_scale.load_state_dict(state["loss_scale"])
     return _Progress(**state["progress"])
 
 
@@ -396,6 +401,19 @@ def _repeated_steps(path: str | None, step: int) -> int | None:
     return max(0, max(done, default=step) - step)
 
 
+def _peak_memory(device: torch.device, start_bytes: int, world_size: int) -> list[dict[str, Any]]:
+    """Every rank's memory (a collective; :mod:`~dgpipe.train.memory`): ``{"rank", "kind", "peak_bytes",
+    "start_bytes"}`` -- the peak since the engine was built, and the process's resident set before the model
+    was (the interpreter and libraries)."""
+    kinds = ("cuda_allocated", "rss", "rss_lifetime")
+    mine = torch.tensor([memory.peak_bytes(device), start_bytes, kinds.index(memory.memory_kind(device))],
+                        dtype=torch.int64, device=wire_device())
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return [{"rank": r, "kind": kinds[int(t[2])], "peak_bytes": int(t[0]), "start_bytes": int(t[1])}
+            for r, t in enumerate(every)]
+
+
 def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, local_rank: int,
            launch_time: float) -> None:
     """Body of one rank (torch.distributed initialised); see the module docstring. ``launch_time``:
@@ -406,6 +424,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         torch.cuda.set_device(device)
     _set_threads(device)
     torch.manual_seed(train.seed)
+    start_bytes = memory.resident_bytes()
     job = job_cls(config)
     layers = job.build_layers()
     dp_shards = world_size if pipe.mode == "dataparallel" else 1
@@ -415,6 +434,9 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
     sizes = [len(train_loader), len(eval_loader), len(train_loader.dataset)] if rank == 0 else [0, 0, 0]
     steps_per_epoch, eval_steps, train_examples = (int(x) for x in _broadcast(sizes, 0))
     engine = make_engine(job, layers, config, rank, device, train_examples)
+    del layers  # the other ranks' layers: freed, so that this rank's peak memory counts what it holds
+    gc.collect()
+    memory.reset_peak(device)
     total_steps = train.epochs * steps_per_epoch
     if train.max_steps is not None:
         total_steps = min(total_steps, train.max_steps)
@@ -470,6 +492,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
             boundaries += [b for b in _boundaries(eval_traffic, job=job) if b["direction"] in EVAL_DIRECTIONS]
             rate = done * config.data.batch_size / seconds if seconds else 0.0
             record = runlog.epoch_record(epoch + 1, train_loss, metrics, rate, boundaries, steps=n, step=progress.step,
+                                         value_bytes=VALUE_BYTES[config.train.precision],
                                          lr=scheduler.get_last_lr()[0],
                                          **({"profile": profile.to_json()} if profile is not None else {}))
             log.write(record)
@@ -486,12 +509,14 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
             save()
     if writer is not None:
         writer.wait()
+    peaks = _peak_memory(device, start_bytes, world_size)
     if lead:
         summary = runlog.summary_record(
             job.metric, metrics.get(job.metric, float("nan")),
             progress.samples / progress.train_seconds if progress.train_seconds else 0.0,
             progress.raw_bytes, progress.wire_bytes, time.time() - launch_time, config.to_json(), metrics=metrics,
             steps=progress.step, train_seconds=progress.train_seconds, top_class=list(top) if top else None,
+            memory=peaks,
         )
         log.write(summary)
         log.close()

@@ -206,9 +206,9 @@ def direction_bits(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Measured bits per value of each training direction of a pipeline run (all epochs, all boundaries).
 
     ``8 * wire_bytes / values``, where ``values`` counts the floating values the
-    boundaries carry: raw backward bytes / 4 (the gradients are float32 and mirror the
-    floating forward tensors, so the forward direction's lossless extras -- an
-    attention mask, headers -- count against it: all-in).
+    boundaries carry: raw backward bytes / ``value_bytes`` of each epoch record (4: float32, 2 under
+    ``--precision bf16``/``fp16``; the gradients mirror the floating forward tensors, so the forward
+    direction's lossless extras -- an attention mask, headers -- count against it: all-in).
 
     Args:
         records: the records of a run log (:func:`read_records`).
@@ -218,13 +218,12 @@ def direction_bits(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         logged (evaluation-only or data-parallel runs).
     """
     wire = {"forward": 0, "backward": 0}
-    raw_backward = 0
+    values = 0.0
     for rec in records:
         for b in rec.get("boundaries", []) if rec.get("event") == "epoch" else []:
             if b["direction"] in wire:
                 wire[b["direction"]] += b["wire_bytes"]
-                raw_backward += b["raw_bytes"] if b["direction"] == "backward" else 0
-    values = raw_backward / 4
+                values += b["raw_bytes"] / rec.get("value_bytes", 4) if b["direction"] == "backward" else 0
     return {d: 8 * w / values if values else math.nan for d, w in wire.items()}
 
 
