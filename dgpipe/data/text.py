@@ -202,25 +202,31 @@ def tokenize_corpus(corpus: str, split: str, tokenizer, cache_dir: Path | None =
 
 class TokenBlocks(Dataset):
     """Fixed-length blocks of a token stream: item ``k`` is ``(ids[kL : kL+L], ids[kL+1 : kL+L+1])``,
-    two int64 ``(L,)`` tensors (inputs, next-token targets).
+    two int64 ``(L,)`` tensors (inputs, next-token targets) -- the targets taken from ``labels`` instead where
+    given (chat data: ``-100`` on the tokens not trained, :mod:`dgpipe.data.chat`).
 
     Args:
         ids: int64 ``(n,)`` token stream.
         length: block length ``L`` (tokens per example).
         limit: keep only the first ``limit`` blocks (a fixed subset), or all.
+        labels: int64 ``(n,)`` targets aligned with ``ids``, or None (the ids themselves).
 
     Raises:
-        ValueError: ``length < 1`` or a stream shorter than one block plus one token.
+        ValueError: ``length < 1``, a stream shorter than one block plus one token, or labels of another length.
     """
 
-    def __init__(self, ids: torch.Tensor, length: int, limit: int | None = None) -> None:
+    def __init__(self, ids: torch.Tensor, length: int, limit: int | None = None,
+                 labels: torch.Tensor | None = None) -> None:
         if length < 1:
             raise ValueError(f"block length must be >= 1, got {length}")
         n = (len(ids) - 1) // length
         if n < 1:
             raise ValueError(f"{len(ids)} tokens do not fill one block of {length} (+1 target token); "
                              "use a shorter block length")
+        if labels is not None and labels.shape != ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} do not match the ids {tuple(ids.shape)}")
         self.ids, self.length, self.n = ids, length, n if limit is None else min(n, limit)
+        self.labels = ids if labels is None else labels
 
     def __len__(self) -> int:
         return self.n
@@ -229,4 +235,4 @@ class TokenBlocks(Dataset):
         if not 0 <= k < self.n:
             raise IndexError(k)
         start = k * self.length
-        return self.ids[start:start + self.length], self.ids[start + 1:start + self.length + 1]
+        return self.ids[start:start + self.length], self.labels[start + 1:start + self.length + 1]

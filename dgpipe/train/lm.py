@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
+from dgpipe.data.chat import IGNORE, is_chat_corpus, read_conversations, tokenize_chat
 from dgpipe.data.loading import make_dataloader
 from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus
 from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, fit_bottlenecks, insert_bottlenecks,
@@ -150,6 +152,32 @@ def add_adapters(model: nn.Module, config) -> nn.Module:
     return peft_model.get_base_model()
 
 
+def token_blocks(corpus: str, split: str, tokenizer, length: int, limit: int | None = None) -> TokenBlocks:
+    """A split's blocks of ``length`` tokens: packed text (``.txt`` splits), or packed conversations whose targets
+    are the assistant's tokens only (``.jsonl`` chat splits, :mod:`dgpipe.data.chat`).
+
+    Raises:
+        ValueError: see :func:`~dgpipe.data.text.tokenize_corpus`, :func:`~dgpipe.data.chat.tokenize_chat` and
+            :class:`~dgpipe.data.text.TokenBlocks`.
+    """
+    if is_chat_corpus(corpus):
+        ids, labels = tokenize_chat(corpus, split, tokenizer)
+        return TokenBlocks(ids, length, limit, labels)
+    return TokenBlocks(tokenize_corpus(corpus, split, tokenizer), length, limit)
+
+
+#: Sequences whose float32 log-probabilities the loss and the evaluation hold at once (the logits of a whole
+#: micro-batch in float32 are ``B x L x vocab x 4`` bytes: 100 MB for 4 x 128 tokens of a 49k vocabulary).
+LOSS_ROWS = 1
+
+
+def _summed_nll(logits: torch.Tensor, target: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """Summed next-token NLL (nats, float32) of logits ``(b, L, V)`` against targets int64 ``(b, L)`` (``-100``
+    left out): a scalar, or ``(b,)`` with ``per_row``."""
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none").view(target.shape)
+    return nll.sum(1) if per_row else nll.sum()
+
+
 class _Windows(Dataset):
     """Training blocks whose target is the whole window of ``L + 1`` tokens (``--distill``: the teacher reads the
     inputs from it): ``(input_ids (L,), window (L + 1,))``."""
@@ -248,8 +276,14 @@ class LMJob(Job):
                              f"{', '.join(LM_PRESETS)} or a config.json / model directory")
         if opts.model is not None:
             resolve_lm(opts.model)  # an offline package or a GGUF file without what reads it: ValueError
-        read_corpus(data.data_dir, "train")
-        read_corpus(data.data_dir, opts.eval_split)
+        chat = is_chat_corpus(data.data_dir)
+        for split in ("train", opts.eval_split):
+            read_conversations(data.data_dir, split) if chat else read_corpus(data.data_dir, split)
+        if chat and (opts.tokenizer or "").startswith("bpe:") or chat and opts.model is None and opts.tokenizer is None:
+            raise ValueError(f"--data-dir {data.data_dir} holds chat data: give a tokenizer that can render it "
+                             "(--model's own, or --tokenizer DIR, e.g. ../shared/data/tokenizers/gpt2)")
+        if chat and opts.distill:
+            raise ValueError("--distill trains on raw text against the model's own outputs; give a text corpus")
         opts = replace(opts, tokenizer=opts.tokenizer or ("model" if opts.model is not None else DEFAULT_BPE))
         try:
             tokenizer = _tokenizer(opts, data.data_dir)
@@ -274,7 +308,7 @@ class LMJob(Job):
         for split, subset, flag in (("train", data.train_subset, "--train-subset"),
                                     (opts.eval_split, data.eval_subset, "--eval-subset")):
             try:
-                blocks = TokenBlocks(tokenize_corpus(data.data_dir, split, tokenizer), opts.block_length, subset)
+                blocks = token_blocks(data.data_dir, split, tokenizer, opts.block_length, subset)
             except ValueError as e:
                 raise ValueError(f"--block-length {opts.block_length}, {split} split: {e}") from None
             if split == "train" and len(blocks) < data.batch_size:
@@ -344,8 +378,7 @@ class LMJob(Job):
         computed on rank 0 and sent to the others (every rank then holds the same pairs)."""
         opts, d = self.config.job, self.config.data
         if not dist.is_initialized() or dist.get_rank() == 0:
-            corpus = tokenize_corpus(str(d.data_dir), "train", self.tokenizer)
-            blocks = TokenBlocks(corpus, opts.block_length, PCA_BLOCKS)
+            blocks = token_blocks(str(d.data_dir), "train", self.tokenizer, opts.block_length, PCA_BLOCKS)
             ids = torch.stack([blocks[i][0] for i in range(min(PCA_BLOCKS, len(blocks)))])
             modes = [s.training for s in stages]
             for s in stages:
@@ -368,10 +401,9 @@ class LMJob(Job):
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         opts, d, seed = self.config.job, self.config.data, self.config.train.seed
-        blocks = TokenBlocks(tokenize_corpus(d.data_dir, "train", self.tokenizer), opts.block_length, d.train_subset)
+        blocks = token_blocks(d.data_dir, "train", self.tokenizer, opts.block_length, d.train_subset)
         train: Dataset = _Windows(blocks) if opts.distill else blocks
-        held = TokenBlocks(tokenize_corpus(d.data_dir, opts.eval_split, self.tokenizer), opts.block_length,
-                           d.eval_subset)
+        held = token_blocks(d.data_dir, opts.eval_split, self.tokenizer, opts.block_length, d.eval_subset)
         train_loader = make_dataloader(train, d.batch_size // world_size, shuffle=True, seed=seed,
                                        num_workers=d.num_workers, rank=rank, world_size=world_size,
                                        sample_ids=self.config.delta.delta)
@@ -379,12 +411,18 @@ class LMJob(Job):
         return train_loader, eval_loader
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy: logits float ``(B, L, V)``, targets int64 ``(B, L)``. With ``--distill``
+        """Mean next-token cross-entropy over the trained targets (chat data: the assistant's tokens; targets
+        ``-100`` are left out): logits float ``(B, L, V)``, targets int64 ``(B, L)``. With ``--distill``
         the target is the window of ``L + 1`` tokens (:class:`_Windows`) and the loss the mean over tokens of
         ``KL(teacher || model)`` between the next-token distributions (Hinton et al., "Distilling the Knowledge in
         a Neural Network", 2015, at temperature 1)."""
         if not self.config.job.distill:
-            return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+            count = (target != IGNORE).sum().clamp(min=1)
+            if not self.config.train.activation_checkpointing:
+                return F.cross_entropy(output.flatten(0, 1).float(), target.flatten(), reduction="sum") / count
+            total = sum(checkpoint(_summed_nll, out, tgt, use_reentrant=False)
+                        for out, tgt in zip(output.split(LOSS_ROWS), target.split(LOSS_ROWS)))
+            return total / count
         with torch.no_grad():
             teacher = self.teacher(target[:, :-1].to(next(self.teacher.parameters()).device)).logits
         student = F.log_softmax(output.flatten(0, 1).float(), -1)
@@ -392,9 +430,10 @@ class LMJob(Job):
                         log_target=True, reduction="batchmean")
 
     def eval_outputs(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Per block: float64 ``(B, 2)`` = (summed token NLL in nats, tokens) instead of the logits."""
-        nll = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(), reduction="none").view(target.shape)
-        return torch.stack([nll.double().sum(1), torch.full_like(nll[:, 0], target.shape[1], dtype=torch.float64)], 1)
+        """Per block: float64 ``(B, 2)`` = (summed token NLL in nats, scored tokens) instead of the logits."""
+        nll = torch.cat([_summed_nll(out, tgt, per_row=True) for out, tgt in
+                         zip(output.split(LOSS_ROWS), target.split(LOSS_ROWS))])
+        return torch.stack([nll.double(), (target != IGNORE).sum(1).double()], 1)
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """``val_loss`` (mean token NLL, nats) and ``val_ppl`` over every held-out block."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import itertools
 import os
 import sys
@@ -435,7 +434,6 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
     steps_per_epoch, eval_steps, train_examples = (int(x) for x in _broadcast(sizes, 0))
     engine = make_engine(job, layers, config, rank, device, train_examples)
     del layers  # the other ranks' layers: freed, so that this rank's peak memory counts what it holds
-    gc.collect()
     memory.reset_peak(device)
     total_steps = train.epochs * steps_per_epoch
     if train.max_steps is not None:

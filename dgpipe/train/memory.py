@@ -15,6 +15,9 @@ pretrained model on every rank does not count) and :func:`peak_bytes` reads its 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import resource
 import sys
 from pathlib import Path
@@ -53,8 +56,20 @@ def memory_kind(device: torch.device) -> str:
     return "rss" if RESETTABLE else "rss_lifetime"
 
 
+def _release_free_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc's ``malloc_trim``), so that the
+    resident set counts what the process holds rather than what it freed (e.g. the other ranks' share of a model
+    every rank loaded whole)."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
+
+
 def reset_peak(device: torch.device) -> None:
-    """Start the peak's window now (a no-op on CPU without :data:`RESETTABLE`)."""
+    """Start the peak's window now, after releasing freed memory (a no-op on CPU without :data:`RESETTABLE`)."""
+    _release_free_memory()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif RESETTABLE:
