@@ -31,6 +31,11 @@ COMMON = ["--data-dir", str(ROOT.parent / "shared" / "data" / "text" / "shakespe
           "--eval-subset", "32", "--num-workers", "0"]
 #: The steps of a run of docs/lm.md's table.
 STEPS = 20
+#: ``--chat``: the instruction data (benchmarks/make_chat_data.py), blocks of 128 tokens, 30 steps.
+CHAT_COMMON = ["--data-dir", str(ROOT / "benchmarks" / "data" / "wiki-chat"), "--model", "smollm2-135m-instruct",
+               "--block-length", "128", "--batch-size", "8", "--chunk", "2", "--lr", "3e-5", "--eval-subset", "48",
+               "--num-workers", "0"]
+CHAT_STEPS = 30
 
 #: The settings of docs/lm.md's table, in its order.
 LABELS = ["none", "sortquant8", "codebook4", "codebook4_eval32", "codebook5lv_gcb5lv", "codebook5lv_gcb5lv_eval32",
@@ -61,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bottleneck", action="store_true",
                    help="the boundary-bottleneck settings (dgpipe.train.ablation.LM_FINETUNE_BOTTLENECK_SETTINGS) into "
                         "benchmarks/results/lm_finetune_bottleneck, whose uncompressed logs link to this benchmark's")
+    p.add_argument("--chat", action="store_true",
+                   help="LoRA, bf16 and activation checkpointing on the instruction data "
+                        "(dgpipe.train.ablation.LM_CHAT_SETTINGS), peak memory by rank, into "
+                        "benchmarks/results/lm_finetune_chat")
     args = p.parse_args(argv)
+    if args.chat:
+        return chat(args, p.get_default("out"))
     if not (2 <= args.target_step <= TARGET_STEPS and args.target_step % TARGET_EVAL_EVERY == 0):
         p.error(f"--target-step must be an evaluated step: even, 2-{TARGET_STEPS}; got {args.target_step}")
     settings = "lm_finetune_bottleneck" if args.bottleneck else "lm_finetune"
@@ -83,6 +94,24 @@ def main(argv: list[str] | None = None) -> int:
         name = "lm.md" if target_step in (None, TARGET_STEP) else f"lm_target_{target_step}.md"
         (out / name).write_text(text + "\n")
         print(text)
+    return status
+
+
+def chat(args: argparse.Namespace, default_out: str) -> int:
+    """``--chat``: the runs, then the quality table (``lm.md``) and the memory table (``memory.md``)."""
+    out = Path(args.out if args.out != default_out else ROOT / "benchmarks" / "results" / "lm_finetune_chat")
+    labels = args.only.split(",") if args.only else list(ablation.SETTINGS["lm_chat"])
+    seeds = [int(k) for k in args.seeds.split(",")]
+    run = ["--job", "lm", "--settings", "lm_chat", "--seeds", args.seeds, "--out", str(out), "--only", ",".join(labels),
+           "--title", "SmolLM2-135M fine-tuning on instruction data, client/server"]
+    status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *CHAT_COMMON, "--max-steps",
+                                                                          str(CHAT_STEPS)])
+    rows = lm_benchmark.results(out, labels, seeds)
+    if rows:
+        (out / "lm.md").write_text(lm_benchmark.table(rows) + "\n")
+        memory = lm_benchmark.memory_table(out, labels, seeds)
+        (out / "memory.md").write_text(memory + "\n")
+        print(lm_benchmark.table(rows), memory, sep="\n\n")
     return status
 
 

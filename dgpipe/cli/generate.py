@@ -41,6 +41,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         f"{', '.join(OFFLINE_LMS)}")
     m.add_argument("--model-config", metavar="|".join(LM_PRESETS),
                    help="random initialisation from a preset instead (needs --tokenizer)")
+    m.add_argument("--checkpoint", metavar="DIR",
+                   help="the newest complete checkpoint of a dgpipe-lm run (its --save folder): the run's model with "
+                        "its trained weights and LoRA adapters (merged), and its tokenizer, instead of --model")
     m.add_argument("--tokenizer", metavar="DIR_OR_NAME", help="tokenizer (default: --model's own)")
     m.add_argument("--client-layers", type=int, default=1, help="decoder blocks the client holds at each end")
     g = p.add_argument_group("generation")
@@ -86,8 +89,10 @@ def _config(args: argparse.Namespace):
     from dgpipe.inference import Sampling
     from dgpipe.train.codecs import parse_options
 
-    if (args.model is None) == (args.model_config is None):
-        raise ValueError("give --model or --model-config")
+    if sum(v is not None for v in (args.model, args.model_config, args.checkpoint)) != 1:
+        raise ValueError("give one of --model, --model-config or --checkpoint")
+    if args.checkpoint is not None and args.tokenizer is not None:
+        raise ValueError("--checkpoint generates with the run's own tokenizer: drop --tokenizer")
     if args.channel_scale and not args.channel_mean:
         raise ValueError("--channel-scale weighs the residual against the channel means: add --channel-mean")
     if args.model_config is not None and (args.model_config not in LM_PRESETS or args.tokenizer is None):
@@ -114,8 +119,8 @@ def _config(args: argparse.Namespace):
 
 
 def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
-    """In the launcher: the model's config and tokenizer load, and the longest prompt plus ``--max-new-tokens``
-    fits the model's context (and the server's ``--max-length``).
+    """In the launcher: the model's config and tokenizer load (a ``--checkpoint``'s whole run), and the longest prompt
+    plus ``--max-new-tokens`` fits the model's context (and the server's ``--max-length``).
 
     Raises:
         ValueError: one line: a model or tokenizer that does not load, or a generation past the context.
@@ -126,7 +131,12 @@ def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
     from dgpipe.models.causal_lm import resolve_lm
 
     try:
-        if args.model is not None:
+        if args.checkpoint is not None:
+            from dgpipe.train.export import load_run
+
+            run = load_run(args.checkpoint)
+            context, tokenizer = getattr(run.model.config, "max_position_embeddings", None), run.tokenizer
+        elif args.model is not None:
             source = resolve_lm(args.model)
             extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
             context = getattr(AutoConfig.from_pretrained(source.path, **extra), "max_position_embeddings", None)
@@ -136,7 +146,8 @@ def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
             context, tokenizer = PRESET_CONTEXT, load_tokenizer(args.tokenizer)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load --model {args.model or args.model_config} or its tokenizer: {first}") from None
+        what = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--model {args.model or args.model_config}"
+        raise ValueError(f"cannot load {what} or its tokenizer: {first}") from None
     longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
     limits = [v for v in (context, args.max_length) if v is not None]
     if limits and longest + args.max_new_tokens > min(limits):
@@ -151,7 +162,13 @@ def _load(args: argparse.Namespace):
     from dgpipe.data.text import load_tokenizer
     from dgpipe.models.causal_lm import build_causal_lm, preset_config, resolve_lm
 
-    if args.model is not None:
+    if args.checkpoint is not None:
+        from dgpipe.train.export import load_run
+
+        run = load_run(args.checkpoint)
+        model = run.peft_model.merge_and_unload() if run.peft_model is not None else run.model
+        tokenizer = run.tokenizer
+    elif args.model is not None:
         source = resolve_lm(args.model)
         model = build_causal_lm(source)
         extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}

@@ -33,7 +33,9 @@ examples:
   %(prog)s --data-dir ../shared/data/text/shakespeare --model smollm2-135m-instruct \\
       --block-length 64 --batch-size 8 --lr 3e-5 --max-steps 50 --compare-to none
   # generate through the split model (client/server processes, 8-bit link): see %(prog)s generate --help
-  %(prog)s generate --model smollm2-135m-instruct --prompt "Once upon a time" --codec quant --codec-opt bits=8"""
+  %(prog)s generate --model smollm2-135m-instruct --prompt "Once upon a time" --codec quant --codec-opt bits=8
+  # a run saved with --save DIR as a Hugging Face model folder (LoRA merged): see %(prog)s export --help
+  %(prog)s export DIR OUT_DIR"""
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -86,7 +88,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Parse, validate (errors exit with status 2 before any process starts), train; 0, or 1 when a rank failed.
-    ``generate`` as the first argument: split generation instead (:mod:`dgpipe.cli.generate`)."""
+    ``generate`` as the first argument: split generation instead (:mod:`dgpipe.cli.generate`); ``export``: a run's
+    checkpoint as a Hugging Face model folder (:mod:`dgpipe.cli.export`)."""
     from dgpipe.train.lm import LMJob
 
     args = sys.argv[1:] if argv is None else list(argv)
@@ -94,6 +97,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         from dgpipe.cli import generate
 
         return generate.main(args[1:], f"{prog or 'dgpipe-lm'} generate")
+    if args[:1] == ["export"]:
+        from dgpipe.cli import export
+
+        return export.main(args[1:], f"{prog or 'dgpipe-lm'} export")
 
     return loop.main(LMJob, build_parser(prog), argv)
 

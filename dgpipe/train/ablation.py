@@ -241,10 +241,22 @@ LM_FINETUNE_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "distill_bneck72ch_codebook4": ["--bottleneck", "1/8", "--distill", "--lr", "1e-3"] + _codebook(4),  # 0.92 bit
 }
 
+#: Fine-tuning SmolLM2 on instruction data the way LMs are fine-tuned (``benchmarks/lm_finetune.py --chat``): against
+#: the full float32 fine-tune (``none``), LoRA r=8 (alpha 16, at LoRA's usual learning rate) in bf16, with activation
+#: checkpointing, and with the 2.38-bit link of the fine-tuning table (5-level codebooks both ways, token reference).
+LM_CHAT_SETTINGS: dict[str, list[str]] = {
+    "lora8_bf16": ["--lora", "8", "--lora-alpha", "16", "--lr", "2e-4", "--precision", "bf16"],
+    "lora8_bf16_ckpt": ["--lora", "8", "--lora-alpha", "16", "--lr", "2e-4", "--precision", "bf16",
+                        "--activation-checkpointing"],
+    "lora8_bf16_ckpt_link": ["--lora", "8", "--lora-alpha", "16", "--lr", "2e-4", "--precision", "bf16",
+                             "--activation-checkpointing", *LM_FINETUNE_SETTINGS["refscaledbackoff_codebook5lv_gcb5lv"]],
+}
+
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,
             "exdrop": EXAMPLE_DROPOUT_SETTINGS, "lm": LM_SETTINGS, "lm_finetune": LM_FINETUNE_SETTINGS,
             "lm_bottleneck": {"none": [], **LM_BOTTLENECK_SETTINGS},
-            "lm_finetune_bottleneck": {"none": [], **LM_FINETUNE_BOTTLENECK_SETTINGS}}
+            "lm_finetune_bottleneck": {"none": [], **LM_FINETUNE_BOTTLENECK_SETTINGS},
+            "lm_chat": {"none": [], **LM_CHAT_SETTINGS}}
 
 
 def has_summary(log: Path) -> bool:

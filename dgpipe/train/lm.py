@@ -42,7 +42,7 @@ from .config import RunConfig
 from .engine import placement
 from .job import Job, check_partition, decay_groups
 
-__all__ = ["LMJob", "LMOptions", "DEFAULT_BPE"]
+__all__ = ["LMJob", "LMOptions", "DEFAULT_BPE", "lm_tokenizer", "random_config", "lora_config", "add_adapters", "token_blocks"]
 
 #: Tokenizer of a randomly initialised preset unless ``--tokenizer`` says otherwise.
 DEFAULT_BPE = "bpe:4096"
@@ -193,7 +193,7 @@ class _Windows(Dataset):
         return x, torch.cat([x[:1], y])
 
 
-def _tokenizer(opts: LMOptions, corpus: str):
+def lm_tokenizer(opts: LMOptions, corpus: str):
     """``opts.tokenizer`` as a tokenizer: ``"model"`` is the pretrained model's own (a GGUF file's
     included), else :func:`dgpipe.data.text.load_tokenizer` (``bpe:N`` trained on ``corpus``)."""
     from transformers import AutoTokenizer
@@ -205,7 +205,7 @@ def _tokenizer(opts: LMOptions, corpus: str):
     return load_tokenizer(opts.tokenizer, corpus)
 
 
-def _model_config(opts: LMOptions, vocab_size: int):
+def random_config(opts: LMOptions, vocab_size: int):
     """The config to initialise randomly (``--model-config``), or ``None`` for pretrained weights."""
     from transformers import AutoConfig
 
@@ -238,7 +238,7 @@ class LMJob(Job):
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
-        self.tokenizer = _tokenizer(config.job, config.data.data_dir)
+        self.tokenizer = lm_tokenizer(config.job, config.data.data_dir)
         self.bottlenecks: dict[str, int] = {}  # boundary name -> channels that cross (:meth:`shape_stages`)
 
     @classmethod
@@ -286,8 +286,8 @@ class LMJob(Job):
             raise ValueError("--distill trains on raw text against the model's own outputs; give a text corpus")
         opts = replace(opts, tokenizer=opts.tokenizer or ("model" if opts.model is not None else DEFAULT_BPE))
         try:
-            tokenizer = _tokenizer(opts, data.data_dir)
-            model_config = _model_config(opts, len(tokenizer))
+            tokenizer = lm_tokenizer(opts, data.data_dir)
+            model_config = random_config(opts, len(tokenizer))
             if model_config is None:
                 source = resolve_lm(opts.model)
                 model_config = AutoConfig.from_pretrained(
@@ -334,7 +334,7 @@ class LMJob(Job):
             hf_logging.set_verbosity_error()  # the load report and progress bars once, from rank 0, or never
             hf_logging.disable_progress_bar()
         opts = self.config.job
-        config = _model_config(opts, len(self.tokenizer))
+        config = random_config(opts, len(self.tokenizer))
         model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
         if opts.distill:  # the teacher: the model as built, frozen; the student's own weights frozen too
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)

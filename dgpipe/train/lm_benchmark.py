@@ -32,9 +32,9 @@ from scipy import stats
 
 from .ablation import ANCHORS, has_summary, paired
 from .compare import LM_LINKS, Link, project, run_profile, stage_boundaries
-from .runlog import direction_bits, read_records
+from .runlog import direction_bits, read_records, read_summary
 
-__all__ = ["REFERENCES", "curve", "steps_to_target", "mean_interval", "results", "table", "plot"]
+__all__ = ["REFERENCES", "curve", "steps_to_target", "mean_interval", "results", "table", "memory_table", "plot"]
 
 #: ProtocolNanoGPT (Pluralis; arXiv 2506.01260): 203M GPT, 8 stages, 200 Mbit/s + 50 ms per boundary,
 #: FineWeb to a validation loss of 3.276: (label, bits per value each way, steps to target, T in seconds).
@@ -174,6 +174,37 @@ def table(rows: list[dict[str, Any]], baseline: str = "none") -> str:
         lines.append(f"| {name} (reference, 200 Mbit/s + 50 ms) | | {bits:g} | {bits:g} | {bits:g} | 3.276 (target) "
                      f"| | | {steps / dense[2]:.2f} | | {seconds:,.0f} | {dense[3] / seconds:.2f}x |"
                      + " |" * (2 * len(links) - 2))
+    return "\n".join(lines)
+
+
+def memory_table(out: Path, labels: Sequence[str], seeds: Sequence[int], baseline: str = "none") -> str:
+    """Markdown: per setting (the finished seeds of ``OUT/<label>_seed<k>.jsonl``) each rank's peak memory while
+    training (the summary's ``memory``: MiB, mean and 95% interval over the seeds), its ratio to ``baseline``'s
+    peak on the same rank and seed (mean and interval), the resident set before the model was built (the
+    interpreter and libraries), and the training seconds a step."""
+    rows = []
+    for label in labels:
+        logs = {k: out / f"{label}_seed{k}.jsonl" for k in seeds if has_summary(out / f"{label}_seed{k}.jsonl")}
+        if not logs:
+            continue
+        summaries = {k: read_summary(path) for k, path in logs.items()}
+        ranks = len(next(iter(summaries.values()))["memory"])
+        cells = [label, str(len(summaries))]
+        for rank in range(ranks):
+            peaks = [s["memory"][rank]["peak_bytes"] / 2**20 for s in summaries.values()]
+            ratios = [s["memory"][rank]["peak_bytes"] / read_summary(out / f"{baseline}_seed{k}.jsonl")["memory"][rank][
+                "peak_bytes"] for k, s in summaries.items() if has_summary(out / f"{baseline}_seed{k}.jsonl")]
+            cells += [_ci(mean_interval(peaks), ".0f"), _ci(mean_interval(ratios), ".2f") if ratios else "--"]
+        start = statistics.mean(m["start_bytes"] / 2**20 for s in summaries.values() for m in s["memory"])
+        step = statistics.mean(s["train_seconds"] / max(s["steps"], 1) for s in summaries.values())
+        cells += [f"{start:.0f}", f"{step:.2f}"]
+        rows.append((ranks, cells))
+    if not rows:
+        return ""
+    ranks = max(r for r, _ in rows)
+    head = ["setting", "seeds"] + [c for r in range(ranks) for c in (f"rank {r} peak MiB", f"rank {r} x {baseline}")]
+    lines = ["| " + " | ".join(head + ["start MiB", "s/step"]) + " |", "|" + "---|" * (len(head) + 2)]
+    lines += ["| " + " | ".join(cells) + " |" for _, cells in rows]
     return "\n".join(lines)
 
 

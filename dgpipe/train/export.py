@@ -1,0 +1,146 @@
+"""A language-model run's checkpoint as a Hugging Face model folder (``dgpipe-lm export``), and the model it holds.
+
+:func:`load_run` finds the newest step of a ``--save`` directory that every rank of the run completed
+(:mod:`dgpipe.train.checkpoint`: each rank's file checked against its SHA-256), rebuilds the run's model from the
+arguments recorded in its ``meta.json`` -- the same pretrained weights or configuration, tokenizer and LoRA
+adapters -- and loads every stage's weights into it (the stages name their layers by their index in the whole
+model, so the ranks' states join into one). :func:`export` writes it with ``save_pretrained``: ``config.json``,
+``model.safetensors``, ``generation_config.json`` and the tokenizer's files, the LoRA adapters merged into the
+weights (``peft``'s ``merge_and_unload``), tied embeddings kept tied -- or, with ``adapter_only``, the peft
+adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that loads on top of the base model.
+The weights are written in float32 (weights a ``--precision bf16`` run stored in bf16 are widened exactly).
+
+A run with boundary bottlenecks (``--bottleneck``) has layers that no transformers architecture holds and is
+refused; a token reference or codec state is link state, not model, and is left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from dgpipe.models import Stage
+from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
+
+from . import checkpoint
+from .lm import LMOptions, lm_tokenizer, lora_config, random_config
+
+__all__ = ["Run", "load_run", "export"]
+
+
+@dataclass
+class Run:
+    """A run's model rebuilt from its checkpoint.
+
+    Attributes:
+        model: the ``AutoModelForCausalLM`` with the run's weights (its LoRA adapters injected, unmerged).
+        peft_model: the ``peft.PeftModel`` around it with ``--lora``, else None.
+        tokenizer: the run's tokenizer.
+        step: the checkpoint's optimizer step.
+        args: the run's arguments (``meta.json``'s ``args``).
+    """
+
+    model: nn.Module
+    peft_model: Any
+    tokenizer: Any
+    step: int
+    args: dict[str, Any]
+
+
+def _complete_step(directory: str) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
+    """The newest step every rank completed: ``(step, meta, rank states)``.
+
+    Raises:
+        ValueError: no checkpoint, or none complete (each step's reason)."""
+    found = checkpoint.steps(directory)
+    if not found:
+        raise ValueError(f"{directory}: no checkpoint (step-* folders written by --save)")
+    reasons = []
+    for step in reversed(found):
+        folder = checkpoint.step_dir(directory, step)
+        try:
+            meta = checkpoint.read_meta(folder)
+            states = [checkpoint.load_rank(folder, r) for r in range(meta["world_size"])]
+        except ValueError as e:
+            reasons.append(f"step {step}: {e}")
+            continue
+        return step, meta, states
+    raise ValueError(f"{directory}: no complete checkpoint ({'; '.join(reasons)})")
+
+
+def _stage_states(meta: dict[str, Any], states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' stage weights joined into one ``Stage(*layers)`` state dict."""
+    joined: dict[str, Any] = {}
+    for state in states:
+        engine = state["engine"]
+        if meta["mode"] == "dataparallel":
+            parts = [engine["model"]]
+        elif "stages" in engine:  # dgpipe's runtime: {"stages": {index: state}, "codecs": ...}
+            parts = list(engine["stages"].values())
+        else:  # torch's schedules: {index: state}
+            parts = list(engine.values())
+        for part in parts:
+            joined.update(part)
+    return joined
+
+
+def load_run(directory: str) -> Run:
+    """The model of the newest complete checkpoint under ``directory`` (see the module docstring).
+
+    Raises:
+        ValueError: no complete checkpoint; not a language-model run; a run with boundary bottlenecks; weights that
+            do not fit the rebuilt model (names the first keys).
+    """
+    step, meta, states = _complete_step(directory)
+    args = meta["args"]
+    names = [f.name for f in dataclasses.fields(LMOptions)]
+    if any(n not in args for n in ("model", "model_config", "block_length")):
+        raise ValueError(f"{directory}: not a language-model run (dgpipe-lm)")
+    opts = LMOptions(**{n: args[n] for n in names if n in args})
+    if opts.bottleneck is not None:
+        raise ValueError(f"{directory}: the run has boundary bottlenecks (--bottleneck {opts.bottleneck}), layers no "
+                         "transformers architecture holds; export a run without them")
+    tokenizer = lm_tokenizer(opts, args.get("data_dir"))
+    config = random_config(opts, len(tokenizer))
+    model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
+    peft_model = None
+    if opts.lora:
+        from peft import get_peft_model
+
+        peft_model = get_peft_model(model, lora_config(opts))
+        model = peft_model.get_base_model()
+    whole = Stage(*causal_lm_layers(model))
+    missing, unexpected = whole.load_state_dict(_stage_states(meta, states), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory}, step {step}: the weights do not fit the run's model (missing "
+                         f"{', '.join(missing[:3]) or 'none'}; unexpected {', '.join(unexpected[:3]) or 'none'})")
+    return Run(model.float().eval(), peft_model, tokenizer, step, args)
+
+
+def export(directory: str, out: str, adapter_only: bool = False, overwrite: bool = False) -> Run:
+    """Write the run under ``directory`` to ``out`` as a Hugging Face model folder (or, with ``adapter_only``, a peft
+    adapter folder); returns the loaded run.
+
+    Raises:
+        ValueError: ``out`` exists and is not empty without ``overwrite``; ``adapter_only`` for a run without LoRA;
+            see :func:`load_run`.
+    """
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        raise ValueError(f"{out} exists and is not empty; choose a new folder or pass --overwrite")
+    run = load_run(directory)
+    if adapter_only and run.peft_model is None:
+        raise ValueError(f"--adapter-only: the run in {directory} trained no LoRA adapters (no --lora)")
+    target.mkdir(parents=True, exist_ok=True)
+    if adapter_only:
+        run.peft_model.save_pretrained(target)
+    else:
+        merged = run.peft_model.merge_and_unload() if run.peft_model is not None else run.model
+        merged.save_pretrained(target)
+        run.model = merged
+    run.tokenizer.save_pretrained(target)
+    return run
