@@ -6,7 +6,8 @@ activation checkpointing, trained one step client/server uncompressed: the loss 
 the same prepared stages run one after another in one process, bfloat16 values (2 bytes each, exactly) cross the
 boundaries, and the loss is within bf16's rounding of the float32 model's. In one process: checkpointing gives the
 same gradients while the autograd graph keeps a fraction of the activations; fp16's loss scale skips a step whose
-gradients overflow and halves; bits a value count 2-byte values; the CPU peak follows an allocation.
+gradients overflow and halves, and an fp16 run logs the float32 run's losses (the scale divided out) with 16 bits a value
+uncompressed; bits a value count 2-byte values; the CPU peak follows an allocation.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_co
 from dgpipe.pipeline import Pipeline
 from dgpipe.train import memory
 from dgpipe.train.precision import LossScale, prepare_stages
-from dgpipe.train.runlog import direction_bits
-from helpers import assert_ranks_ok, spawn_checks
+from dgpipe.train.runlog import direction_bits, read_records
+from helpers import ROOT, assert_ranks_ok, load_cli, spawn_checks
 
 peft = pytest.importorskip("peft", reason="needs peft (pip install -e .)")
 
@@ -161,3 +162,31 @@ def test_cpu_peak_follows_an_allocation_and_resets():
     memory.reset_peak(cpu)
     assert memory.peak_bytes(cpu) < before + 32 * 2**20
     assert memory.memory_kind(cpu) == "rss"
+
+
+WIKI = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
+
+
+@pytest.mark.usefixtures("no_torchrun")
+@pytest.mark.skipif(not WIKI.is_dir(), reason=f"real text corpus not found at {WIKI}")
+def test_fp16_run_reports_the_unscaled_loss_and_16_bit_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "wiki"
+    corpus.mkdir()
+    for split, chars in (("train", 20_000), ("valid", 4_000), ("test", 4_000)):
+        (corpus / f"{split}.txt").write_text((WIKI / f"{split}.txt").read_text(encoding="utf-8")[:chars])
+    lm = load_cli("test_lm_dgpipe")
+    losses = {}
+    for precision in ("fp32", "fp16"):
+        log = tmp_path / f"{precision}.jsonl"
+        assert lm.main(["--data-dir", str(corpus), "--model-config", "tiny-llama", "--tokenizer", "bpe:400",
+                        "--block-length", "32", "--batch-size", "4", "--chunk", "2", "--max-steps", "2",
+                        "--eval-subset", "4", "--num-workers", "0", "--no-progress", "--precision", precision,
+                        "--log-file", str(log)]) == 0
+        records = read_records(log)
+        losses[precision] = [r["loss"] for r in records if r["event"] == "step"]
+        epoch = next(r for r in records if r["event"] == "epoch")
+        assert epoch["value_bytes"] == (4 if precision == "fp32" else 2)
+        assert direction_bits(records)["backward"] == pytest.approx(32 if precision == "fp32" else 16, rel=0.02)  # + headers
+    # the loss scale (2^16) is divided out: the same losses as float32, to half precision's rounding
+    assert losses["fp16"] == pytest.approx(losses["fp32"], rel=1e-2)

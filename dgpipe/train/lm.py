@@ -1,7 +1,8 @@
-"""The language-model job: a decoder LM pretrained or fine-tuned on a text corpus.
+"""The language-model job: a decoder LM pretrained or fine-tuned on a text corpus or on instruction data.
 
 Data from :mod:`dgpipe.data.text` (a local corpus folder with train/valid/test ``.txt`` files, or
-a Hugging Face dataset online), tokenized and packed into blocks of ``--block-length`` tokens; the
+a Hugging Face dataset online) or :mod:`dgpipe.data.chat` (a folder of ``.jsonl`` conversations, the loss on
+the assistant's tokens), tokenized and packed into blocks of ``--block-length`` tokens; the
 model from :mod:`dgpipe.models.causal_lm` -- pretrained weights (``--model``: a local directory, a
 GGUF file, an offline package name such as ``smollm2-135m-instruct``, or a hub name online) or a
 random initialisation (``--model-config``: a preset of :data:`~dgpipe.models.causal_lm.LM_PRESETS`
