@@ -16,12 +16,13 @@ folder instead). It loads with transformers' AutoModelForCausalLM.from_pretraine
 EPILOG = """\
 example:
   %(prog)s runs/smollm2-lora runs/smollm2-lora-hf
-  python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('runs/smollm2-lora-hf')\""""
+  python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('runs/smollm2-lora-hf')\""""
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """Flags of ``dgpipe-lm export``."""
-    p = JobParser(prog=prog, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = JobParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the run's --save folder")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the model folder to write (new or empty)")
     p.add_argument("--adapter-only", action="store_true",

@@ -44,7 +44,8 @@ def _conversation(row: object, where: str) -> list[dict[str, str]]:
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str) for m in messages):
+                isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)
+                for m in messages):
             raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': {'|'.join(_ROLES)}, "
                              "'content': text}")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -249,7 +249,8 @@ LM_CHAT_SETTINGS: dict[str, list[str]] = {
     "lora8_bf16_ckpt": ["--lora", "8", "--lora-alpha", "16", "--lr", "2e-4", "--precision", "bf16",
                         "--activation-checkpointing"],
     "lora8_bf16_ckpt_link": ["--lora", "8", "--lora-alpha", "16", "--lr", "2e-4", "--precision", "bf16",
-                             "--activation-checkpointing", *LM_FINETUNE_SETTINGS["refscaledbackoff_codebook5lv_gcb5lv"]],
+                             "--activation-checkpointing",
+                             *LM_FINETUNE_SETTINGS["refscaledbackoff_codebook5lv_gcb5lv"]],
 }
 
 SETTINGS = {"pipeline": PIPELINE_SETTINGS, "ddp": DDP_SETTINGS, "lowbit": LOWBIT_SETTINGS, "delta": DELTA_SETTINGS,

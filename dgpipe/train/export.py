@@ -106,7 +106,7 @@ def load_run(directory: str) -> Run:
                          "transformers architecture holds; export a run without them")
     tokenizer = lm_tokenizer(opts, args.get("data_dir"))
     config = random_config(opts, len(tokenizer))
-    model = build_causal_lm(config if config is not None else resolve_lm(opts.model))
+    model = build_causal_lm(config if config is not None else resolve_lm(str(opts.model)))
     peft_model = None
     if opts.lora:
         from peft import get_peft_model
@@ -139,7 +139,7 @@ def export(directory: str, out: str, adapter_only: bool = False, overwrite: bool
     if adapter_only:
         run.peft_model.save_pretrained(target)
     else:
-        merged = run.peft_model.merge_and_unload() if run.peft_model is not None else run.model
+        merged: Any = run.peft_model.merge_and_unload() if run.peft_model is not None else run.model
         merged.save_pretrained(target)
         run.model = merged
     run.tokenizer.save_pretrained(target)

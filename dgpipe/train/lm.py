@@ -43,7 +43,8 @@ from .config import RunConfig
 from .engine import placement
 from .job import Job, check_partition, decay_groups
 
-__all__ = ["LMJob", "LMOptions", "DEFAULT_BPE", "lm_tokenizer", "random_config", "lora_config", "add_adapters", "token_blocks"]
+__all__ = ["LMJob", "LMOptions", "DEFAULT_BPE", "lm_tokenizer", "random_config", "lora_config", "add_adapters",
+           "token_blocks"]
 
 #: Tokenizer of a randomly initialised preset unless ``--tokenizer`` says otherwise.
 DEFAULT_BPE = "bpe:4096"
@@ -194,7 +195,7 @@ class _Windows(Dataset):
         return x, torch.cat([x[:1], y])
 
 
-def lm_tokenizer(opts: LMOptions, corpus: str):
+def lm_tokenizer(opts: LMOptions, corpus: str | None):
     """``opts.tokenizer`` as a tokenizer: ``"model"`` is the pretrained model's own (a GGUF file's
     included), else :func:`dgpipe.data.text.load_tokenizer` (``bpe:N`` trained on ``corpus``)."""
     from transformers import AutoTokenizer
@@ -402,9 +403,9 @@ class LMJob(Job):
 
     def loaders(self, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
         opts, d, seed = self.config.job, self.config.data, self.config.train.seed
-        blocks = token_blocks(d.data_dir, "train", self.tokenizer, opts.block_length, d.train_subset)
+        blocks = token_blocks(str(d.data_dir), "train", self.tokenizer, opts.block_length, d.train_subset)
         train: Dataset = _Windows(blocks) if opts.distill else blocks
-        held = token_blocks(d.data_dir, opts.eval_split, self.tokenizer, opts.block_length, d.eval_subset)
+        held = token_blocks(str(d.data_dir), opts.eval_split, self.tokenizer, opts.block_length, d.eval_subset)
         train_loader = make_dataloader(train, d.batch_size // world_size, shuffle=True, seed=seed,
                                        num_workers=d.num_workers, rank=rank, world_size=world_size,
                                        sample_ids=self.config.delta.delta)
