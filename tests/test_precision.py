@@ -190,3 +190,13 @@ def test_fp16_run_reports_the_unscaled_loss_and_16_bit_values(tmp_path, monkeypa
         assert direction_bits(records)["backward"] == pytest.approx(32 if precision == "fp32" else 16, rel=0.02)  # + headers
     # the loss scale (2^16) is divided out: the same losses as float32, to half precision's rounding
     assert losses["fp16"] == pytest.approx(losses["fp32"], rel=1e-2)
+
+
+def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
+    from dgpipe.train.precision import check_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(ValueError, match="this GPU has no bfloat16 arithmetic; use --precision fp16"):
+        check_precision("bf16", ["cpu", "cuda:0"])
+    check_precision("bf16", ["cpu", "cpu"])  # CPU autocast has bfloat16
+    check_precision("fp16", ["cpu", "cuda:0"])
