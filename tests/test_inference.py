@@ -304,7 +304,7 @@ def test_cli_generates_and_refuses_bad_input(capsys):
     assert lm.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("--- ") == 2 and "time to first token" in out and "client->server: 3 messages" in out
-    for bad, message in ((["--prompt", "x"], "give --model or --model-config"),
+    for bad, message in ((["--prompt", "x"], "give one of --model, --model-config or --checkpoint"),
                          (["--model-config", "tiny-llama", "--tokenizer", tokenizer], "give --prompt"),
                          (["--model-config", "tiny-llama", "--tokenizer", tokenizer, "--prompt", "x", "--codec",
                            "nope"], "unknown codec"),
