@@ -171,3 +171,25 @@ def test_export_refusals(runs, tmp_path, capsys, monkeypatch):
     meta.write_text(json.dumps(args))
     shutil.copy(gpt2 / "step-00000002" / "rank1.pt", next(broken.iterdir()) / "rank1.pt")
     assert "boundary bottlenecks" in _export_error([str(broken), str(tmp_path / "d")], capsys)
+
+
+def test_weights_read_from_gguf_are_saved_as_a_plain_model(tmp_path):
+    """transformers marks a model it de-quantized from a GGUF file as quantized and refuses to save it; the export
+    saves the same weights from a model built without the GGUF record."""
+    from transformers import AutoModelForCausalLM
+
+    from dgpipe.models.causal_lm import build_causal_lm, preset_config
+    from dgpipe.train.export import _plain
+
+    torch.manual_seed(0)
+    model = build_causal_lm(preset_config("tiny-llama", 97, 16))
+    assert _plain(model) is model
+    model.hf_quantizer = object()
+    model.config.quantization_config = {"quant_method": "gguf"}
+    plain = _plain(model)
+    assert getattr(plain, "hf_quantizer", None) is None and not hasattr(plain.config, "quantization_config")
+    plain.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)

@@ -16,11 +16,13 @@ refused; a token reference or codec state is link state, not model, and is left 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from dgpipe.models import Stage
@@ -118,7 +120,24 @@ def load_run(directory: str) -> Run:
     if missing or unexpected:
         raise ValueError(f"{directory}, step {step}: the weights do not fit the run's model (missing "
                          f"{', '.join(missing[:3]) or 'none'}; unexpected {', '.join(unexpected[:3]) or 'none'})")
-    return Run(model.float().eval(), peft_model, tokenizer, step, args)
+    for p in whole.parameters():  # weights stored in 16 bits (--precision bf16) widen exactly
+        p.data = p.data.float()
+    return Run(model.eval(), peft_model, tokenizer, step, args)
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    """``model`` itself, or -- for weights transformers read from a GGUF file, which it marks quantized and will not
+    save although they are de-quantized float32 -- the same weights in a model built from the config without the
+    GGUF quantization record."""
+    if getattr(model, "hf_quantizer", None) is None:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
 
 
 def export(directory: str, out: str, adapter_only: bool = False, overwrite: bool = False) -> Run:
@@ -140,6 +159,7 @@ def export(directory: str, out: str, adapter_only: bool = False, overwrite: bool
         run.peft_model.save_pretrained(target)
     else:
         merged: Any = run.peft_model.merge_and_unload() if run.peft_model is not None else run.model
+        merged = _plain(merged)
         merged.save_pretrained(target)
         run.model = merged
     run.tokenizer.save_pretrained(target)
