@@ -125,7 +125,7 @@ def load_run(directory: str) -> Run:
     return Run(model.eval(), peft_model, tokenizer, step, args)
 
 
-def _plain(model: nn.Module) -> nn.Module:
+def _plain(model: Any) -> Any:
     """``model`` itself, or -- for weights transformers read from a GGUF file, which it marks quantized and will not
     save although they are de-quantized float32 -- the same weights in a model built from the config without the
     GGUF quantization record."""
