@@ -129,3 +129,20 @@ def test_tiny_llama_trains_on_the_instruction_set(tmp_path):
     assert 8 < summary["value"] < 12  # about log(50257) = 10.8 from a random start
     assert {m["kind"] for m in summary["memory"]} <= {"rss", "rss_lifetime"} and len(summary["memory"]) == 2
     assert all(m["peak_bytes"] > m["start_bytes"] > 0 for m in summary["memory"])
+
+
+def test_one_file_holds_out_every_tenth_conversation(tmp_path, monkeypatch, capsys):
+    from dgpipe.data.chat import is_chat_corpus
+
+    rows = [{"prompt": f"question {k}", "response": f"answer {k}"} for k in range(1, 21)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert is_chat_corpus(str(path))
+    train, valid = read_conversations(str(path), "train"), read_conversations(str(path), "valid")
+    assert [c[0]["content"] for c in valid] == ["question 10", "question 20"]
+    assert len(train) == 18 and all(c[0]["content"] not in ("question 10", "question 20") for c in train)
+    assert read_conversations(str(path), "test") == valid
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:9]))
+    monkeypatch.setattr(loop, "run", lambda *a, **k: pytest.fail("a process was started"))
+    err = _error(["--data-dir", str(path), "--model-config", "tiny-llama", "--tokenizer", str(GPT2)], capsys)
+    assert "9 conversations; a single file needs 10 or more" in err

@@ -44,8 +44,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                       data_dir_help="corpus: a folder with train.txt, valid.txt and test.txt (e.g. "
                                     "../shared/data/text/wiki-excerpt), or online a Hugging Face dataset NAME[:CONFIG] "
                                     "with a 'text' column; or chat data: a folder with train.jsonl and valid.jsonl of "
-                                    "conversations (e.g. benchmarks/data/wiki-chat), the loss on the assistant's "
-                                    "tokens; --train-subset/--eval-subset N keep the first N blocks",
+                                    "conversations (e.g. benchmarks/data/wiki-chat) or one .jsonl file (every 10th "
+                                    "held out), the loss on the assistant's tokens; --train-subset/--eval-subset N "
+                                    "keep the first N blocks",
                       epilog=EPILOG, prog=prog)
     g = p.add_argument_group("decoder language model")
     g.add_argument("--model", metavar="NAME_OR_PATH",

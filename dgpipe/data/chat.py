@@ -1,9 +1,10 @@
 """Instruction (chat) data for fine-tuning a language model: conversations rendered by the tokenizer's chat
 template, the loss on the assistant's tokens only.
 
-A chat corpus is a folder holding ``train.jsonl`` and ``valid.jsonl`` (and/or ``test.jsonl``), one conversation
-a line: ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`` (the format of
-Hugging Face chat datasets and of ``apply_chat_template``), or ``{"prompt": "...", "response": "..."}`` (a user
+A chat corpus is a folder holding ``train.jsonl`` and ``valid.jsonl`` (and/or ``test.jsonl``), or one ``.jsonl``
+file whose every 10th conversation is held out; one conversation a line: ``{"messages": [{"role":
+"system"|"user"|"assistant", "content": "..."}, ...]}`` (the format of Hugging Face chat datasets and of
+``apply_chat_template``), or ``{"prompt": "...", "response": "..."}`` (a user
 turn and the assistant's answer). Each conversation is rendered with the tokenizer's ``chat_template`` --
 :data:`CHATML` for a tokenizer without one (a ``bpe:N`` vocabulary, GPT-2's) -- and tokenized once; the tokens of
 each assistant turn (its text and its end-of-turn markup: what ``render(messages[:i + 1])`` adds to
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHATML", "IGNORE", "is_chat_corpus", "read_conversations", "tokenize_conversation", "tokenize_chat"]
+__all__ = ["CHATML", "IGNORE", "HELD_OUT", "is_chat_corpus", "read_conversations", "tokenize_conversation",
+           "tokenize_chat"]
 
 #: The target of a token that is not trained (the default ``ignore_index`` of ``cross_entropy``).
 IGNORE = -100
@@ -32,10 +34,14 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
 _ROLES = ("system", "user", "assistant")
 
 
+#: A single chat file's held-out split: every ``HELD_OUT``-th conversation (the 10th, 20th, ...).
+HELD_OUT = 10
+
+
 def is_chat_corpus(corpus: str) -> bool:
-    """Whether ``corpus`` is a local folder of chat ``.jsonl`` splits (rather than ``.txt`` text)."""
-    folder = Path(corpus)
-    return folder.is_dir() and (folder / "train.jsonl").is_file()
+    """Whether ``corpus`` is chat data -- a folder of ``.jsonl`` splits or one ``.jsonl`` file -- rather than text."""
+    path = Path(corpus)
+    return path.is_dir() and (path / "train.jsonl").is_file() or path.suffix == ".jsonl"
 
 
 def _conversation(row: object, where: str) -> list[dict[str, str]]:
@@ -60,15 +66,31 @@ def _conversation(row: object, where: str) -> list[dict[str, str]]:
 
 
 def read_conversations(corpus: str, split: str) -> list[list[dict[str, str]]]:
-    """The conversations of ``<corpus>/<split>.jsonl``, each a list of ``{"role", "content"}`` messages.
+    """The conversations of ``<corpus>/<split>.jsonl``, each a list of ``{"role", "content"}`` messages; of a single
+    ``.jsonl`` file, every :data:`HELD_OUT`-th conversation for ``valid`` or ``test`` and the others for ``train``.
 
     Raises:
-        ValueError: a missing file, a line that is not JSON, or one without the fields (names the file and line).
+        ValueError: a missing file, a line that is not JSON, or one without the fields (names the file and line);
+            a single file with fewer than :data:`HELD_OUT` conversations.
     """
-    path = Path(corpus) / f"{split}.jsonl"
+    path = Path(corpus)
+    if path.suffix == ".jsonl":
+        if not path.is_file():
+            raise ValueError(f"chat data {corpus}: no such file")
+        every = _parse(path)
+        if len(every) < HELD_OUT:
+            raise ValueError(f"{path}: {len(every)} conversations; a single file needs {HELD_OUT} or more (every "
+                             f"{HELD_OUT}th is held out)")
+        held = [(k + 1) % HELD_OUT == 0 for k in range(len(every))]
+        return [c for c, h in zip(every, held) if h == (split != "train")]
+    path = path / f"{split}.jsonl"
     if not path.is_file():
         raise ValueError(f"chat corpus {corpus}: no {path} (a chat corpus folder holds train.jsonl and valid.jsonl "
                          "or test.jsonl)")
+    return _parse(path)
+
+
+def _parse(path: Path) -> list[list[dict[str, str]]]:
     out = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
