@@ -70,9 +70,14 @@ def test_prompt_response_rows_and_the_blocks_targets(tokenizer, tmp_path):
 def test_the_loss_and_the_score_count_the_assistants_tokens(tmp_path):
     from dgpipe.train.lm import LMJob
 
+    from torch import nn
+
+    from dgpipe.models.causal_lm import CausalLMHead
+
     job = LMJob.__new__(LMJob)
     job.config = type("C", (), {"job": type("O", (), {"distill": False})(),
-                                "train": type("T", (), {"activation_checkpointing": False})()})()
+                                "train": type("T", (), {"precision": "fp32"})()})()
+    job.head = CausalLMHead(nn.Identity(), nn.Identity())  # logits = the states it is given
     logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
     target = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(1))
     target[0, :3] = IGNORE
@@ -80,10 +85,17 @@ def test_the_loss_and_the_score_count_the_assistants_tokens(tmp_path):
     kept = target != IGNORE
     want = F.cross_entropy(logits[kept], target[kept])
     assert float(job.loss(logits, target)) == pytest.approx(float(want), rel=1e-6)
-    job.config.train.activation_checkpointing = True  # a sequence at a time, recomputed in backward
-    assert float(job.loss(logits, target)) == pytest.approx(float(want), rel=1e-6)
     metrics = job.metrics(job.eval_outputs(logits, target), target)
     assert metrics["val_loss"] == pytest.approx(float(want), rel=1e-6)
+    job.head.defer_logits = True  # the head's logits computed in the loss, a sequence at a time, recomputed
+    states = logits.clone().requires_grad_()
+    loss = job.loss(states, target)
+    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    loss.backward()
+    reference = logits.clone().requires_grad_()
+    F.cross_entropy(reference[kept], target[kept]).backward()
+    torch.testing.assert_close(states.grad, reference.grad, rtol=1e-5, atol=1e-7)
+    assert job.metrics(job.eval_outputs(logits, target), target)["val_loss"] == pytest.approx(float(want), rel=1e-6)
     assert metrics["val_ppl"] == pytest.approx(math.exp(float(want)), rel=1e-6)
 
 

@@ -342,7 +342,15 @@ class DecoderBlock(nn.Module):
 
 class CausalLMHead(nn.Module):
     """Final norm and LM head (Gemma 3: with its final logit soft-capping): the last block's value ->
-    ``logits`` float ``(B, L, vocab)``."""
+    ``logits`` float ``(B, L, vocab)``.
+
+    Attributes:
+        defer_logits: the forward stops after the final norm and returns its ``(B, L, H)`` states, whose logits
+            the caller computes with :meth:`logits` a few sequences at a time (a loss that never holds a whole
+            micro-batch's ``B x L x vocab`` logits; :class:`~dgpipe.train.lm.LMJob` with activation checkpointing).
+    """
+
+    defer_logits: bool = False
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None = None,
                  carry_ids: bool = False) -> None:
@@ -351,7 +359,12 @@ class CausalLMHead(nn.Module):
 
     def forward(self, inputs) -> torch.Tensor:
         hidden, _, _ = _split_value(inputs, self.carry_ids)
-        logits = self.lm_head(self.norm(hidden))
+        normed = self.norm(hidden)
+        return normed if self.defer_logits else self.logits(normed)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head (and soft-capping) of final-normed states ``(..., H)`` -> logits ``(..., vocab)``."""
+        logits = self.lm_head(normed)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -35,13 +35,14 @@ from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_
 from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, fit_bottlenecks, insert_bottlenecks,
                                       parse_widths)
 from dgpipe.pipeline.boundary import boundary_name
-from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, CausalEmbeddings, build_causal_lm, causal_lm_layers,
-                                     preset_config, resolve_lm)
+from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, CausalEmbeddings, CausalLMHead, build_causal_lm,
+                                     causal_lm_layers, preset_config, resolve_lm)
 
 from .compare import LM_LINKS
 from .config import RunConfig
 from .engine import placement
 from .job import Job, check_partition, decay_groups
+from .precision import PRECISIONS
 
 __all__ = ["LMJob", "LMOptions", "DEFAULT_BPE", "lm_tokenizer", "random_config", "lora_config", "add_adapters",
            "token_blocks"]
@@ -168,16 +169,9 @@ def token_blocks(corpus: str, split: str, tokenizer, length: int, limit: int | N
     return TokenBlocks(tokenize_corpus(corpus, split, tokenizer), length, limit)
 
 
-#: Sequences whose float32 log-probabilities the loss and the evaluation hold at once (the logits of a whole
-#: micro-batch in float32 are ``B x L x vocab x 4`` bytes: 100 MB for 4 x 128 tokens of a 49k vocabulary).
+#: Sequences whose logits and float32 log-probabilities the loss and the evaluation hold at once (a whole
+#: micro-batch's are ``B x L x vocab x 4`` bytes: 100 MB for 4 x 128 tokens of a 49k vocabulary).
 LOSS_ROWS = 1
-
-
-def _summed_nll(logits: torch.Tensor, target: torch.Tensor, per_row: bool = False) -> torch.Tensor:
-    """Summed next-token NLL (nats, float32) of logits ``(b, L, V)`` against targets int64 ``(b, L)`` (``-100``
-    left out): a scalar, or ``(b,)`` with ``per_row``."""
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none").view(target.shape)
-    return nll.sum(1) if per_row else nll.sum()
 
 
 class _Windows(Dataset):
@@ -346,6 +340,10 @@ class LMJob(Job):
         config_: Any = model.config
         self.vocab, self.hidden_size = config_.vocab_size, int(config_.hidden_size)
         layers = causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference or opts.bottleneck_anchor)
+        head = layers[-1]
+        assert isinstance(head, CausalLMHead)  # causal_lm_layers' last layer
+        head.defer_logits = self.config.train.activation_checkpointing and not opts.distill
+        self.head = head
         first = layers[0]
         assert isinstance(first, CausalEmbeddings)  # causal_lm_layers' first layer
         self.token_embedding = first.embed_tokens
@@ -414,15 +412,18 @@ class LMJob(Job):
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the trained targets (chat data: the assistant's tokens; targets
-        ``-100`` are left out): logits float ``(B, L, V)``, targets int64 ``(B, L)``. With ``--distill``
+        ``-100`` are left out): logits float ``(B, L, V)``, targets int64 ``(B, L)``. With
+        ``--activation-checkpointing`` the head defers its logits (:attr:`CausalLMHead.defer_logits`): the output is
+        its final-normed states ``(B, L, H)`` and the logits are computed here :data:`LOSS_ROWS` sequences at a time
+        and recomputed in the backward pass, so no micro-batch's logits are ever held whole. With ``--distill``
         the target is the window of ``L + 1`` tokens (:class:`_Windows`) and the loss the mean over tokens of
         ``KL(teacher || model)`` between the next-token distributions (Hinton et al., "Distilling the Knowledge in
         a Neural Network", 2015, at temperature 1)."""
         if not self.config.job.distill:
             count = (target != IGNORE).sum().clamp(min=1)
-            if not self.config.train.activation_checkpointing:
+            if not self.head.defer_logits:
                 return F.cross_entropy(output.flatten(0, 1).float(), target.flatten(), reduction="sum") / count
-            total = sum(checkpoint(_summed_nll, out, tgt, use_reentrant=False)
+            total = sum(checkpoint(self._summed_nll, out, tgt, use_reentrant=False)
                         for out, tgt in zip(output.split(LOSS_ROWS), target.split(LOSS_ROWS)))
             return total / count
         with torch.no_grad():
@@ -431,9 +432,20 @@ class LMJob(Job):
         return F.kl_div(student, F.log_softmax(teacher.flatten(0, 1).float(), -1).to(student.device),
                         log_target=True, reduction="batchmean")
 
+    def _summed_nll(self, output: torch.Tensor, target: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+        """Summed next-token NLL (nats, float32) of the last stage's output ``(b, L, ...)`` -- logits, or the head's
+        final-normed states where it defers its logits (computed here, under the run's autocast) -- against targets
+        int64 ``(b, L)`` (``-100`` left out): a scalar, or ``(b,)`` with ``per_row``."""
+        if self.head.defer_logits:
+            dtype = PRECISIONS[self.config.train.precision]
+            with torch.autocast(output.device.type, dtype=dtype, enabled=dtype is not None):
+                output = self.head.logits(output)
+        nll = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(), reduction="none").view(target.shape)
+        return nll.sum(1) if per_row else nll.sum()
+
     def eval_outputs(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per block: float64 ``(B, 2)`` = (summed token NLL in nats, scored tokens) instead of the logits."""
-        nll = torch.cat([_summed_nll(out, tgt, per_row=True) for out, tgt in
+        nll = torch.cat([self._summed_nll(out, tgt, per_row=True) for out, tgt in
                          zip(output.split(LOSS_ROWS), target.split(LOSS_ROWS))])
         return torch.stack([nll.double(), (target != IGNORE).sum(1).double()], 1)
 
