@@ -94,7 +94,10 @@ def test_validation_loss_is_the_mean_token_cross_entropy():
 
     g = torch.Generator().manual_seed(0)
     logits, targets = torch.randn(6, 9, 13, generator=g), torch.randint(0, 13, (6, 9), generator=g)
+    from dgpipe.models.causal_lm import CausalLMHead
+
     job = LMJob.__new__(LMJob)
+    job.head = CausalLMHead(torch.nn.Identity(), torch.nn.Identity())  # a head that gives its logits itself
     reduced = torch.cat([job.eval_outputs(logits[:4], targets[:4]), job.eval_outputs(logits[4:], targets[4:])])
     metrics = job.metrics(reduced, targets)
     want = F.cross_entropy(logits.reshape(-1, 13), targets.reshape(-1)).item()
