@@ -80,7 +80,8 @@ def worker(out: Path, delay_ms: float, new_tokens: int, shapes: list[tuple[int, 
     from dgpipe.cli.generate import _load
     from dgpipe.comm import BandwidthMeter
     from dgpipe.comm.delay import DelayLine
-    from dgpipe.inference import ClientStages, RemoteServer, StageBlocks, generate, serve, split_layers
+    from dgpipe.inference import ClientStages, RemoteServer, StageBlocks, generate, serve
+    from dgpipe.models import client_server_split
     from dgpipe.models.causal_lm import causal_lm_layers
     from dgpipe.pipeline import init_distributed
 
@@ -88,7 +89,7 @@ def worker(out: Path, delay_ms: float, new_tokens: int, shapes: list[tuple[int, 
     rank, _ = init_distributed("gloo", 600)
     args = argparse.Namespace(model=MODEL, tokenizer=None, model_config=None)
     model, tokenizer = _load(args)
-    front, middle, last = split_layers(causal_lm_layers(model), 1)
+    front, middle, last = client_server_split(causal_lm_layers(model), 1, (1, 1))
     delay = DelayLine(delay_ms / 1000) if delay_ms else None
     client = ClientStages(front, last, model.config)
     text_ids = tokenizer(TEXT.read_text(encoding="utf-8")[:400_000], return_tensors="pt")["input_ids"][0]  # once

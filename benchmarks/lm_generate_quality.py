@@ -34,7 +34,8 @@ import torch
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.data.text import tokenize_corpus
-from dgpipe.inference import ClientStages, LocalServer, StageBlocks, generate, score, split_layers
+from dgpipe.inference import ClientStages, LocalServer, StageBlocks, generate, score
+from dgpipe.models import client_server_split
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
 from dgpipe.train.lm_benchmark import mean_interval
 
@@ -96,7 +97,7 @@ def main() -> int:
     settings = {k: v for k, v in SETTINGS.items()
                 if args.only is None or k == "none" or k in args.only.split(",")}
     n = args.blocks * args.length
-    front, middle, back = split_layers(causal_lm_layers(model), 1)
+    front, middle, back = client_server_split(causal_lm_layers(model), 1, (1, 1))
     client, stage = ClientStages(front, back, model.config), StageBlocks(middle, model.config)
     results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in settings}
     # one link per setting for all prompt sets, as a server serves one client: the channel means learn from

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
 from dgpipe.pipeline.coders import CodecArg, codec_factory
 
 __all__ = ["Sampling", "StageBlocks", "ClientStages", "LocalServer", "RemoteServer", "ServerLimits", "serve",
-           "generate", "score", "split_layers", "ALPHA",
+           "generate", "score", "ALPHA",
            "PREFILL", "DECODE", "END", "HIDDEN"]
 
 ALPHA = 1e-3
@@ -176,23 +176,6 @@ def _checked_header(payload: Payload, codec: Codec, shape: tuple[int, ...], dtyp
         raise ValueError(f"{who} sent {what} of dtype {header.dtype}, want {dtype}")
 
 
-def split_layers(layers: list[nn.Module], client_blocks: int = 1) -> tuple[list[nn.Module], list[nn.Module],
-                                                                           list[nn.Module]]:
-    """``(client front, server, client back)`` of ``causal_lm_layers(model)``: the embeddings and the first
-    ``client_blocks`` blocks; the middle blocks; the last ``client_blocks`` blocks and the head.
-
-    Raises:
-        ValueError: not a causal LM's layers, or ``client_blocks`` leaves the server no block.
-    """
-    if len(layers) < 3 or not isinstance(layers[0], CausalEmbeddings) or not isinstance(layers[-1], CausalLMHead):
-        raise ValueError("split generation takes the layers of dgpipe.models.causal_lm.causal_lm_layers")
-    blocks = layers[1:-1]
-    if client_blocks < 0 or len(blocks) - 2 * client_blocks < 1:
-        raise ValueError(f"--client-layers {client_blocks}: the server needs at least one of the {len(blocks)} blocks")
-    return layers[: 1 + client_blocks], blocks[client_blocks: len(blocks) - client_blocks], \
-        blocks[len(blocks) - client_blocks:] + [layers[-1]]
-
-
 class StageBlocks:
     """A stage's decoder blocks with their KV cache: ``hidden`` ``(B, L, H)`` -> ``(B, L, H)`` per step.
 
@@ -201,7 +184,8 @@ class StageBlocks:
         config: the model config (sizes the cache).
     """
 
-    def __init__(self, blocks: list[nn.Module], config) -> None:
+    def __init__(self, blocks: Iterable[nn.Module], config) -> None:
+        blocks = list(blocks)
         if not all(isinstance(b, DecoderBlock) for b in blocks):
             raise ValueError("a stage of split generation holds DecoderBlock layers only")
         self.blocks, self.config = blocks, config
@@ -540,9 +524,19 @@ def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", retu
 
 class ClientStages:
     """The client's layers of a split LM: the embeddings and first blocks (``front``), the last blocks and
-    the head (``back``), each block run with the client's KV cache (:class:`StageBlocks`)."""
+    the head (``back``), each block run with the client's KV cache (:class:`StageBlocks`) -- the client's
+    stages of ``client_server_split(causal_lm_layers(model), k, (1, 1))`` (:mod:`dgpipe.models.split`).
 
-    def __init__(self, front: list[nn.Module], back: list[nn.Module], config) -> None:
+    Raises:
+        ValueError: ``front`` does not start with the embeddings or ``back`` does not end with the head.
+    """
+
+    def __init__(self, front: Iterable[nn.Module], back: Iterable[nn.Module], config) -> None:
+        front, back = list(front), list(back)
+        if not front or not isinstance(front[0], CausalEmbeddings) or not back or \
+                not isinstance(back[-1], CausalLMHead):
+            raise ValueError("split generation takes the client stages of client_server_split(causal_lm_layers(model), "
+                             "k, (1, 1)): the embeddings first, the head last")
         self.embeddings, self.head = front[0], back[-1]
         self.first, self.last = StageBlocks(front[1:], config), StageBlocks(back[:-1], config)
 

@@ -21,8 +21,8 @@ from dgpipe.comm.transport import MIN_CAPACITY, Receiver, Sender, pack_message, 
 from dgpipe.compression import get_codec
 from dgpipe.inference import (
     DECODE, HIDDEN, PREFILL, TAG, ClientStages, RemoteServer, ServerLimits, StageBlocks, generate, serve,
-    split_layers,
 )
+from dgpipe.models import client_server_split
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
 from helpers import assert_ranks_ok, spawn_checks
 
@@ -40,7 +40,7 @@ def _model():
 
 
 MODEL = _model()
-FRONT, MIDDLE, BACK = split_layers(causal_lm_layers(MODEL), 1)
+FRONT, MIDDLE, BACK = client_server_split(causal_lm_layers(MODEL), 1, (1, 1))
 H = MODEL.config.hidden_size
 
 

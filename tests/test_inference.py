@@ -19,8 +19,9 @@ from dgpipe.compression.wrappers.reference import (
     POSITION_KEYS, ReferenceCoder, ScaledReferenceCoder, TokenTable, position_keys,
 )
 from dgpipe.inference import (
-    DECODE, ClientStages, LocalServer, RemoteServer, Sampling, StageBlocks, generate, serve, split_layers,
+    DECODE, ClientStages, LocalServer, RemoteServer, Sampling, StageBlocks, generate, serve,
 )
+from dgpipe.models import client_server_split
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
 from helpers import ROOT, assert_ranks_ok, spawn_checks
 
@@ -50,7 +51,7 @@ def prompts():
 
 
 def split(model, client_blocks: int = 1):
-    front, middle, back = split_layers(causal_lm_layers(model), client_blocks)
+    front, middle, back = client_server_split(causal_lm_layers(model), client_blocks, (1, 1))
     return ClientStages(front, back, model.config), StageBlocks(middle, model.config)
 
 
@@ -91,8 +92,10 @@ def test_more_client_blocks_and_a_lossy_link():
     want = codec.encode(torch.randn(3, 7, h)).nbytes + (NEW - 1) * codec.encode(torch.randn(3, 1, h)).nbytes
     assert sent["server->client"]["wire_bytes"] == want
     assert sent["client->server"]["wire_bytes"] == want + get_codec("intpack").encode(mask).nbytes  # mask at prefill
-    with pytest.raises(ValueError, match="server needs at least one"):
+    with pytest.raises(ValueError, match="does not cut 6 layers into non-empty client/server/client stages"):
         split(model, 2)
+    with pytest.raises(ValueError, match="the embeddings first, the head last"):
+        ClientStages(causal_lm_layers(model)[1:2], causal_lm_layers(model)[-1:], model.config)
 
 
 def test_bad_input_is_refused_before_anything_is_sent():

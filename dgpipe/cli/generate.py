@@ -189,12 +189,13 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
     from dgpipe.comm import BandwidthMeter
     from dgpipe.comm.delay import DelayLine
-    from dgpipe.inference import ClientStages, LocalServer, RemoteServer, StageBlocks, generate, serve, split_layers
+    from dgpipe.inference import ClientStages, LocalServer, RemoteServer, StageBlocks, generate, serve
+    from dgpipe.models import client_server_split
     from dgpipe.models.causal_lm import causal_lm_layers
 
     (act, back), prompts, sampling = _config(args)
     model, tokenizer = _load(args)
-    front, middle, last = split_layers(causal_lm_layers(model), args.client_layers)
+    front, middle, last = client_server_split(causal_lm_layers(model), args.client_layers, (1, 1))
     meter = BandwidthMeter()
     delay = DelayLine(args.link_delay_ms / 1000) if args.link_delay_ms else None
     if rank == 1:
