@@ -9,6 +9,8 @@
   and the parts it goes out as, computed independently of :mod:`dgpipe.comm.transport`.
 - :data:`needs_c`: skip a test of the compiled C kernels where they were not built.
 - :func:`default_sigint`: a child's ``preexec_fn`` that gives it the default Ctrl-C handling.
+- :func:`one_line_error`: a CLI's refusal -- exit status 2, the error and the pointer to ``--help``.
+- :func:`corpus_slice`: a text corpus folder holding the first characters of each split of another.
 """
 
 from __future__ import annotations
@@ -158,4 +160,24 @@ def tiny_bert(vocab: int, length: int, hidden: int):
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     return model.train()
+
+
+def one_line_error(main: Callable, argv, capsys) -> str:
+    """Run a CLI's ``main(argv)``, which must exit with status 2 and print two lines on stderr (the error, then
+    the pointer to ``--help``); returns stderr."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 2, err
+    return err
+
+
+def corpus_slice(source: Path, folder: Path, chars: Mapping[str, int]) -> Path:
+    """``folder`` holding ``<split>.txt`` = the first ``chars[split]`` characters of ``source``'s; returns it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in chars.items():
+        (folder / f"{split}.txt").write_text((source / f"{split}.txt").read_text(encoding="utf-8")[:n],
+                                             encoding="utf-8")
+    return folder
 

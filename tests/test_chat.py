@@ -22,7 +22,7 @@ from dgpipe.data.chat import CHATML, IGNORE, read_conversations, tokenize_chat, 
 from dgpipe.data.text import load_tokenizer
 from dgpipe.train import loop
 from dgpipe.train.runlog import read_summary
-from helpers import ROOT, load_cli
+from helpers import ROOT, load_cli, one_line_error
 
 GPT2 = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2"
 CHAT = ROOT / "benchmarks" / "data" / "wiki-chat"
@@ -100,12 +100,7 @@ def test_the_loss_and_the_score_count_the_assistants_tokens(tmp_path):
 
 
 def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        LM.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 2, err
-    return err
+    return one_line_error(LM.main, argv, capsys)
 
 
 @pytest.mark.parametrize("rows, extra, message", [

@@ -26,7 +26,7 @@ from dgpipe.cli import export as export_cli
 from dgpipe.cli import generate
 from dgpipe.train.lm import lm_tokenizer, token_blocks
 from dgpipe.train.runlog import read_summary
-from helpers import ROOT, load_cli
+from helpers import ROOT, corpus_slice, load_cli, one_line_error
 
 WIKI = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
 LM = load_cli("test_lm_dgpipe")
@@ -39,10 +39,7 @@ BLOCK, EVAL = 32, 4
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("wiki")
-    for split, chars in (("train", 20_000), ("valid", 6_000), ("test", 6_000)):
-        (root / f"{split}.txt").write_text((WIKI / f"{split}.txt").read_text(encoding="utf-8")[:chars], encoding="utf-8")
-    return root
+    return corpus_slice(WIKI, tmp_path_factory.mktemp("wiki"), {"train": 20_000, "valid": 6_000, "test": 6_000})
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +140,7 @@ def test_generate_from_the_checkpoint_prints_transformers_greedy_tokens(runs, tm
 
 
 def _export_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        export_cli.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 2, err
-    return err
+    return one_line_error(export_cli.main, argv, capsys)
 
 
 def test_export_refusals(runs, tmp_path, capsys, monkeypatch):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus, train_bpe
 from dgpipe.train import compare, loop
 from dgpipe.train.runlog import read_records
-from helpers import ROOT, load_cli
+from helpers import ROOT, corpus_slice, load_cli, one_line_error
 
 WIKI = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
 GPT2 = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2"
@@ -41,10 +41,7 @@ def cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """The first 40,000 / 8,000 characters of wiki-excerpt's train / valid splits."""
-    root = tmp_path_factory.mktemp("wiki")
-    for split, chars in (("train", 40_000), ("valid", 8_000), ("test", 8_000)):
-        (root / f"{split}.txt").write_text((WIKI / f"{split}.txt").read_text(encoding="utf-8")[:chars], encoding="utf-8")
-    return root
+    return corpus_slice(WIKI, tmp_path_factory.mktemp("wiki"), {"train": 40_000, "valid": 8_000, "test": 8_000})
 
 
 def test_blocks_predict_every_next_token_once():
@@ -106,12 +103,7 @@ def test_validation_loss_is_the_mean_token_cross_entropy():
 
 
 def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        LM.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 2, err  # the error, then the pointer to --help
-    return err
+    return one_line_error(LM.main, argv, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -24,7 +24,7 @@ from dgpipe.pipeline import Pipeline
 from dgpipe.train import memory
 from dgpipe.train.precision import LossScale, prepare_stages
 from dgpipe.train.runlog import direction_bits, read_records
-from helpers import ROOT, assert_ranks_ok, load_cli, spawn_checks
+from helpers import ROOT, assert_ranks_ok, corpus_slice, load_cli, spawn_checks
 
 peft = pytest.importorskip("peft", reason="needs peft (pip install -e .)")
 
@@ -171,10 +171,7 @@ WIKI = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
 @pytest.mark.skipif(not WIKI.is_dir(), reason=f"real text corpus not found at {WIKI}")
 def test_fp16_run_reports_the_unscaled_loss_and_16_bit_values(tmp_path, monkeypatch):
     monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path / "cache"))
-    corpus = tmp_path / "wiki"
-    corpus.mkdir()
-    for split, chars in (("train", 20_000), ("valid", 4_000), ("test", 4_000)):
-        (corpus / f"{split}.txt").write_text((WIKI / f"{split}.txt").read_text(encoding="utf-8")[:chars])
+    corpus = corpus_slice(WIKI, tmp_path / "wiki", {"train": 20_000, "valid": 4_000, "test": 4_000})
     lm = load_cli("test_lm_dgpipe")
     losses = {}
     for precision in ("fp32", "fp16"):

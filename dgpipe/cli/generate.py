@@ -132,10 +132,9 @@ def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
 
     try:
         if args.checkpoint is not None:
-            from dgpipe.train.export import load_run
+            from dgpipe.train.export import run_context
 
-            run = load_run(args.checkpoint)
-            context, tokenizer = getattr(run.model.config, "max_position_embeddings", None), run.tokenizer
+            tokenizer, context = run_context(args.checkpoint)
         elif args.model is not None:
             source = resolve_lm(args.model)
             extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}

@@ -31,7 +31,7 @@ from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_l
 from . import checkpoint
 from .lm import LMOptions, lm_tokenizer, lora_config, random_config
 
-__all__ = ["Run", "load_run", "export"]
+__all__ = ["Run", "load_run", "run_context", "export"]
 
 
 @dataclass
@@ -90,13 +90,11 @@ def _stage_states(meta: dict[str, Any], states: list[dict[str, Any]]) -> dict[st
     return joined
 
 
-def load_run(directory: str) -> Run:
-    """The model of the newest complete checkpoint under ``directory`` (see the module docstring).
+def _run_parts(directory: str) -> tuple[int, dict[str, Any], list[dict[str, Any]], LMOptions, Any, Any]:
+    """``(step, meta, rank states, options, tokenizer, model config)`` of the newest complete checkpoint.
 
     Raises:
-        ValueError: no complete checkpoint; not a language-model run; a run with boundary bottlenecks; weights that
-            do not fit the rebuilt model (names the first keys).
-    """
+        ValueError: see :func:`load_run` (all but weights that do not fit)."""
     step, meta, states = _complete_step(directory)
     args = meta["args"]
     names = [f.name for f in dataclasses.fields(LMOptions)]
@@ -108,7 +106,35 @@ def load_run(directory: str) -> Run:
                          "transformers architecture holds; export a run without them")
     tokenizer = lm_tokenizer(opts, args.get("data_dir"))
     config = random_config(opts, len(tokenizer))
-    model = build_causal_lm(config if config is not None else resolve_lm(str(opts.model)))
+    if config is None:
+        from transformers import AutoConfig
+
+        source = resolve_lm(str(opts.model))
+        extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+        config = AutoConfig.from_pretrained(source.path, **extra)
+    return step, meta, states, opts, tokenizer, config
+
+
+def run_context(directory: str) -> tuple[Any, int | None]:
+    """The tokenizer of the newest complete checkpoint's run and its model's context (tokens), without building the
+    model: what ``dgpipe-lm generate --checkpoint`` checks before any process starts.
+
+    Raises:
+        ValueError: see :func:`load_run`."""
+    *_, tokenizer, config = _run_parts(directory)
+    return tokenizer, getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def load_run(directory: str) -> Run:
+    """The model of the newest complete checkpoint under ``directory`` (see the module docstring).
+
+    Raises:
+        ValueError: no complete checkpoint; not a language-model run; a run with boundary bottlenecks; weights that
+            do not fit the rebuilt model (names the first keys).
+    """
+    step, meta, states, opts, tokenizer, config = _run_parts(directory)
+    args = meta["args"]
+    model = build_causal_lm(resolve_lm(str(opts.model)) if opts.model_config is None else config)
     peft_model = None
     if opts.lora:
         from peft import get_peft_model

@@ -273,14 +273,15 @@ class LMJob(Job):
         if opts.model is not None:
             resolve_lm(opts.model)  # an offline package or a GGUF file without what reads it: ValueError
         chat = is_chat_corpus(data.data_dir)
+        read = read_conversations if chat else read_corpus
         for split in ("train", opts.eval_split):
-            read_conversations(data.data_dir, split) if chat else read_corpus(data.data_dir, split)
-        if chat and (opts.tokenizer or "").startswith("bpe:") or chat and opts.model is None and opts.tokenizer is None:
+            read(data.data_dir, split)
+        opts = replace(opts, tokenizer=opts.tokenizer or ("model" if opts.model is not None else DEFAULT_BPE))
+        if chat and opts.tokenizer.startswith("bpe:"):
             raise ValueError(f"--data-dir {data.data_dir} holds chat data: give a tokenizer that can render it "
                              "(--model's own, or --tokenizer DIR, e.g. ../shared/data/tokenizers/gpt2)")
         if chat and opts.distill:
             raise ValueError("--distill trains on raw text against the model's own outputs; give a text corpus")
-        opts = replace(opts, tokenizer=opts.tokenizer or ("model" if opts.model is not None else DEFAULT_BPE))
         try:
             tokenizer = lm_tokenizer(opts, data.data_dir)
             model_config = random_config(opts, len(tokenizer))

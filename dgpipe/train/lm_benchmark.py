@@ -188,12 +188,14 @@ def memory_table(out: Path, labels: Sequence[str], seeds: Sequence[int], baselin
         if not logs:
             continue
         summaries = {k: read_summary(path) for k, path in logs.items()}
+        bases = {k: read_summary(out / f"{baseline}_seed{k}.jsonl")["memory"] for k in summaries
+                 if has_summary(out / f"{baseline}_seed{k}.jsonl")}
         ranks = len(next(iter(summaries.values()))["memory"])
         cells = [label, str(len(summaries))]
         for rank in range(ranks):
             peaks = [s["memory"][rank]["peak_bytes"] / 2**20 for s in summaries.values()]
-            ratios = [s["memory"][rank]["peak_bytes"] / read_summary(out / f"{baseline}_seed{k}.jsonl")["memory"][rank][
-                "peak_bytes"] for k, s in summaries.items() if has_summary(out / f"{baseline}_seed{k}.jsonl")]
+            ratios = [summaries[k]["memory"][rank]["peak_bytes"] / base[rank]["peak_bytes"]
+                      for k, base in bases.items()]
             cells += [_ci(mean_interval(peaks), ".0f"), _ci(mean_interval(ratios), ".2f") if ratios else "--"]
         start = statistics.mean(m["start_bytes"] / 2**20 for s in summaries.values() for m in s["memory"])
         step = statistics.mean(s["train_seconds"] / max(s["steps"], 1) for s in summaries.values())
