@@ -56,7 +56,7 @@ from torch import nn
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.delay import DelayLine
 from dgpipe.comm.transport import Receiver, Sender
-from dgpipe.compression import Codec, Payload, get_codec, parse_header
+from dgpipe.compression import Codec, Payload, get_codec, parse_header, raise_deferred
 from dgpipe.compression.wrappers.reference import (
     POSITION_KEYS, ReferenceCoder, ScaledReferenceCoder, TokenTable, position_keys,
 )
@@ -261,11 +261,13 @@ class _Stream:
         """The hidden states ``(B, L, H)`` of ``payload`` (``keys`` as for :meth:`encode`).
 
         Raises:
-            ValueError: a corrupt payload, or (with the reference) one whose shape does not fit ``keys``.
+            ValueError: a corrupt payload, or (with the reference) one whose shape does not fit ``keys``, or a grid
+                that is not finite (read here on a device: the next token waits for these states anyway).
         """
-        if self.reference is None:
-            return self.codec.decode(payload)
-        return self.reference.decode(payload, keys, update=True)
+        hidden = self.codec.decode(payload) if self.reference is None else self.reference.decode(payload, keys,
+                                                                                                  update=True)
+        raise_deferred()
+        return hidden
 
 
 class LocalServer:

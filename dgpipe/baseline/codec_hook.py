@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from dgpipe.comm.meter import timer
 from dgpipe.comm.transport import wire_device
 from dgpipe.compression import CodecSpec
 from dgpipe.compression.base import Codec, Payload
@@ -25,13 +26,6 @@ __all__ = ["LINEAR_CODECS", "CodecHook"]
 
 LINEAR_CODECS = frozenset({"none", "fp16", "bf16", "randomk"})
 """Codecs whose decoded sum equals the sum of decodes (given equal headers on all ranks)."""
-
-
-def _now(device: torch.device) -> float:
-    """Wall clock in seconds, after the device's queued work (CUDA) has finished."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
@@ -129,10 +123,10 @@ class CodecHook(MeteredHook):
     def _allgather(self, device: torch.device, grads: list[torch.Tensor], names: list[str]) -> None:
         dev = wire_device(self.group)
         n = self.world_size
-        t0 = _now(device)
+        stop = timer(device)
         payloads, err = self._encode(grads, names, 1.0)
         blob = frame_payloads(payloads, dev) if payloads is not None else torch.empty(0, dtype=torch.uint8, device=dev)
-        t1 = _now(device)
+        encode_seconds, t1 = stop(), time.perf_counter()
         size = torch.tensor([blob.numel() if err is None else -1], dtype=torch.int64, device=dev)
         sizes = [torch.empty_like(size) for _ in range(n)]
         dist.all_gather(sizes, size, group=self.group)
@@ -142,14 +136,14 @@ class CodecHook(MeteredHook):
         padded = torch.nn.functional.pad(blob, (0, width - blob.numel()))
         blobs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
         dist.all_gather(blobs, padded, group=self.group)
-        t2 = _now(device)
+        recv_seconds, stop = time.perf_counter() - t1, timer(device)
         sums = [torch.zeros(g.shape, dtype=torch.float32, device=device) for g in grads]
         for r in range(n):
             for acc, p in zip(sums, unframe_payloads(blobs[r][: sizes[r]], len(grads), device)):
                 acc += self.decoder.decode(p).float()
         for g, acc in zip(grads, sums):
             g.copy_(acc.div_(n))
-        t3 = _now(device)
+        decode_seconds = stop()
         fixed = FRAME_PREFIX_BYTES
         wire = sizes[self.rank] - fixed
         self._record(
@@ -158,21 +152,21 @@ class CodecHook(MeteredHook):
                 "raw_bytes": sum(g.numel() * g.element_size() for g in grads),
                 "wire_bytes": wire,
                 "frame_bytes": fixed + (width - sizes[self.rank]) + 8,
-                "encode_seconds": t1 - t0,
+                "encode_seconds": encode_seconds,
             },
             recv={
                 "recv_bytes": sum(sizes) - sizes[self.rank] - (n - 1) * fixed,
-                "recv_seconds": t2 - t1,
-                "decode_seconds": t3 - t2,
+                "recv_seconds": recv_seconds,
+                "decode_seconds": decode_seconds,
             },
         )
 
     def _allreduce(self, device: torch.device, grads: list[torch.Tensor], names: list[str]) -> None:
         dev = wire_device(self.group)
-        t0 = _now(device)
+        stop = timer(device)
         payloads, err = self._encode(grads, names, 1.0 / self.world_size)
         digest = mix_seed(*(v for p in payloads for v in p.header.tolist())) if payloads is not None else 0
-        t1 = _now(device)
+        encode_seconds, t1 = stop(), time.perf_counter()
         check = torch.tensor([int(err is not None), digest, -digest], dtype=torch.int64, device=dev)
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self.group)
         failed, hi, neg_lo = check.tolist()
@@ -189,13 +183,13 @@ class CodecHook(MeteredHook):
             dist.all_reduce(flat, group=self.group)
             for i, part in zip(group, torch.split(flat, [tensors[i].numel() for i in group])):
                 tensors[i] = part.to(device)
-        t2 = _now(device)
+        recv_seconds, stop = time.perf_counter() - t1, timer(device)
         pos = 0
         for g, p in zip(grads, payloads):
             k = len(p.tensors)
             g.copy_(self.decoder.decode(Payload(p.header, tuple(tensors[pos : pos + k]))))
             pos += k
-        t3 = _now(device)
+        decode_seconds = stop()
         wire = sum(t.numel() * t.element_size() for t in tensors)
         self._record(
             "allreduce",
@@ -203,9 +197,9 @@ class CodecHook(MeteredHook):
                 "raw_bytes": sum(g.numel() * g.element_size() for g in grads),
                 "wire_bytes": wire,
                 "frame_bytes": check.numel() * 8,
-                "encode_seconds": t1 - t0,
+                "encode_seconds": encode_seconds,
             },
-            recv={"recv_bytes": wire, "recv_seconds": t2 - t1, "decode_seconds": t3 - t2},
+            recv={"recv_bytes": wire, "recv_seconds": recv_seconds, "decode_seconds": decode_seconds},
         )
 
     def set_epoch(self, epoch: int) -> None:

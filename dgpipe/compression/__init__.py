@@ -13,8 +13,9 @@ Rooms (each package's docstring says more):
 
 from . import codecs, gradients  # noqa: F401  (registers every codec)
 from .base import Codec, Payload, available_codecs, get_codec, parse_header, register_codec
+from .kernels.deferred import raise_deferred
 from .spec import CodecSpec
 from .wrappers import DeltaCache, DeltaCoder, DeltaSpec, ErrorFeedback
 
 __all__ = ["Codec", "CodecSpec", "DeltaCache", "DeltaCoder", "DeltaSpec", "ErrorFeedback", "Payload",
-           "available_codecs", "get_codec", "parse_header", "register_codec"]
+           "available_codecs", "get_codec", "parse_header", "raise_deferred", "register_codec"]

@@ -33,6 +33,7 @@ from torchgpipe.microbatch import Batch, gather
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.delay import DelayLine
+from dgpipe.compression import raise_deferred
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models.example_dropout import example_ids
@@ -450,6 +451,7 @@ class Pipeline:
                 self._task_seconds[1, phase, task.segment] += 1
         for work in step.works:
             work.wait(self.timeout)
+        raise_deferred()  # a grid received on a device that was not finite (the decoders read nothing back)
         after = self.meter.totals()
         self.last_step_totals = {k: after[k] - before[k] for k in after if k not in ("ratio", "recv_bytes_per_s")}
         return step

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dgpipe.comm import BandwidthMeter, wire_device
-from dgpipe.compression import CodecSpec
+from dgpipe.compression import CodecSpec, raise_deferred
 from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models import Stage, client_server_split
@@ -287,6 +287,7 @@ class TorchScheduleEngine:
             m.train()
         losses: list[torch.Tensor] = []
         self._run(self.schedule.step, inputs, targets, **({"losses": losses} if self.last else {}))
+        raise_deferred()  # a grid received on a device that was not finite (the decoders read nothing back)
         self.tied.sum_gradients()
         loss = torch.tensor([float(torch.stack(losses).detach().mean()) if self.last else 0.0], dtype=torch.float64,
                             device=wire_device())
@@ -306,6 +307,7 @@ class TorchScheduleEngine:
         try:
             with torch.no_grad():
                 out = self._run(self.schedule.eval, inputs, targets)
+            raise_deferred()
         finally:
             for s in self.stages:
                 s.evaluating = False
@@ -370,6 +372,7 @@ class DataParallelEngine:
         self.dp.module.train()
         loss = self.job.loss(self.dp.module(_to(inputs, self.device)), _to(targets, self.device))
         (loss * self.loss_scale.scale).backward()
+        raise_deferred()  # a gradient payload decoded on a device with a grid that was not finite
         return float(loss.detach())
 
     def eval_step(self, inputs, targets=None):

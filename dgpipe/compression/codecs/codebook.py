@@ -39,6 +39,7 @@ from ..kernels import (
     finite_grid, finite_range, level_codes, level_rows, level_rows_values, level_values, nearest_level, packed_nbytes,
     row_rms,
 )
+from ..kernels.deferred import refuse_unless
 from ..kernels.radix import MAX_COUNT, pack_radix, radix_nbytes, unpack_radix
 from ..kernels.uniform import in_groups
 from ..steps.grid import GROUP_PARAM, flat_float32, grouping_options
@@ -153,8 +154,8 @@ class CodebookQuantizer(Codec):
             return scale.new_zeros(h.shape, dtype=h.dtype)
         finite_grid(scale, self.name)  # a GPU encoder sends what it computed, unchecked (no read back)
         table = payload.tensors[2] if LEVELS[kind] == "fit" else normal_codebook_on(count, packed.device)
-        if LEVELS[kind] == "fit" and not bool(torch.isfinite(table).all()):
-            raise ValueError("corrupt payload: field 'tensors[2]' (levels) holds inf/NaN")
+        if LEVELS[kind] == "fit":
+            refuse_unless(table, "corrupt payload: field 'tensors[2]' (levels) holds inf/NaN")
         if radix:
             values = in_groups(table[unpack_radix(packed, count, n_sent)], g) * scale.float().reshape(-1, 1)
             return gp.restore(values.reshape(-1)[:n_sent], h.shape).to(h.dtype)

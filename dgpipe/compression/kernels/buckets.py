@@ -106,7 +106,7 @@ class BucketIndex:
 
     Built once per tensor, prepared on first use, applied block by block; whole-tensor steps,
     faster on CPU than ``torch.bucketize``: with up to 15 distinct boundaries, one
-    compare-and-add per distinct boundary (weighted by its multiplicity); beyond, a binary
+    compare-and-add per distinct boundary (weighted by its multiplicity); beyond, and off the CPU, a binary
     search of ``log2(len(boundaries) + 1)`` steps (gather the middle boundary of each value's
     range, compare, add).
 
@@ -119,6 +119,8 @@ class BucketIndex:
 
     @functools.cached_property
     def _compares(self) -> list[tuple[torch.Tensor, int]] | None:
+        if not self.boundaries.is_cpu:  # counting the distinct boundaries would read them back: the search
+            return None
         distinct, mult = torch.unique_consecutive(self.boundaries, return_counts=True)
         return list(zip(distinct, mult.tolist())) if distinct.numel() <= 15 else None
 

@@ -31,10 +31,11 @@ from . import compiled
 from .backend import empty
 from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
+from . import deferred
 
 __all__ = [
     "BLOCK", "blocks", "tame", "finite_range", "range_of", "values_tail", "encode_blocks", "decode_table", "pack_tail",
-    "finite_grid", "divide", "grid_step", "grid_divisor", "grid_levels",
+    "NOT_FINITE", "finite_grid", "divide", "grid_step", "grid_divisor", "grid_levels",
     "grid_table", "in_groups", "uniform_codes", "uniform_values", "uniform_message",
 ]
 
@@ -113,8 +114,12 @@ def tame(*ends: np.ndarray | float) -> bool:
 def finite_range(lo: torch.Tensor, hi: torch.Tensor, codec_name: str) -> None:
     """Raise ``ValueError`` unless all ``lo``/``hi`` (range ends, float32) and ``hi - lo`` are finite.
 
-    min/max propagate NaN and inf, so checking the ends checks every value they cover.
+    min/max propagate NaN and inf, so checking the ends checks every value they cover. On CPU only: on
+    another device the range is not read back (the host would wait); the grid it makes is then not finite,
+    and the decoder refuses it (:func:`finite_grid`).
     """
+    if not deferred.on_host(lo):
+        return
     if lo.is_cpu and lo.dtype == hi.dtype == torch.float32 and tame(lo.detach().numpy(), hi.detach().numpy()):
         return  # numpy: a fraction of torch's per-call cost
     if bool(torch.isfinite(hi - lo).all()):
@@ -136,8 +141,7 @@ def range_of(flat: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, torch.T
             (:func:`finite_grid`).
     """
     lo, hi = torch.aminmax(flat)
-    if flat.is_cpu:
-        finite_range(lo, hi, codec_name)
+    finite_range(lo, hi, codec_name)
     return lo + 0.0, hi
 
 
@@ -332,13 +336,21 @@ def uniform_message(values: torch.Tensor, bits: int, codec_name: str,
     return meta, uniform_codes(values, meta[:1], div, bits, values.numel(), stochastic)
 
 
+NOT_FINITE = ("{} payload has a grid that is not finite: the sender's values held inf/NaN, a range wider than "
+              "float32 can hold or a group parameter past its scale_dtype; replace them first (e.g. "
+              "torch.nan_to_num), use scale_dtype='float32', or send that tensor with codec 'none' or 'fp16'")
+"""The decoder's refusal of a grid or scales that are not finite (formatted with the codec's name)."""
+
+
 def finite_grid(meta: torch.Tensor, codec_name: str) -> None:
-    """Raise ``ValueError`` unless every value of ``meta`` -- a received grid, ``lo`` and ``step`` per group, any
-    float dtype -- is finite: the check of a sender that did not check its range (:func:`uniform_message` on
-    the GPU). On CPU a numpy test; on a GPU one read back of a flag (the decoder's only wait)."""
-    if meta.is_cpu and meta.dtype == torch.float32 and tame(meta.detach().numpy()):
+    """Refuse a received grid -- ``lo`` and ``step`` per group, or scales; any float dtype -- unless every value is
+    finite: the check of a sender that did not check its range (an encoder off the CPU reads nothing back). On
+    CPU a numpy test, raising now; on another device a flag read at the runtime's next wait
+    (:func:`.deferred.refuse_unless`, :func:`.deferred.raise_deferred`), so the decoder never waits.
+
+    Raises:
+        ValueError: :data:`NOT_FINITE` -- on CPU here, elsewhere from :func:`.deferred.raise_deferred`.
+    """
+    if deferred.on_host(meta) and meta.is_cpu and meta.dtype == torch.float32 and tame(meta.detach().numpy()):
         return
-    if not bool(torch.isfinite(meta).all()):
-        raise ValueError(f"{codec_name} payload has a grid that is not finite: the sender's values held inf/NaN or "
-                         "a range wider than float32 can hold; replace them first (e.g. torch.nan_to_num) or send "
-                         "that tensor with codec 'none' or 'fp16'")
+    deferred.refuse_unless(meta, NOT_FINITE.format(codec_name))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import DTYPE_CODES, MAX_NUMEL, MAX_NDIM, dtype_from_code
+from ..kernels import deferred
 from .hadamard import HadamardRotation
 
 __all__ = ["GROUPS", "SCALE_DTYPES", "Grouping", "round_meta"]
@@ -55,14 +56,16 @@ def round_meta(t: torch.Tensor, dtype: torch.dtype, up: bool, what: str, codec: 
         a ``dtype`` tensor ``r`` with ``r >= t`` (``up``) or ``r <= t`` elementwise.
 
     Raises:
-        ValueError: a value overflows ``dtype`` (names ``what``, the codec and the fix).
+        ValueError: a value overflows ``dtype`` (names ``what``, the codec and the fix) -- on CPU. On another
+            device nothing is read back (the host would wait): an overflow is sent as inf, and the decoder
+            refuses it (:func:`..kernels.finite_grid`).
     """
     r = t.to(dtype)
     if dtype != torch.float32:
         wrong = r.float() < t if up else r.float() > t
-        if bool(wrong.any()):
+        if not deferred.on_host(t) or bool(wrong.any()):
             r = torch.where(wrong, torch.nextafter(r, torch.full_like(r, math.inf if up else -math.inf)), r)
-    if not bool(torch.isfinite(r).all()):
+    if deferred.on_host(t) and not bool(torch.isfinite(r).all()):
         raise ValueError(f"{codec}: a per-group {what} of up to {t.abs().max().item():.4g} overflows scale_dtype "
                          f"{str(dtype).removeprefix('torch.')}; use scale_dtype='bfloat16' or 'float32'")
     return r
