@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dgpipe.compression import get_codec, raise_deferred
 from dgpipe.compression.kernels import backend, buckets, deferred
+from dgpipe.compression.wrappers.reference import ReferenceCoder, ScaledReferenceCoder, TokenTable
 from dgpipe.pipeline import Pipeline, SpawnError, spawn
 
 READS = {"_local_scalar_dense", "is_nonzero", "item", "equal"}
@@ -163,3 +164,40 @@ def _nan_step(rank, world_size):
 def test_the_pipeline_ends_the_step_with_the_decoders_error():
     with pytest.raises(SpawnError, match=r"rank [01] failed: ValueError: quant payload has a grid that is not finite"):
         spawn(_nan_step, 2, timeout=60, start_method="fork")
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_token_reference_reads_nothing_back(reference_path, scaled):
+    """Both sides' coders on a device: lookup, coding and the table's update without a read back."""
+    vocab, ids = 50, torch.randint(50, (2, 16))
+
+    def coder():
+        tables = (TokenTable(vocab), TokenTable(vocab))
+        return (ScaledReferenceCoder(get_codec("codebook", count=5, group="token"), *tables, backoff=True) if scaled
+                else ReferenceCoder(get_codec("quant", bits=4, group="token"), tables[0], backoff=True))
+
+    sender, receiver = coder(), coder()
+    for _ in range(2):  # the second message reads a table that the first updated
+        x = torch.empty(2, 16, 64, device="meta")
+        with NoHostSync():
+            payload = sender.encode(x, ids.to("meta"), update=True)
+            y = receiver.decode(payload, ids.to("meta"), update=True)
+        assert y.shape == x.shape
+    deferred._flags.clear()
+
+
+def test_a_device_updates_the_token_table_as_the_host_does(monkeypatch):
+    """The sorted, read-back-free update gives the host's rows (to float32 rounding: other sums) and counts."""
+    gen = torch.Generator().manual_seed(0)
+    host, device = TokenTable(40, alpha=0.1), TokenTable(40, alpha=0.1)
+    messages = [(torch.randint(40, (3, 24), generator=gen), torch.randn(3, 24, 8, generator=gen)) for _ in range(5)]
+    for ids, values in messages:
+        host.lookup(ids, 8, torch.device("cpu"))
+        host.update(ids, values)
+    monkeypatch.setattr(deferred, "on_host", lambda t: False)
+    for ids, values in messages:
+        device.lookup(ids, 8, torch.device("cpu"))
+        device.update(ids, values)
+    assert torch.equal(device.count, host.count) and int(host.count.sum()) == 5 * 72
+    torch.testing.assert_close(device.rows, host.rows, rtol=1e-5, atol=1e-6)
+    assert (host.rows != 0).any(dim=1).sum() == (host.count > 0).sum()

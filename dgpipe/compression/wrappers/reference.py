@@ -22,8 +22,8 @@ means of first positions and of all other rows -- instead of the token's row and
 
 Both sides compute the same reconstruction from identical operands (the sender decodes its own
 payload) and apply the same update in message order, so the two tables stay bit-identical on the
-same device type (CPU ``index_add_`` sums in a fixed order; on CUDA it uses atomics, so the two
-sides must both be CPU for a bit-identical table, the pipeline's split-learning case).
+same device type (CPU ``index_add_`` sums in a fixed order; off the CPU, where ``index_add_`` adds floats
+with atomics in any order, the update sums sorted rows: :meth:`TokenTable.update`).
 
 Usage (one coder per side, same codec)::
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Codec, Payload
+from ..kernels import deferred
 
 __all__ = ["TokenReference", "TokenTable", "ReferenceCoder", "ScaledReferenceCoder", "check_tokens", "position_keys",
            "POSITION_KEYS"]
@@ -140,9 +141,16 @@ class TokenTable:
         return self.rows[ids.to(self.rows.device)]
 
     def update(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Fold ``values`` ``(*ids.shape, d)`` (decoded rows) into the rows of ``ids`` (module docstring)."""
+        """Fold ``values`` ``(*ids.shape, d)`` (decoded rows) into the rows of ``ids`` (module docstring).
+
+        On CPU the message's distinct tokens are summed with ``index_add_`` (a fixed order). Off the CPU
+        (:func:`_update_sorted`) nothing is read back and the sums are the same on every run: the rows sorted by
+        token, float64 prefix sums, one difference per token."""
         flat = ids.reshape(-1).to(self.rows.device)
         rows = values.reshape(flat.numel(), -1).to(self.rows.device, torch.float32)
+        if not deferred.on_host(rows):
+            self._update_sorted(flat, rows)
+            return
         tokens, where = torch.unique(flat, return_inverse=True)
         n = torch.bincount(where, minlength=len(tokens))
         sums = torch.zeros(len(tokens), rows.shape[1], device=rows.device).index_add_(0, where, rows)
@@ -150,6 +158,28 @@ class TokenTable:
         weight = torch.minimum((1.0 / self.count[tokens].float()).clamp(min=self.alpha), 1.0 / n.float())
         old = self.rows[tokens]
         self.rows[tokens] = old + (sums - n[:, None].float() * old) * weight[:, None]
+
+    def _update_sorted(self, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        """:meth:`update` without a read back (a device's): every row of a token ``t`` computes ``t``'s new row
+        from its run in the sorted rows, and the rows of ``t`` all write that same value."""
+        n_rows = flat.numel()
+        order = torch.argsort(flat, stable=True)
+        keys, sorted_rows = flat[order], rows[order]
+        at = torch.arange(n_rows, device=flat.device)
+        new_run = torch.ones_like(keys, dtype=torch.bool)
+        new_run[1:] = keys[1:] != keys[:-1]
+        start = torch.cummax(torch.where(new_run, at, 0), 0).values  # the first row of each row's token
+        last_run = torch.ones_like(new_run)
+        last_run[:-1] = new_run[1:]
+        end = torch.flip(torch.cummin(torch.flip(torch.where(last_run, at, n_rows - 1), (0,)), 0).values, (0,))
+        prefix = torch.cat((rows.new_zeros(1, rows.shape[1], dtype=torch.float64),
+                            sorted_rows.double().cumsum(0)))
+        sums = (prefix[end + 1] - prefix[start]).float()
+        n = (end - start + 1).float()[:, None]
+        self.count.index_add_(0, keys, torch.ones_like(keys))  # integer sums: the same in any order
+        weight = torch.minimum((1.0 / self.count[keys].float()).clamp(min=self.alpha)[:, None], 1.0 / n)
+        old = self.rows[keys]
+        self.rows[keys] = old + (sums - n * old) * weight
 
     def state_dict(self) -> dict:
         """``{"rows": float32 (vocab, d) or None, "count": int64 (vocab,) or None}``: the table's own tensors,
@@ -223,7 +253,8 @@ class ReferenceCoder:
             return ids
         keys = self._first_keyed(ids)
         if self.table.count is not None:
-            keys[self.table.count[keys.to(self.table.count.device)].to(ids.device) == 0] = self.table.vocab - 2
+            unseen = self.table.count[keys.to(self.table.count.device)].to(ids.device) == 0
+            keys = torch.where(unseen, self.table.vocab - 2, keys)  # no boolean indexing: it would read back
         return keys
 
     def state_dict(self) -> dict:
