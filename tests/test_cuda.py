@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgpipe.compression import available_codecs, get_codec
+from dgpipe.compression import available_codecs, get_codec, raise_deferred
 from dgpipe.train.runlog import read_records, read_summary
 from helpers import ROOT, load_cli
 
@@ -154,6 +154,8 @@ def test_codebook_token_rows_on_cuda_launch_two_kernels_and_never_wait(bits, d):
     out = []
     assert _kernels_and_syncs(lambda: out.append(codec.encode(x))) == 2
     y = codec.decode(out[0])
+    assert _kernels_and_syncs(lambda: codec.decode(out[0])) >= 1  # the decode, and its check kept on the GPU
+    raise_deferred()
     previous = backend.set_enabled(False)
     try:
         ref = codec.encode(x)
@@ -170,6 +172,9 @@ def test_sortquant_encode_on_cuda_never_waits(qs):
     codec = get_codec("sortquant", quant_bits=qs[0], split_bits=qs[1])
     y = codec.decode(codec.encode(x))  # compiles
     assert _kernels_and_syncs(lambda: codec.encode(x)) > 0  # no wait raised in there
+    p = codec.encode(x)
+    assert _kernels_and_syncs(lambda: codec.decode(p)) > 0
+    raise_deferred()
     assert (y - x).abs().max() <= (x.max() - x.min()) / (1 << qs[0])
 
 
@@ -180,10 +185,11 @@ def test_inf_nan_on_cuda_is_refused_by_the_decoder(bad, name, options):
     x[3, 7, 11] = bad
     codec = get_codec(name, **options)
     p = codec.encode(x)  # does not look at the range (no read back)
+    codec.decode(p)  # nor does the decoder: its check waits for the runtime's next wait
     with pytest.raises(ValueError, match="grid that is not finite"):
-        codec.decode(p)
+        raise_deferred()
     with pytest.raises(ValueError, match="grid that is not finite"):
-        codec.decode(p.to("cpu"))
+        codec.decode(p.to("cpu"))  # on the host: at once
 
 
 def test_meter_times_gpu_work_without_waiting():

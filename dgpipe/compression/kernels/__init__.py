@@ -27,7 +27,7 @@ per row), compiled C built at install time, on CPU; :mod:`.triton_codes` and :mo
 token-grouped codebook in two launches) on CUDA. :mod:`.dispatch` chooses
 among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the C libraries,
 how a kernel's work is cut for torch's OpenMP threads (``team.h`` runs the parts) and the per-kernel
-failure record.
+failure record; :mod:`.deferred` the decoders' checks that a device leaves to the runtime's next wait.
 """
 
 from .backend import MIN_VALUES, enabled, failed_kernels, set_enabled

@@ -6,9 +6,11 @@
 - :func:`grid_meta`: per-group ``(lo, step)`` rounded into the metadata dtype so that the
   grid still covers each group's range, and the float32 start and divisor to code with.
 
-Policy for inf/NaN (all lossy quantizers of this package): ``encode`` raises ``ValueError``
+Policy for inf/NaN (all lossy quantizers of this package): on CPU ``encode`` raises ``ValueError``
 (:func:`.kernels.finite_range`) -- a range with an infinite or undefined end would turn
-every decoded value into garbage. So does a finite range wider than float32 can hold.
+every decoded value into garbage. So does a finite range wider than float32 can hold. Off the CPU
+the encoder reads nothing back: the grid it sends is not finite, and the decoder refuses it
+(:func:`.kernels.finite_grid`, at the runtime's next wait: :mod:`..kernels.deferred`).
 """
 
 from __future__ import annotations
