@@ -191,7 +191,7 @@ def test_kernels_compile_for_nvidia_gpus_with_ieee_division_and_no_fma():
         ops = r["float_ops"]
         assert set(ops) <= ALLOWED_FLOAT_OPS, r
         if r["kernel"] in ("_encode_uniform_kernel", "_encode_message_kernel", "_encode_buckets_kernel",
-                           "_codes_kernel"):
+                           "_encode_kernel"):
             assert ops.get("div.rn.f32", 0) > 0, r
 
 
@@ -204,7 +204,7 @@ def test_kernels_compile_for_nvidia_gpus_with_ieee_division_and_no_fma():
     ((4, 11, 384), 2, "bfloat16", "none"),
     ((6, 33, 100), 4, "float32", "none"),  # odd factor 25: the steps
 ])
-def test_token_rows_in_two_launches_equal_the_steps(eager_and_fused, taken, shape, bits, scale_dtype, rotate):
+def test_token_rows_in_one_launch_equal_the_steps(eager_and_fused, taken, shape, bits, scale_dtype, rotate):
     """Rotation, RMS scale (float64 pairwise fold), rounding to the scale dtype, levels and packing fused on the
     GPU: the steps' bytes, for widths with odd factors 1 to 15, tails of every kind, no rotation."""
     codec = get_codec("codebook", bits=bits, group="token", rotate=rotate, scale_dtype=scale_dtype)
@@ -227,3 +227,35 @@ def test_token_rows_send_a_scale_that_is_not_finite_and_the_decoder_refuses_it(b
     p = codec.encode(x)  # nothing read back: no check here
     with pytest.raises(ValueError, match="grid that is not finite"):
         codec.decode(p)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The names of the Triton launches that ran, in order."""
+    names: list[str] = []
+    real = fused_triton.launch
+
+    def spy(name, *args, **constexprs):
+        names.append(name)
+        return real(name, *args, **constexprs)
+
+    for module in (fused_triton, triton_rows):
+        monkeypatch.setattr(module, "launch", spy)
+    return names
+
+
+@pytest.mark.parametrize("options", [{"bits": 4, "group": "token", "rotate": "hadamard"},
+                                     {"bits": 2, "group": "token", "rotate": "hadamard"},
+                                     {"bits": 4, "group": "token", "scale_dtype": "float16"}])
+def test_token_rows_encode_in_one_launch_with_the_golden_bytes(launches, options):
+    """The one-pass low-bit kernel: signs, butterflies, the row scale, levels and packing in one launch per
+    encode and one per decode, giving the golden payloads' bytes (pinned for the reference and the C path)."""
+    from test_golden_payloads import GOLDEN, cases, run_case
+
+    golden = json.loads(GOLDEN.read_text())
+    picked = {k: v for k, v in cases().items() if v[0] == "codebook" and v[1] == options and v[2] in ("minilm", "odd")}
+    assert picked
+    for key, case in picked.items():
+        launches.clear()
+        assert run_case(*case) == golden[key], key
+        assert launches == ["encode_rows", "decode_rows"], (key, launches)

@@ -46,10 +46,10 @@ def configs():
         yield ft._bucket_maxima_kernel, {"NB": (1 << s) - 1}
     for width, block, meta in ((64, 64, 1), (576, 64, 1), (384, 128, 2), (960, 64, 0), (4096, 4096, 0)):
         shape = tr._shape(width, block, True)
-        yield tr._scales_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "META": meta, **shape}
         for bits in range(1, 5):
             r, g, w = ft._layout(bits)["R"], ft._layout(bits)["G"], ft._layout(bits)["W"]
-            yield tr._codes_kernel, {"WIDTH": width, "NM": (1 << bits) - 1, "R": r, "G": g, "W": w}
+            yield tr._encode_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "META": meta, **shape,
+                                      "RB": tr._covering_rows(width), "NM": (1 << bits) - 1, "R": r, "G": g, "W": w}
             yield tr._decode_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "R": r, "G": g, "W": w,
                                       **{k: shape[k] for k in ("RB", "NBP", "BLOCK", "LOG")}}
     for bits in range(1, 5):

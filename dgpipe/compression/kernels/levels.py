@@ -8,7 +8,7 @@
   order (a pairwise fold) that every backend repeats exactly;
 - :func:`level_rows` / :func:`level_rows_values`: a whole token-grouped message -- rotation,
   :func:`row_rms`, the scale's rounding, :func:`level_codes` -- in one compiled pass per
-  row on CPU (:mod:`.rows`, compiled C) or two launches on a GPU (:mod:`.triton_rows`), and its
+  row on CPU (:mod:`.rows`, compiled C) or one launch on a GPU (:mod:`.triton_rows`), and its
   decode; None where that does not apply (the codec then runs the steps one by one: the reference).
 
 Compiled on CPU (:mod:`.compiled`) and GPU (:mod:`.triton_codes`) for codes of up to

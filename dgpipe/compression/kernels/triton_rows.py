@@ -3,13 +3,15 @@
 The GPU twin of :mod:`.rows` (compiled C on CPU). The steps of a token-grouped codebook encode --
 random signs, padding, the Walsh-Hadamard butterflies, each row's sum of squares, the scale's
 rounding, the division, the level assignment, the bit-packing -- are some sixty launches of
-whole-tensor kernels on a GPU; here they are two, and the decode is one:
+whole-tensor kernels on a GPU; here they are one, and so is the decode:
 
-- :func:`encode_rows`: ``x`` ``(rows, d)`` -> packed codes and per-row scales. The first kernel
-  takes blocks of rows: signs, butterflies, the rotated rows stored (a scratch tensor), then each
-  row's sum of squares in float64 folded in :func:`.levels.row_rms`'s order, its square root and
-  the scale rounded up to the metadata dtype; the second codes chunk by chunk (the :mod:`.bitpack`
-  layout), each value divided by its row's scale and given the index of its nearest level.
+- :func:`encode_rows`: ``x`` ``(rows, d)`` -> packed codes and per-row scales, one program per chunk of
+  the packed stream (:mod:`.bitpack`'s layout). A program first takes the rows its chunk touches
+  (:func:`_covering_rows`): signs, butterflies, the rotated rows stored (a scratch tensor), then
+  each row's sum of squares in float64 folded in :func:`.levels.row_rms`'s order, its square root
+  and the scale rounded up to the metadata dtype; then, after a barrier, it codes its chunk, each
+  value divided by its row's scale and given the index of its nearest level, and packs it. A row
+  that two chunks share is rotated and scaled by both programs, to the same bits.
 - :func:`decode_rows`: per block of rows, each code read from the packed stream (whole chunks or the
   tail), ``level * scale``, the butterflies, the signs -- one kernel.
 
@@ -78,12 +80,14 @@ if triton is not None:
             s = s + shifted
         return s
 
-    @triton.jit(do_not_specialize=["rows", "d"])
-    def _scales_kernel(x_ptr, signs_ptr, rot_ptr, scale_ptr, meta_ptr, rows, d, WIDTH: tl.constexpr,
-                       INV: tl.constexpr, RB: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr,
-                       LOG: tl.constexpr, ROTATE: tl.constexpr, K2: tl.constexpr, LOGK2: tl.constexpr,
-                       ODD: tl.constexpr, ODDP: tl.constexpr, META: tl.constexpr):
-        r0 = tl.program_id(0).to(tl.int64) * RB
+    @triton.jit
+    def _rotated_scales(x_ptr, signs_ptr, rot_ptr, scale_ptr, meta_ptr, r0, rows, d, WIDTH: tl.constexpr,
+                        INV: tl.constexpr, RB: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr,
+                        LOG: tl.constexpr, ROTATE: tl.constexpr, K2: tl.constexpr, LOGK2: tl.constexpr,
+                        ODD: tl.constexpr, ODDP: tl.constexpr, META: tl.constexpr):
+        """Rows ``r0 .. r0 + RB - 1`` (those below ``rows``): signs and butterflies, the rotated rows stored in
+        ``rot``, then each row's scale (float64 fold of its squares, square root, rounded up to the scale dtype)
+        stored in ``scale`` (float32) and ``meta`` (as sent)."""
         rr = r0 + tl.arange(0, RB)[:, None, None]
         col = tl.arange(0, NBP)[None, :, None] * BLOCK + tl.arange(0, BLOCK)[None, None, :]
         live = (rr < rows) & (col < d)
@@ -121,11 +125,12 @@ if triton is not None:
             scale = m.to(tl.float32)
         tl.store(scale_ptr + r1, scale, mask=r1 < rows)
 
-    @triton.jit(do_not_specialize=["n"])
-    def _codes_kernel(rot_ptr, scale_ptr, table_ptr, out_ptr, n, WIDTH: tl.constexpr, NM: tl.constexpr,
-                      R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    @triton.jit
+    def _chunk_codes(rot_ptr, scale_ptr, table_ptr, out_ptr, c, WIDTH: tl.constexpr, NM: tl.constexpr,
+                     R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        """Chunk ``c`` of the rotated values: each divided by its row's scale, its nearest level's index, the
+        codes packed in the :mod:`.bitpack` layout and stored."""
         CG: tl.constexpr = _CHUNK // G
-        c = tl.program_id(0).to(tl.int64)
         lane = tl.arange(0, G)[:, None]
         i = c * _CHUNK + lane * CG + tl.arange(0, CG)[None, :]
         s = tl.load(scale_ptr + i // WIDTH)
@@ -139,6 +144,21 @@ if triton is not None:
         j = tl.arange(0, CG)
         for q in tl.static_range(W):
             tl.store(out_ptr + base + q * CG + j, ((word >> (8 * q)) & 255).to(tl.uint8))
+
+    @triton.jit(do_not_specialize=["rows", "d", "n"])
+    def _encode_kernel(x_ptr, signs_ptr, rot_ptr, scale_ptr, meta_ptr, table_ptr, out_ptr, rows, d, n,
+                       WIDTH: tl.constexpr, INV: tl.constexpr, RB: tl.constexpr, NBP: tl.constexpr,
+                       BLOCK: tl.constexpr, LOG: tl.constexpr, ROTATE: tl.constexpr, K2: tl.constexpr,
+                       LOGK2: tl.constexpr, ODD: tl.constexpr, ODDP: tl.constexpr, META: tl.constexpr,
+                       NM: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        """Program ``c``: the rows its chunk of rotated values touches (``RB`` rows from the chunk's first), rotated
+        and scaled, then the chunk coded and packed, if it is whole (a partial last chunk is the reference's)."""
+        c = tl.program_id(0).to(tl.int64)
+        _rotated_scales(x_ptr, signs_ptr, rot_ptr, scale_ptr, meta_ptr, c * _CHUNK // WIDTH, rows, d, WIDTH, INV, RB,
+                        NBP, BLOCK, LOG, ROTATE, K2, LOGK2, ODD, ODDP, META)
+        tl.debug_barrier()  # the rows and scales this program's threads stored are read back by others of them
+        if (c + 1) * _CHUNK <= n:
+            _chunk_codes(rot_ptr, scale_ptr, table_ptr, out_ptr, c, WIDTH, NM, R, G, W)
 
     @triton.jit
     def _code_at(packed_ptr, i, live, full, nbytes, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
@@ -193,6 +213,14 @@ def _shape(width: int, block: int, rotate: bool) -> dict[str, int] | None:
             "ODDP": 1 << (odd - 1).bit_length()}
 
 
+@functools.lru_cache(maxsize=64)
+def _covering_rows(width: int) -> int:
+    """Rows of ``width`` rotated values a chunk of :data:`.bitpack.CHUNK` of them touches, at most, rounded up to
+    a power of two: the rows one program of the encode rotates and scales."""
+    most = CHUNK // width if CHUNK % width == 0 else (CHUNK - 1) // width + 2
+    return 1 << (most - 1).bit_length()
+
+
 def applies(bits: int, t: torch.Tensor, meta_dtype: torch.dtype, width: int, block: int) -> bool:
     """Whether these kernels take a message on ``t``'s device: Triton takes it (:func:`.triton_codes.available`),
     ``bits <= MAX_BITS``, scales of float32, bfloat16 or float16, and a rotated width they unroll."""
@@ -201,7 +229,7 @@ def applies(bits: int, t: torch.Tensor, meta_dtype: torch.dtype, width: int, blo
 
 def encode_rows(x: torch.Tensor, signs: torch.Tensor | None, width: int, block: int, levels: torch.Tensor, bits: int,
                 meta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per row of ``x``: rotate, scale by the row's RMS, code to the nearest level, pack -- in two launches.
+    """Per row of ``x``: rotate, scale by the row's RMS, code to the nearest level, pack -- in one launch.
 
     Args:
         x: float32 ``(rows, d)``, contiguous, on the GPU, ``rows, d >= 1``.
@@ -228,14 +256,11 @@ def encode_rows(x: torch.Tensor, signs: torch.Tensor | None, width: int, block: 
     scale = torch.empty(rows, dtype=torch.float32, device=dev)
     meta = scale if meta_dtype == torch.float32 else torch.empty(rows, dtype=meta_dtype, device=dev)
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
-    grid = (-(-rows // shape["RB"]),)
-    if not launch("encode_rows_scales", _scales_kernel, grid, x, x if signs is None else signs, rot, scale, meta,
-                   rows, d, WIDTH=width, INV=1.0 / math.sqrt(block), ROTATE=signs is not None,
-                   META=_META[meta_dtype], **shape):
-        return None
     r, (g, w) = layout_planes(bits)[1], layout_word(layout_planes(bits)[1])[:2]
-    if n >= CHUNK and not launch("encode_rows_codes", _codes_kernel, (n // CHUNK,), rot, scale, levels.contiguous(),
-                                  out, n, WIDTH=width, NM=(1 << bits) - 1, R=r, G=g, W=w):
+    if not launch("encode_rows", _encode_kernel, (-(-n // CHUNK),), x, x if signs is None else signs, rot, scale,
+                   meta, levels.contiguous(), out, rows, d, n, WIDTH=width, INV=1.0 / math.sqrt(block),
+                   ROTATE=signs is not None, META=_META[meta_dtype], NM=(1 << bits) - 1, R=r, G=g, W=w,
+                   **{**shape, "RB": _covering_rows(width)}):
         return None
     full = n - n % CHUNK
     if full < n:  # the reference's tail (a bit stream, :mod:`.bitpack`)

@@ -145,41 +145,26 @@ class TokenTable:
 
         On CPU the message's distinct tokens are summed with ``index_add_`` (a fixed order). Off the CPU
         (:func:`_update_sorted`) nothing is read back and the sums are the same on every run: the rows sorted by
-        token, float64 prefix sums, one difference per token."""
-        flat = ids.reshape(-1).to(self.rows.device)
-        rows = values.reshape(flat.numel(), -1).to(self.rows.device, torch.float32)
+        token, float64 prefix sums, one difference per token.
+
+        Raises:
+            RuntimeError: called before :meth:`lookup` made the table.
+        """
+        table, count = self.rows, self.count
+        if table is None or count is None:
+            raise RuntimeError("token reference: a table is updated after its first lookup")
+        flat = ids.reshape(-1).to(table.device)
+        rows = values.reshape(flat.numel(), -1).to(table.device, torch.float32)
         if not deferred.on_host(rows):
-            self._update_sorted(flat, rows)
+            _update_sorted(table, count, self.alpha, flat, rows)
             return
         tokens, where = torch.unique(flat, return_inverse=True)
         n = torch.bincount(where, minlength=len(tokens))
         sums = torch.zeros(len(tokens), rows.shape[1], device=rows.device).index_add_(0, where, rows)
-        self.count[tokens] += n
-        weight = torch.minimum((1.0 / self.count[tokens].float()).clamp(min=self.alpha), 1.0 / n.float())
-        old = self.rows[tokens]
-        self.rows[tokens] = old + (sums - n[:, None].float() * old) * weight[:, None]
-
-    def _update_sorted(self, flat: torch.Tensor, rows: torch.Tensor) -> None:
-        """:meth:`update` without a read back (a device's): every row of a token ``t`` computes ``t``'s new row
-        from its run in the sorted rows, and the rows of ``t`` all write that same value."""
-        n_rows = flat.numel()
-        order = torch.argsort(flat, stable=True)
-        keys, sorted_rows = flat[order], rows[order]
-        at = torch.arange(n_rows, device=flat.device)
-        new_run = torch.ones_like(keys, dtype=torch.bool)
-        new_run[1:] = keys[1:] != keys[:-1]
-        start = torch.cummax(torch.where(new_run, at, 0), 0).values  # the first row of each row's token
-        last_run = torch.ones_like(new_run)
-        last_run[:-1] = new_run[1:]
-        end = torch.flip(torch.cummin(torch.flip(torch.where(last_run, at, n_rows - 1), (0,)), 0).values, (0,))
-        prefix = torch.cat((rows.new_zeros(1, rows.shape[1], dtype=torch.float64),
-                            sorted_rows.double().cumsum(0)))
-        sums = (prefix[end + 1] - prefix[start]).float()
-        n = (end - start + 1).float()[:, None]
-        self.count.index_add_(0, keys, torch.ones_like(keys))  # integer sums: the same in any order
-        weight = torch.minimum((1.0 / self.count[keys].float()).clamp(min=self.alpha)[:, None], 1.0 / n)
-        old = self.rows[keys]
-        self.rows[keys] = old + (sums - n * old) * weight
+        count[tokens] += n
+        weight = torch.minimum((1.0 / count[tokens].float()).clamp(min=self.alpha), 1.0 / n.float())
+        old = table[tokens]
+        table[tokens] = old + (sums - n[:, None].float() * old) * weight[:, None]
 
     def state_dict(self) -> dict:
         """``{"rows": float32 (vocab, d) or None, "count": int64 (vocab,) or None}``: the table's own tensors,
@@ -214,6 +199,30 @@ class TokenTable:
             h.update(self.rows.cpu().contiguous().view(torch.uint8).numpy().tobytes())
             h.update(self.count.cpu().numpy().tobytes())
         return h.hexdigest()
+
+
+def _update_sorted(table: torch.Tensor, count: torch.Tensor, alpha: float, flat: torch.Tensor,
+                   rows: torch.Tensor) -> None:
+    """:meth:`TokenTable.update` of ``table`` and ``count`` without a read back (a device's): every row of a
+    token ``t`` computes ``t``'s new row from its run in the rows sorted by token (float64 prefix sums), and the
+    rows of ``t`` all write that same value."""
+    n_rows = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    keys, sorted_rows = flat[order], rows[order]
+    at = torch.arange(n_rows, device=flat.device)
+    new_run = torch.ones_like(keys, dtype=torch.bool)
+    new_run[1:] = keys[1:] != keys[:-1]
+    start = torch.cummax(torch.where(new_run, at, 0), 0).values  # the first row of each row's token
+    last_run = torch.ones_like(new_run)
+    last_run[:-1] = new_run[1:]
+    end = torch.flip(torch.cummin(torch.flip(torch.where(last_run, at, n_rows - 1), (0,)), 0).values, (0,))
+    prefix = torch.cat((rows.new_zeros(1, rows.shape[1], dtype=torch.float64), sorted_rows.double().cumsum(0)))
+    sums = (prefix[end + 1] - prefix[start]).float()
+    n = (end - start + 1).float()[:, None]
+    count.index_add_(0, keys, torch.ones_like(keys))  # integer sums: the same in any order
+    weight = torch.minimum((1.0 / count[keys].float()).clamp(min=alpha)[:, None], 1.0 / n)
+    old = table[keys]
+    table[keys] = old + (sums - n * old) * weight
 
 
 class ReferenceCoder:
