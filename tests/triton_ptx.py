@@ -48,8 +48,8 @@ def configs():
         shape = tr._shape(width, block, True)
         for bits in range(1, 5):
             r, g, w = ft._layout(bits)["R"], ft._layout(bits)["G"], ft._layout(bits)["W"]
-            yield tr._encode_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "META": meta, **shape,
-                                      "RB": tr._covering_rows(width), "NM": (1 << bits) - 1, "R": r, "G": g, "W": w}
+            yield tr._encode_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "META": meta,
+                                      **tr._encode_shape(shape, width), "NM": (1 << bits) - 1, "R": r, "G": g, "W": w}
             yield tr._decode_kernel, {"WIDTH": width, "INV": 1.0 / block**0.5, "ROTATE": True, "R": r, "G": g, "W": w,
                                       **{k: shape[k] for k in ("RB", "NBP", "BLOCK", "LOG")}}
     for bits in range(1, 5):

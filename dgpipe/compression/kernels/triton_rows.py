@@ -7,9 +7,10 @@ whole-tensor kernels on a GPU; here they are one, and so is the decode:
 
 - :func:`encode_rows`: ``x`` ``(rows, d)`` -> packed codes and per-row scales, one program per chunk of
   the packed stream (:mod:`.bitpack`'s layout). A program first takes the rows its chunk touches
-  (:func:`_covering_rows`): signs, butterflies, the rotated rows stored (a scratch tensor), then
-  each row's sum of squares in float64 folded in :func:`.levels.row_rms`'s order, its square root
-  and the scale rounded up to the metadata dtype; then, after a barrier, it codes its chunk, each
+  (:func:`_encode_shape`), a block of rows at a time: signs, butterflies, the rotated rows stored
+  (a scratch tensor), then each row's sum of squares in float64 folded in :func:`.levels.row_rms`'s
+  order, its square root and the scale rounded up to the metadata dtype; then, after a barrier, it
+  codes its chunk, each
   value divided by its row's scale and given the index of its nearest level, and packs it. A row
   that two chunks share is rotated and scaled by both programs, to the same bits.
 - :func:`decode_rows`: per block of rows, each code read from the packed stream (whole chunks or the
@@ -150,12 +151,14 @@ if triton is not None:
                        WIDTH: tl.constexpr, INV: tl.constexpr, RB: tl.constexpr, NBP: tl.constexpr,
                        BLOCK: tl.constexpr, LOG: tl.constexpr, ROTATE: tl.constexpr, K2: tl.constexpr,
                        LOGK2: tl.constexpr, ODD: tl.constexpr, ODDP: tl.constexpr, META: tl.constexpr,
-                       NM: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
-        """Program ``c``: the rows its chunk of rotated values touches (``RB`` rows from the chunk's first), rotated
-        and scaled, then the chunk coded and packed, if it is whole (a partial last chunk is the reference's)."""
+                       NM: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr, ROUNDS: tl.constexpr):
+        """Program ``c``: the rows its chunk of rotated values touches (``ROUNDS`` blocks of ``RB`` rows from the
+        chunk's first), rotated and scaled, then the chunk coded and packed, if it is whole (a partial last chunk
+        is the reference's)."""
         c = tl.program_id(0).to(tl.int64)
-        _rotated_scales(x_ptr, signs_ptr, rot_ptr, scale_ptr, meta_ptr, c * _CHUNK // WIDTH, rows, d, WIDTH, INV, RB,
-                        NBP, BLOCK, LOG, ROTATE, K2, LOGK2, ODD, ODDP, META)
+        for k in range(ROUNDS):  # blocks of about CHUNK values, a tile the registers hold (a loop, not unrolled)
+            _rotated_scales(x_ptr, signs_ptr, rot_ptr, scale_ptr, meta_ptr, c * _CHUNK // WIDTH + k * RB, rows, d,
+                            WIDTH, INV, RB, NBP, BLOCK, LOG, ROTATE, K2, LOGK2, ODD, ODDP, META)
         tl.debug_barrier()  # the rows and scales this program's threads stored are read back by others of them
         if (c + 1) * _CHUNK <= n:
             _chunk_codes(rot_ptr, scale_ptr, table_ptr, out_ptr, c, WIDTH, NM, R, G, W)
@@ -213,12 +216,14 @@ def _shape(width: int, block: int, rotate: bool) -> dict[str, int] | None:
             "ODDP": 1 << (odd - 1).bit_length()}
 
 
-@functools.lru_cache(maxsize=64)
-def _covering_rows(width: int) -> int:
-    """Rows of ``width`` rotated values a chunk of :data:`.bitpack.CHUNK` of them touches, at most, rounded up to
-    a power of two: the rows one program of the encode rotates and scales."""
+def _encode_shape(shape: dict[str, int], width: int) -> dict[str, int]:
+    """The constexprs of the one-pass encode: :func:`_shape`'s with the rows a chunk of :data:`.bitpack.CHUNK`
+    rotated values touches, at most, rounded up to a power of two, taken as ``ROUNDS`` blocks of ``RB`` rows
+    (:func:`_shape`'s block of about :data:`_VALUES_PER_PROGRAM` values, or fewer where fewer rows cover)."""
     most = CHUNK // width if CHUNK % width == 0 else (CHUNK - 1) // width + 2
-    return 1 << (most - 1).bit_length()
+    covering = 1 << (most - 1).bit_length()
+    rb = min(shape["RB"], covering)
+    return {**shape, "RB": rb, "ROUNDS": covering // rb}
 
 
 def applies(bits: int, t: torch.Tensor, meta_dtype: torch.dtype, width: int, block: int) -> bool:
@@ -260,7 +265,7 @@ def encode_rows(x: torch.Tensor, signs: torch.Tensor | None, width: int, block: 
     if not launch("encode_rows", _encode_kernel, (-(-n // CHUNK),), x, x if signs is None else signs, rot, scale,
                    meta, levels.contiguous(), out, rows, d, n, WIDTH=width, INV=1.0 / math.sqrt(block),
                    ROTATE=signs is not None, META=_META[meta_dtype], NM=(1 << bits) - 1, R=r, G=g, W=w,
-                   **{**shape, "RB": _covering_rows(width)}):
+                   **_encode_shape(shape, width)):
         return None
     full = n - n % CHUNK
     if full < n:  # the reference's tail (a bit stream, :mod:`.bitpack`)
