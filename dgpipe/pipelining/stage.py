@@ -112,6 +112,8 @@ def _fixed_rate(make: Any, direction: str) -> None:
 class CompressedPipelineStage(PipelineStage):
     """A ``torch.distributed.pipelining.PipelineStage`` whose floating-point boundary tensors cross
     as dgpipe codec payloads (module docstring). Use it wherever torch takes a ``PipelineStage``.
+    On a GPU the decoders read nothing back: call :func:`dgpipe.compression.raise_deferred` after each
+    ``schedule.step`` (as dgpipe's torch engine does) to raise a payload's refusal (inf/NaN sent).
 
     Args:
         submodule, stage_index, num_stages, device, group, ...: as ``PipelineStage`` (keywords
