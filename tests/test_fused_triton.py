@@ -11,6 +11,7 @@ for that kernel alone, with one warning.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,11 +26,12 @@ from dgpipe.compression.kernels import backend, dispatch
 from dgpipe.compression.kernels.bitpack import CHUNK
 from dgpipe.compression.steps.hadamard import HadamardRotation
 from dgpipe.compression.kernels import BucketIndex
+from dgpipe.compression.kernels.buckets import sample_size
 from test_fused import CODEBOOK, QUANT, SORTQUANT, codebook_inputs, eager_and_fused, tensors  # noqa: F401 (a fixture)
 
 pytest.importorskip("triton", exc_type=ImportError)  # also a Triton that is installed but fails to import
 from dgpipe.compression.kernels import triton_codes as fused_triton  # noqa: E402
-from dgpipe.compression.kernels import triton_rows  # noqa: E402
+from dgpipe.compression.kernels import triton_buckets, triton_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROW_KERNELS = ("encode_rows", "decode_rows")
@@ -56,7 +58,7 @@ def data(seed: int) -> dict[str, torch.Tensor]:
 def taken(monkeypatch):
     """Counts the Triton kernel calls that ran (returned True or a result), by name."""
     counts: dict[str, int] = {}
-    for module, names in ((fused_triton, KERNELS), (triton_rows, ROW_KERNELS)):
+    for module, names in ((fused_triton, KERNELS), (triton_rows, ROW_KERNELS), (triton_buckets, ("encode_sampled",))):
         for name in names:
             def spy(*args, _real=getattr(module, name), _name=name):
                 done = _real(*args)
@@ -88,7 +90,10 @@ def test_sortquant_triton_equals_eager(eager_and_fused, taken, qs):
     for x in data(seed=5).values():
         eager_and_fused(codec, x)
     kind = "buckets" if s else "uniform"
-    assert taken.get(f"encode_{kind}", 0) >= 10 and taken.get(f"decode_{kind}", 0) >= 10, taken
+    encodes = taken.get(f"encode_{kind}", 0) + taken.get("encode_sampled", 0)
+    assert encodes >= 10 and taken.get(f"decode_{kind}", 0) >= 10, taken
+    if s:
+        assert taken.get("encode_sampled", 0) >= 3, taken  # the sampled splits: two launches
 
 
 @pytest.mark.parametrize("opts", CODEBOOK, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
@@ -184,14 +189,14 @@ def test_kernels_compile_for_nvidia_gpus_with_ieee_division_and_no_fma():
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert {r["kernel"] for r in rows} == {name for module in (fused_triton, triton_rows) for name in vars(module)
-                                           if name.endswith("_kernel")}
+    assert {r["kernel"] for r in rows} == {name for module in (fused_triton, triton_rows, triton_buckets)
+                                           for name in vars(module) if name.endswith("_kernel")}
     assert {r["sm"] for r in rows} == {80, 90} and len(rows) >= 120
     for r in rows:
         ops = r["float_ops"]
         assert set(ops) <= ALLOWED_FLOAT_OPS, r
         if r["kernel"] in ("_encode_uniform_kernel", "_encode_message_kernel", "_encode_buckets_kernel",
-                           "_encode_kernel"):
+                           "_encode_kernel", "_encode_sampled_kernel"):
             assert ops.get("div.rn.f32", 0) > 0, r
 
 
@@ -239,7 +244,7 @@ def launches(monkeypatch):
         names.append(name)
         return real(name, *args, **constexprs)
 
-    for module in (fused_triton, triton_rows):
+    for module in (fused_triton, triton_rows, triton_buckets):
         monkeypatch.setattr(module, "launch", spy)
     return names
 
@@ -259,3 +264,34 @@ def test_token_rows_encode_in_one_launch_with_the_golden_bytes(launches, options
         launches.clear()
         assert run_case(*case) == golden[key], key
         assert launches == ["encode_rows", "decode_rows"], (key, launches)
+
+
+@pytest.mark.parametrize("qs", [(6, 2), (3, 1), (2, 6)])
+def test_sortquant_encodes_a_sampled_split_in_two_launches_with_the_golden_bytes(launches, qs):
+    """The sampled split: partial bucket maxima, then the grid and the codes, two Triton launches (after the
+    sample's gather and sort), decoded in one; the golden payloads' bytes where they are pinned, the eager
+    path's otherwise."""
+    from test_golden_payloads import GOLDEN, SHAPES, cases, run_case
+
+    golden = json.loads(GOLDEN.read_text())
+    options = {"quant_bits": qs[0], "split_bits": qs[1]}
+    picked = {k: v for k, v in cases().items() if v[0] == "sortquant" and v[1] == options and v[2] in ("tail", "large")}
+    assert picked
+    for key, case in picked.items():
+        launches.clear()
+        assert run_case(*case) == golden[key], key
+        n = math.prod(SHAPES[case[2]])
+        sampled = sample_size(n, 1 << qs[1]) < n  # else the exact split: the whole tensor sorted, one launch
+        want = ["sampled_parts", "encode_sampled"] if sampled else ["encode_buckets"]
+        assert launches == want + ["decode_buckets"], (key, launches)
+    codec = get_codec("sortquant", **options)
+    x = torch.randn(40 * CHUNK + 7, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    launches.clear()
+    payload = codec.encode(x)
+    assert launches == ["sampled_parts", "encode_sampled"], launches
+    previous = backend.set_enabled(False)
+    try:
+        ref = codec.encode(x)
+    finally:
+        backend.set_enabled(previous)
+    assert all(torch.equal(a, b) for a, b in zip((payload.header, *payload.tensors), (ref.header, *ref.tensors)))

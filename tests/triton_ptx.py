@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dgpipe.compression.kernels import triton_buckets as tb
 from dgpipe.compression.kernels import triton_codes as ft
 from dgpipe.compression.kernels import triton_rows as tr
 from test_fused import SORTQUANT as CPU_SORTQUANT  # this script's folder is on sys.path
@@ -44,6 +45,9 @@ def configs():
         yield ft._encode_buckets_kernel, {"NB": (1 << s) - 1, "Q": q, **ft._layout(q + s)}
         yield ft._decode_buckets_kernel, {"Q": q, **ft._layout(q + s)}
         yield ft._bucket_maxima_kernel, {"NB": (1 << s) - 1}
+        block, parts = tb.tiles(1 << s)
+        yield tb._sampled_parts_kernel, {"NB": (1 << s) - 1, "NBP": 1 << s, "EB": block, "ROUNDS": 8}
+        yield tb._encode_sampled_kernel, {"NB": (1 << s) - 1, "NBP": 1 << s, "PB": parts, "Q": q, **ft._layout(q + s)}
     for width, block, meta in ((64, 64, 1), (576, 64, 1), (384, 128, 2), (960, 64, 0), (4096, 4096, 0)):
         shape = tr._shape(width, block, True)
         for bits in range(1, 5):

@@ -292,6 +292,24 @@ def _one_call(flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str
     return BucketGrid.of_rows(grid, None if packed is None else torch.from_numpy(packed))
 
 
+def _two_launches(flat: torch.Tensor, split_bits: int, quant_bits: int) -> BucketGrid | None:
+    """The grid and the whole chunks' codes of a sampled split on a GPU: the sample gathered and sorted (torch),
+    then two Triton launches that read nothing back (:func:`.triton_buckets.encode_sampled`); None where that
+    does not apply."""
+    n, buckets = flat.numel(), 1 << split_bits
+    m = sample_size(n, buckets)
+    if m == n or choose(flat) != "triton" or not flat.is_contiguous():
+        return None
+    from . import triton_buckets
+
+    sample = torch.sort(flat.index_select(0, sample_positions(n, m, flat.device))).values
+    done = triton_buckets.encode_sampled(flat, sample, quant_bits, split_bits)
+    if done is None:
+        return None
+    grid, packed = done
+    return BucketGrid(grid[1:buckets], grid[:buckets], grid[2 * buckets:], grid[:2 * buckets], packed=packed)
+
+
 def bucket_grid(flat: torch.Tensor, split_bits: int, quant_bits: int, codec_name: str,
                 codes: bool = True) -> BucketGrid:
     """Boundaries, per-bucket grids and metadata of the values ``flat`` (module docstring, step 1).
@@ -313,6 +331,9 @@ def bucket_grid(flat: torch.Tensor, split_bits: int, quant_bits: int, codec_name
         mins = lo.view(1)
         return BucketGrid(None, mins, *_steps(mins, hi.view(1), levels))
     grid = _one_call(flat, buckets, quant_bits, codec_name, codes)
+    if grid is not None:
+        return grid
+    grid = _two_launches(flat, split_bits, quant_bits) if codes else None
     if grid is not None:
         return grid
     bounds, mins, maxs = bucket_ranges(flat, buckets, codec_name)

@@ -15,7 +15,7 @@ pass over memory.
 - :func:`bucket_maxima`, :func:`encode_buckets` / :func:`decode_buckets`: sort
   quantization's per-bucket maxima (a partial max per program, then their max) and
   codes ``bucket * 2**Q + level`` (the bucket by comparison with the boundaries), any
-  number of buckets;
+  number of buckets (a sampled split's whole message is :mod:`.triton_buckets`'s, in two launches);
 - :func:`encode_levels` / :func:`decode_levels`: the codebook codec's nearest level and
   ``level * scale`` (:mod:`.levels`).
 
