@@ -108,8 +108,9 @@ def test_every_registered_codec_runs_on_cuda():
             assert torch.equal(y, x)
 
 
-def _kernels_and_syncs(fn) -> int:
-    """CUDA kernels that ``fn()`` launches, run with torch's sync debug mode at "error" (a host sync raises)."""
+def _kernel_names(fn) -> list[str]:
+    """The CUDA kernels that ``fn()`` launches, by name, run with torch's sync debug mode at "error" (a host sync
+    raises)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -120,7 +121,12 @@ def _kernels_and_syncs(fn) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _kernels_and_syncs(fn) -> int:
+    """How many CUDA kernels ``fn()`` launches, none of them after a host sync (:func:`_kernel_names`)."""
+    return len(_kernel_names(fn))
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -134,6 +140,8 @@ def test_quant_encode_on_cuda_launches_two_kernels_and_never_waits(bits):
     codec.encode(x)  # compiles
     out = []
     assert _kernels_and_syncs(lambda: out.append(codec.encode(x))) == 2
+    assert _kernels_and_syncs(lambda: codec.decode(out[0])) == 1  # its check of the grid waits for the step
+    raise_deferred()
     previous = backend.set_enabled(False)
     try:
         ref = codec.encode(x)
@@ -154,7 +162,7 @@ def test_codebook_token_rows_on_cuda_launch_one_kernel_and_never_wait(bits, d):
     out = []
     assert _kernels_and_syncs(lambda: out.append(codec.encode(x))) == 1
     y = codec.decode(out[0])
-    assert _kernels_and_syncs(lambda: codec.decode(out[0])) >= 1  # the decode, and its check kept on the GPU
+    assert _kernels_and_syncs(lambda: codec.decode(out[0])) == 1  # its check of the scales waits for the step
     raise_deferred()
     previous = backend.set_enabled(False)
     try:
@@ -173,7 +181,9 @@ def test_sortquant_encode_on_cuda_never_waits(qs):
     y = codec.decode(codec.encode(x))  # compiles
     assert _kernels_and_syncs(lambda: codec.encode(x)) > 0  # no wait raised in there
     p = codec.encode(x)
-    assert _kernels_and_syncs(lambda: codec.decode(p)) > 0
+    triton = [k for k in _kernel_names(lambda: codec.encode(x)) if k.endswith("_kernel")]
+    assert triton == ["_sampled_parts_kernel", "_encode_sampled_kernel"], triton  # after the sample's gather, sort
+    assert _kernels_and_syncs(lambda: codec.decode(p)) == 1
     raise_deferred()
     assert (y - x).abs().max() <= (x.max() - x.min()) / (1 << qs[0])
 

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dgpipe.compression import get_codec, raise_deferred
 from dgpipe.compression.kernels import backend, buckets, deferred
+from dgpipe.compression.kernels.uniform import NOT_FINITE
 from dgpipe.compression.wrappers.reference import ReferenceCoder, ScaledReferenceCoder, TokenTable
 from dgpipe.pipeline import Pipeline, SpawnError, spawn
 
@@ -85,7 +86,7 @@ def test_encode_and_decode_read_nothing_back(reference_path, name, options, shap
         y = codec.decode(payload)
     assert y.shape == x.shape and y.device.type == "meta"
     assert deferred.pending() >= 1  # the decoder's check of the grid or scales waits for the runtime
-    deferred._flags.clear()  # meta flags have no values to read
+    deferred._held.clear()  # meta flags have no values to read
 
 
 def test_the_dispatch_mode_sees_a_read_back():
@@ -104,7 +105,7 @@ def off_host(monkeypatch):
     monkeypatch.setattr(deferred, "on_host", lambda t: False)
     monkeypatch.setattr(buckets, "_cpu_grid", buckets._torch_grid)
     yield
-    deferred._flags.clear()
+    deferred._held.clear()
     backend.set_enabled(previous)
 
 
@@ -129,6 +130,24 @@ def test_a_device_decoder_refuses_a_grid_that_is_not_finite_at_the_next_wait(off
         raise_deferred()
     assert deferred.pending() == 0
     raise_deferred()  # read and cleared
+
+
+def test_many_decodes_are_kept_in_bounded_memory(off_host):
+    """Past FOLD_AT decodes of one boundary the kept grids fold into one sum, which still catches one bad grid."""
+    codec = get_codec("quant", bits=4, group="token")
+    good, bad = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    bad[1, 2, 3] = float("inf")
+    payload = codec.encode(good)
+    for _ in range(deferred.FOLD_AT + 5):
+        codec.decode(payload)
+    assert len(deferred._held[(good.device, NOT_FINITE.format("quant"))]) == 6
+    raise_deferred()
+    for _ in range(deferred.FOLD_AT - 1):
+        codec.decode(payload)
+    codec.decode(codec.encode(bad))  # the 64th: folded with the others
+    assert len(deferred._held[(good.device, NOT_FINITE.format("quant"))]) == 1
+    with pytest.raises(ValueError, match="grid that is not finite"):
+        raise_deferred()
 
 
 def test_a_scale_past_float16_is_refused_by_the_decoder_off_the_host(off_host):
@@ -183,7 +202,7 @@ def test_the_token_reference_reads_nothing_back(reference_path, scaled):
             payload = sender.encode(x, ids.to("meta"), update=True)
             y = receiver.decode(payload, ids.to("meta"), update=True)
         assert y.shape == x.shape
-    deferred._flags.clear()
+    deferred._held.clear()
 
 
 def test_a_device_updates_the_token_table_as_the_host_does(monkeypatch):
