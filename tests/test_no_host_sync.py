@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dgpipe.compression import get_codec, raise_deferred
 from dgpipe.compression.kernels import backend, buckets, deferred
 from dgpipe.compression.kernels.uniform import NOT_FINITE
+from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder
 from dgpipe.compression.wrappers.reference import ReferenceCoder, ScaledReferenceCoder, TokenTable
 from dgpipe.pipeline import Pipeline, SpawnError, spawn
 
@@ -220,3 +221,24 @@ def test_a_device_updates_the_token_table_as_the_host_does(monkeypatch):
     assert torch.equal(device.count, host.count) and int(host.count.sum()) == 5 * 72
     torch.testing.assert_close(device.rows, host.rows, rtol=1e-5, atol=1e-6)
     assert (host.rows != 0).any(dim=1).sum() == (host.count > 0).sum()
+
+
+def test_delta_coding_against_a_cache_on_the_device_reads_nothing_back(reference_path):
+    """Both sides' caches on the activations' device: rows read and stored there, the statistics kept there;
+    the sample ids come from the host (an asynchronous copy)."""
+    inner = get_codec("codebook", bits=2, group="token", rotate="hadamard")
+    sender, receiver = (DeltaCoder(inner, DeltaCache(16, device="meta")) for _ in range(2))
+    ids = torch.tensor([5, 1, 3, 0])
+    for _ in range(2):  # a first visit, then a revisit
+        x = torch.empty(4, 32, 64, device="meta")
+        with NoHostSync():
+            payload = sender.encode(x, ids)
+            y = receiver.decode(payload, ids)
+        assert y.shape == x.shape and sender.cache.values.device.type == "meta"
+    assert sender.stats.device.type == "meta"
+    deferred._held.clear()
+
+
+def test_a_memory_mapped_delta_cache_stays_on_the_host(tmp_path):
+    with pytest.raises(ValueError, match="memory-mapped delta cache lives in host memory"):
+        DeltaCache(4, path=tmp_path / "c.bin", device="meta")

@@ -125,6 +125,16 @@ def check_ids(ids: torch.Tensor, examples: int, rows: int | None = None, where: 
             raise ValueError(f"{where} repeats an id within one batch; every row must be a distinct example")
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without the host waiting for the device: a host tensor bound for a GPU goes through
+    pinned memory, an asynchronous copy (torch keeps the pinned buffer until the copy is done)."""
+    if t.device == device:
+        return t
+    if t.is_cpu and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _human(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -139,15 +149,24 @@ class DeltaCache:
         max_bytes: largest in-memory size (bytes); not applied to a memory-mapped cache.
         name: what messages call it (e.g. ``"stage0->stage1 tensor 0, sender"``).
         report: called once per allocation with a line ``examples x values x bytes = size``.
+        device: where an in-memory cache lives (default CPU). On the activations' GPU, coding reads and
+            stores rows without a copy to or from the host, so nothing waits for the device (without a row
+            mask: the kept rows' count is data).
 
     Rows are allocated on first use (:meth:`rows`), zero-filled.
+
+    Raises:
+        ValueError: a memory-mapped cache (``path``) on a device other than the CPU.
     """
 
     def __init__(self, examples: int, dtype: torch.dtype = torch.float16, path: str | os.PathLike | None = None,
                  max_bytes: int = DEFAULT_MAX_BYTES, name: str = "delta cache",
-                 report: Callable[[str], None] | None = None) -> None:
+                 report: Callable[[str], None] | None = None, device: torch.device | str = "cpu") -> None:
         self.examples, self.dtype, self.max_bytes, self.name, self.report = examples, dtype, max_bytes, name, report
         self.path = None if path is None else Path(path)
+        self.device = torch.device(device)
+        if self.path is not None and self.device.type != "cpu":
+            raise ValueError(f"{name}: a memory-mapped delta cache lives in host memory, not on {self.device}")
         self.values: torch.Tensor | None = None
 
     @property
@@ -158,7 +177,8 @@ class DeltaCache:
     def _allocate(self, row_shape: tuple[int, ...]) -> torch.Tensor:
         values = math.prod(row_shape)
         size = self.examples * values * self.dtype.itemsize
-        where = f"memory-mapped file {self.path}" if self.path is not None else "memory"
+        where = f"memory-mapped file {self.path}" if self.path is not None else \
+            "memory" if self.device.type == "cpu" else f"{self.device} memory"
         if self.path is None and size > self.max_bytes:
             raise ValueError(
                 f"{self.name}: a delta cache of {self.examples} examples x {values} values x {self.dtype.itemsize} "
@@ -166,7 +186,7 @@ class DeltaCache:
                 f"(max_bytes, CLI --delta-cache-limit) or keep the cache in a memory-mapped file in a directory "
                 f"(cache_dir, CLI --delta-cache-dir DIR)")
         if self.path is None:
-            out = torch.zeros((self.examples, *row_shape), dtype=self.dtype)
+            out = torch.zeros((self.examples, *row_shape), dtype=self.dtype, device=self.device)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "wb") as f:  # a fresh, zero-filled (sparse) file of the right size
@@ -198,11 +218,11 @@ class DeltaCache:
         self.values[(slice(None), *(slice(0, h) for h in have))] = old
 
     def _region(self, ids: torch.Tensor, row_shape: tuple[int, ...]) -> tuple:
-        return (ids.cpu(), *(slice(0, r) for r in row_shape))
+        return (_to_device(ids, self.device), *(slice(0, r) for r in row_shape))
 
     def rows(self, ids: torch.Tensor, row_shape: Sequence[int]) -> torch.Tensor:
         """The stored rows of examples ``ids`` (int64 ``(B,)``), cut to ``row_shape``:
-        ``(B, *row_shape)`` in the cache dtype, on CPU (zeros for examples never stored)."""
+        ``(B, *row_shape)`` in the cache dtype, on the cache's device (zeros for examples never stored)."""
         row_shape = tuple(int(r) for r in row_shape)
         self._fit(row_shape)
         return self.values[self._region(ids, row_shape)]
@@ -211,14 +231,14 @@ class DeltaCache:
         """Store ``rows`` (``(B, *row_shape)``, any floating dtype and device) for examples ``ids``."""
         row_shape = tuple(rows.shape[1:])
         self._fit(row_shape)
-        self.values[self._region(ids, row_shape)] = rows.detach().to("cpu", self.dtype)
+        self.values[self._region(ids, row_shape)] = rows.detach().to(self.device, self.dtype)
 
     def digest(self) -> str:
         """SHA-256 (hex) of the stored bytes and shape: equal on both sides of a link."""
         h = hashlib.sha256()
         if self.values is not None:
             h.update(str(tuple(self.values.shape)).encode())
-            h.update(self.values.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(self.values.contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return h.hexdigest()
 
     def state_dict(self) -> dict:
@@ -270,8 +290,8 @@ class DeltaCoder:
         self.stats = torch.zeros(3, dtype=torch.float64)
 
     def take_stats(self) -> torch.Tensor:
-        """:attr:`stats`, reset to zero."""
-        out, self.stats = self.stats, torch.zeros(3, dtype=torch.float64)
+        """:attr:`stats` (on CPU: a read back where the cache is on a device), reset to zero."""
+        out, self.stats = self.stats.cpu(), torch.zeros_like(self.stats)
         return out
 
     def _base(self, ids: torch.Tensor, row_shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -314,8 +334,8 @@ class DeltaCoder:
             r = m.index_put((keep,), m[keep] + self.inner.decode(payload))
             kept = (a[keep], change[keep], (a - r)[keep])
         self.cache.store(ids, r)
-        sums = [t.double().square().sum() for t in kept]
-        self.stats += torch.stack(sums).cpu()
+        sums = torch.stack([t.double().square().sum() for t in kept])
+        self.stats = _to_device(self.stats, sums.device) + sums  # where the values are: no read back
         return _relabel(payload, x.dtype)
 
     def decode(self, payload: Payload, ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
