@@ -27,11 +27,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import compiled
+from . import compiled, deferred
 from .backend import empty
 from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
-from . import deferred
 
 __all__ = [
     "BLOCK", "blocks", "tame", "finite_range", "range_of", "values_tail", "encode_blocks", "decode_table", "pack_tail",
@@ -345,8 +344,9 @@ NOT_FINITE = ("{} payload has a grid that is not finite: the sender's values hel
 def finite_grid(meta: torch.Tensor, codec_name: str) -> None:
     """Refuse a received grid -- ``lo`` and ``step`` per group, or scales; any float dtype -- unless every value is
     finite: the check of a sender that did not check its range (an encoder off the CPU reads nothing back). On
-    CPU a numpy test, raising now; on another device a flag read at the runtime's next wait
-    (:func:`.deferred.refuse_unless`, :func:`.deferred.raise_deferred`), so the decoder never waits.
+    CPU a numpy test, raising now; on another device ``meta`` is kept and checked at the runtime's next wait
+    (:func:`.deferred.refuse_unless`, :func:`.deferred.raise_deferred`), so the decoder neither waits nor
+    launches a kernel for it.
 
     Raises:
         ValueError: :data:`NOT_FINITE` -- on CPU here, elsewhere from :func:`.deferred.raise_deferred`.
