@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import SHAPE, one_pass_data, roundtrip, timed  # noqa: E402
-import dgpipe  # noqa: E402
-from dgpipe.compression import get_codec  # noqa: E402
+from codec_speed import SHAPE, one_pass_data, roundtrip, timed
+import dgpipe
+from dgpipe.compression import get_codec
 
 TENSORS = {"25.7 MB": (SHAPE, "relu6"), "MiniLM micro-batch": ((16, 64, 384), "outliers"),
            "stem message 16x16x16x16": ((16, 16, 16, 16), "relu6")}

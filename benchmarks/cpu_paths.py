@@ -33,12 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import SHAPE, clone_and_roundtrips, one_pass_data, same_payload, timed  # noqa: E402
-from dgpipe.compression import get_codec  # noqa: E402
-from dgpipe.compression.kernels import backend, buckets, compiled, levels, uniform  # noqa: E402
-from dgpipe.compression.kernels.fwht import fwht  # noqa: E402
-from dgpipe.compression.kernels.bitpack import CHUNK, packed_nbytes  # noqa: E402
+from codec_speed import SHAPE, clone_and_roundtrips, one_pass_data, same_payload, timed
+from dgpipe.compression import get_codec
+from dgpipe.compression.kernels import backend, buckets, compiled, levels, uniform
+from dgpipe.compression.kernels.fwht import fwht
+from dgpipe.compression.kernels.bitpack import CHUNK, packed_nbytes
 
 TENSORS = {"25.7 MB (64x32x56x56)": (SHAPE, "relu6"), "MiniLM micro-batch (16x64x384)": ((16, 64, 384), "outliers")}
 

@@ -13,14 +13,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import SHAPE, one_pass_data, timed  # noqa: E402
-from dgpipe.compression import get_codec  # noqa: E402
+from codec_speed import SHAPE, one_pass_data, timed
+from dgpipe.compression import get_codec
 
 CODECS = {
     "quant 8": ("quant", {"bits": 8}),
