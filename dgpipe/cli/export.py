@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dgpipe.train.args import JobParser
+from dgpipe.train.flags import JobParser
 
 DESCRIPTION = """\
 Gather every stage's weights from the newest checkpoint that all ranks of a dgpipe-lm run completed (its --save

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dgpipe.inference import ServerLimits
-from dgpipe.train.args import JobParser
+from dgpipe.train.flags import JobParser
 from dgpipe.models.causal_lm import LM_PRESETS, OFFLINE_LMS
 
 DESCRIPTION = """\

@@ -10,7 +10,7 @@ import sys
 from dgpipe.cli import entry_point
 from dgpipe.models.causal_lm import LM_PRESETS, OFFLINE_LMS
 from dgpipe.train import loop
-from dgpipe.train.args import common_parser
+from dgpipe.train.flags import common_parser
 
 DESCRIPTION = """\
 Pretrain or fine-tune a decoder language model (Llama, Qwen2/Qwen3, Gemma 3 or GPT-2 family) on a
@@ -39,7 +39,7 @@ examples:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """The common flags (:func:`dgpipe.train.args.common_parser`) plus the LM job's own."""
+    """The common flags (:func:`dgpipe.train.flags.common_parser`) plus the LM job's own."""
     p = common_parser(DESCRIPTION, batch_size=16, lr=1e-3, epochs=1, client_layers=1, data_dir=None,
                       data_dir_help="corpus: a folder with train.txt, valid.txt and test.txt (e.g. "
                                     "../shared/data/text/wiki-excerpt), or online a Hugging Face dataset NAME[:CONFIG] "

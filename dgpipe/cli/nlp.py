@@ -9,7 +9,7 @@ import argparse
 from dgpipe.data import GLUE_TASKS
 from dgpipe.cli import entry_point
 from dgpipe.train import loop
-from dgpipe.train.args import common_parser
+from dgpipe.train.flags import common_parser
 from dgpipe.train.nlp import TINY_CONFIGS, GlueJob
 
 DESCRIPTION = """\
@@ -31,7 +31,7 @@ example (uncompressed vs 8-bit sort quantization vs the 4-bit codebook, same see
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """The common flags (:func:`dgpipe.train.args.common_parser`) plus the GLUE job's own."""
+    """The common flags (:func:`dgpipe.train.flags.common_parser`) plus the GLUE job's own."""
     p = common_parser(DESCRIPTION, batch_size=16, lr=1e-4, epochs=1, client_layers=2, data_dir=None,
                       data_dir_help="GLUE folder in the original TSV layout (e.g. ../shared/data/glue with "
                                     "SST-2/train.tsv) (default: datasets.load_dataset('nyu-mll/glue', task), online)",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from dgpipe.comm.probe import fit_latency_bandwidth, pingpong_seconds
 from dgpipe.pipeline.launch import SpawnError, init_distributed, spawn
 from dgpipe.cli import entry_point
-from dgpipe.train.args import HelpFormatter, JobParser
+from dgpipe.train.flags import HelpFormatter, JobParser
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

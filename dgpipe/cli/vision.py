@@ -7,7 +7,7 @@ import argparse
 
 from dgpipe.cli import entry_point
 from dgpipe.train import loop
-from dgpipe.train.args import common_parser
+from dgpipe.train.flags import common_parser
 from dgpipe.train.vision import VisionJob
 
 DESCRIPTION = """\
@@ -28,7 +28,7 @@ example (8-bit sort quantization against the uncompressed pipeline, same seed):
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """The common flags (:func:`dgpipe.train.args.common_parser`) plus the vision job's own."""
+    """The common flags (:func:`dgpipe.train.flags.common_parser`) plus the vision job's own."""
     p = common_parser(DESCRIPTION, batch_size=128, lr=0.05, epochs=10, client_layers=1, data_dir="./data",
                       data_dir_help="CIFAR: the official python tarball, its extracted folder, or an image folder "
                                     "train/<class>/*.jpg + test/<class>/*.jpg",

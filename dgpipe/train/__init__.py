@@ -2,7 +2,7 @@
 
 Modules (one idea each):
 
-- :mod:`.args` -- the common flags (:func:`~.args.common_parser`) and their validation
+- :mod:`.flags` -- the common flags (:func:`~.flags.common_parser`); :mod:`.args` -- their validation
   (:func:`~.args.run_config`), run before any process starts.
 - :mod:`.config` -- the :class:`~.config.RunConfig` the validation returns: typed, frozen,
   in parts (pipeline, data, train, codec, delta, log, and the job's own options).

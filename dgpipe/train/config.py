@@ -1,6 +1,6 @@
 """The run config: a main job's settings, typed and frozen, in parts.
 
-The CLIs parse flags (:func:`dgpipe.train.args.common_parser` plus the job's own),
+The CLIs parse flags (:func:`dgpipe.train.flags.common_parser` plus the job's own),
 :func:`dgpipe.train.args.run_config` checks them and derives what they mean (world
 size, stages, codec specs), and from then on a :class:`RunConfig` is all that travels:
 to every rank, into the engines and the job, into the logs. Nothing mutates it; a
