@@ -14,6 +14,7 @@ Modules (one idea each):
 - :mod:`.loop` -- :func:`~.loop.main` (a main-job CLI's body: parse into a run config, run) and
   :func:`~.loop.run`: launch (local spawn or torchrun), epochs, evaluation, logs,
   checkpoints.
+- :mod:`.report` -- what rank 0 logs and prints of a run (progress, boundary entries, epoch records, summary).
 - :mod:`.runlog` -- JSON-lines records and their readable form; :mod:`.checkpoint`;
   :mod:`.metrics` (GLUE/CIFAR metrics).
 - :mod:`.compare` -- ``--compare-to``: the same command under named settings, side by side.

@@ -47,6 +47,7 @@ from dgpipe.data.loading import EpochBatchSampler
 from dgpipe.pipeline import SpawnError, init_distributed, spawn
 
 from . import checkpoint, memory, runlog
+from .report import Progress, announce, report_epoch, write_summary
 from .args import check_resume, run_config
 from .placement import dist_env, placement_backend, rank_device
 from .config import RunConfig
@@ -54,12 +55,6 @@ from .engine import make_engine, reads_data
 from .job import Job
 
 __all__ = ["main", "parse_config", "run", "launch", "run_settings", "worker", "top_class"]
-
-#: Bytes of one floating value crossing a boundary uncompressed, per ``--precision`` (epoch records' ``value_bytes``).
-VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-#: Meter directions that are evaluation traffic (not counted in the summary's bytes).
-EVAL_DIRECTIONS = ("eval",)
-
 
 def parse_config(job_cls: type[Job], parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
                  environ: dict | None = None, own: Sequence[str] = ()) -> RunConfig:
@@ -194,29 +189,6 @@ def _start_epoch(loader: DataLoader | None, epoch: int, start: int = 0):
     return itertools.islice(iter(loader), start, None)
 
 
-#: Meter fields logged with each boundary entry besides :data:`~dgpipe.train.runlog.BOUNDARY_FIELDS`:
-#: framing bytes and the seconds spent in the codec (for DDP: in the communication hook),
-#: each summed over the ranks.
-_METER_EXTRAS = ("frame_bytes", "encode_seconds", "decode_seconds")
-
-
-def _boundaries(meter, delta: dict[str, dict] | None = None, job: Job | None = None) -> list[dict[str, Any]]:
-    """Boundary entries of the log; ``delta``: the delta-coded boundaries' statistics by name
-    (:meth:`PipelineEngine.delta_stats <dgpipe.train.engine.PipelineEngine.delta_stats>`): their
-    training forward entries get ``"delta": true`` and those fields, every other entry ``false``.
-    ``job``: its :meth:`~dgpipe.train.job.Job.raw_scale` scales each boundary's raw bytes (a bottleneck's
-    boundary counts the model's width)."""
-    delta = delta or {}
-    out = []
-    for r in meter.records():
-        raw = r["raw_bytes"] * (job.raw_scale(r["name"]) if job is not None else 1)
-        entry = runlog.boundary_record(r["name"], r["direction"], round(raw), r["wire_bytes"], r["recv_bytes"],
-                                       r["recv_seconds"]) | {k: r[k] for k in _METER_EXTRAS}
-        coded = r["direction"] == "forward" and r["name"] in delta
-        out.append(entry | {"delta": coded} | (delta[r["name"]] if coded else {}))
-    return out
-
-
 def top_class(outputs: torch.Tensor) -> tuple[int, int] | None:
     """How many examples the most predicted class got, of how many: ``(count, n)`` for
     classifier outputs float ``(n, classes)`` with ``classes >= 2`` (argmax), else None
@@ -248,30 +220,7 @@ def _evaluate(engine, job: Job, loader: DataLoader | None, steps: int
     return dict(zip(job.metric_names, values)), (int(count), int(n)) if n >= 0 else None
 
 
-@dataclasses.dataclass
-class _Progress:
-    """Where a run stands -- saved in every checkpoint, so that a resumed run continues its sums.
-
-    Attributes:
-        epoch: the epoch being trained (0-based); ``epoch_step``: its steps done.
-        step: optimizer steps done in the run.
-        loss_sum: sum of this epoch's step losses; ``recent``: the losses since the last ``eval`` record.
-        train_seconds, samples: training time (s) and examples of the run so far.
-        raw_bytes, wire_bytes: the run's training traffic over all boundaries in finished epochs.
-    """
-
-    epoch: int = 0
-    epoch_step: int = 0
-    step: int = 0
-    loss_sum: float = 0.0
-    recent: list[float] = dataclasses.field(default_factory=list)
-    train_seconds: float = 0.0
-    samples: float = 0.0
-    raw_bytes: int = 0
-    wire_bytes: int = 0
-
-
-def _train_epoch(engine, optimizer, scheduler, batches, progress: _Progress, steps: int, batch_size: int, desc: str,
+def _train_epoch(engine, optimizer, scheduler, batches, progress: Progress, steps: int, batch_size: int, desc: str,
                  show: bool, after_step=None) -> tuple[int, float]:
     """Train the current epoch of ``progress`` up to its ``steps``-th step, advancing ``progress``;
     returns the steps trained and their seconds.
@@ -319,7 +268,7 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
 
 
 def _step_hook(engine, job: Job, eval_loader: DataLoader | None, eval_steps: int, log: runlog.JsonlLog,
-               progress: _Progress, steps: int, eval_every: int | None, save_every: int | None, save):
+               progress: Progress, steps: int, eval_every: int | None, save_every: int | None, save):
     """The ``after_step`` of :func:`_train_epoch` for an epoch of ``steps`` steps: a ``step`` record
     per step for a job with ``step_records``; with ``eval_every`` an evaluation and an ``eval`` record
     every ``eval_every`` steps of the run, and with ``save_every`` a checkpoint (``save()``) every
@@ -350,14 +299,14 @@ def _step_hook(engine, job: Job, eval_loader: DataLoader | None, eval_steps: int
     return after_step
 
 
-def _checkpoint_state(engine, optimizer, scheduler, device: torch.device, progress: _Progress) -> dict[str, Any]:
+def _checkpoint_state(engine, optimizer, scheduler, device: torch.device, progress: Progress) -> dict[str, Any]:
     """Everything a rank needs to continue exactly (see :mod:`dgpipe.train.checkpoint`)."""
     return {"engine": engine.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "rng": _rng_state(device), "meter": engine.meter.state_dict(), "progress": dataclasses.asdict(progress),
             "loss_scale": engine.loss_scale.state_dict()}
 
 
-def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimizer, scheduler) -> _Progress | None:
+def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimizer, scheduler) -> Progress | None:
     """Load the newest checkpoint every rank can read (``--resume DIR``, or ``--save``'s with
     ``--resume auto``); returns where it left the run, or None when there is none (``auto``: a
     fresh start).
@@ -387,7 +336,7 @@ def _resume(config: RunConfig, rank: int, device: torch.device, engine, optimize
     _set_rng_state(state["rng"], device)
     engine.meter.load_state_dict(state["meter"])
     engine.loss_scale.load_state_dict(state["loss_scale"])
-    return _Progress(**state["progress"])
+    return Progress(**state["progress"])
 
 
 def _repeated_steps(path: str | None, step: int) -> int | None:
@@ -441,7 +390,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
     optimizer, scheduler = job.optimizer(engine.parameters(), total_steps, steps_per_epoch, engine.momentum_in_codec)
 
     resumed = _resume(config, rank, device, engine, optimizer, scheduler)
-    progress = resumed or _Progress()
+    progress = resumed or Progress()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     lead = rank == 0
     repeated = _repeated_steps(log_cfg.log, progress.step) if lead and (resumed or restart) else None
@@ -454,15 +403,7 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         writer.save(progress.step, _checkpoint_state(engine, optimizer, scheduler, device, progress), meta)
 
     if lead:
-        if resumed or restart:
-            record = {"event": "resume", "step": progress.step, "epoch": progress.epoch + 1, "restart": restart,
-                      "repeated_steps": repeated}
-            log.write(record)
-            print(f"resumed at step {progress.step} (epoch {progress.epoch + 1}, restart {restart}"
-                  + (f", {repeated} steps repeated" if repeated is not None else "") + ")", flush=True)
-        print(f"dgpipe {pipe.mode}: {engine.describe()}; "
-              + (f"codec {config.codec.compression}; " if config.codec.compression else "")
-              + f"{steps_per_epoch} steps/epoch of {config.data.batch_size} examples", flush=True)
+        announce(log, config, engine, progress, steps_per_epoch, restart, repeated if resumed or restart else False)
     metrics: dict[str, float] = {}
     top: tuple[int, int] | None = None
     while progress.epoch < train.epochs and progress.step < total_steps:
@@ -483,24 +424,9 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         metrics, top = _evaluate(engine, job, eval_loader, eval_steps)
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
-            # training traffic (evaluations inside the epoch are left out), then this evaluation's
-            boundaries = [b for b in _boundaries(merged, delta_stats, job) if b["direction"] not in EVAL_DIRECTIONS]
-            progress.raw_bytes += sum(b["raw_bytes"] for b in boundaries)
-            progress.wire_bytes += sum(b["wire_bytes"] for b in boundaries)
-            boundaries += [b for b in _boundaries(eval_traffic, job=job) if b["direction"] in EVAL_DIRECTIONS]
             rate = done * config.data.batch_size / seconds if seconds else 0.0
-            record = runlog.epoch_record(epoch + 1, train_loss, metrics, rate, boundaries, steps=n, step=progress.step,
-                                         value_bytes=VALUE_BYTES[config.train.precision],
-                                         lr=scheduler.get_last_lr()[0],
-                                         **({"profile": profile.to_json()} if profile is not None else {}))
-            log.write(record)
-            print(runlog.format_epoch(record, job.metric), flush=True)
-            for name, st in delta_stats.items():
-                if st["delta_change_rel"] is not None:
-                    print(f"  delta {name}: coded change {st['delta_change_rel']:.4g} of the activation energy, "
-                          f"reconstruction error {st['delta_error_rel']:.4g}", flush=True)
-            if log_cfg.bandwidth:
-                print(runlog.format_boundaries(boundaries), flush=True)
+            report_epoch(log, job, config, progress, (epoch + 1, n, train_loss, rate, scheduler.get_last_lr()[0]),
+                          metrics, (merged, eval_traffic, delta_stats), profile)
         progress.epoch, progress.epoch_step, progress.loss_sum = epoch + 1, 0, 0.0
         progress.recent.clear()
         if writer is not None:
@@ -509,13 +435,4 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         writer.wait()
     peaks = _peak_memory(device, start_bytes, world_size)
     if lead:
-        summary = runlog.summary_record(
-            job.metric, metrics.get(job.metric, float("nan")),
-            progress.samples / progress.train_seconds if progress.train_seconds else 0.0,
-            progress.raw_bytes, progress.wire_bytes, time.time() - launch_time, config.to_json(), metrics=metrics,
-            steps=progress.step, train_seconds=progress.train_seconds, top_class=list(top) if top else None,
-            memory=peaks,
-        )
-        log.write(summary)
-        log.close()
-        print(runlog.format_summary(summary), flush=True)
+        write_summary(log, job, config, progress, metrics, top, peaks, time.time() - launch_time)

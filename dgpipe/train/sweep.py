@@ -32,7 +32,8 @@ from dgpipe.pipeline import SpawnError
 from .codecs import SETTINGS
 from .config import RunConfig
 from .job import Job
-from .loop import EVAL_DIRECTIONS, launch, parse_config
+from .loop import launch, parse_config
+from .report import EVAL_DIRECTIONS
 from .runlog import read_records
 
 __all__ = ["SWEEP_SETTINGS", "add_sweep_flags", "prepare_runs", "table_rows", "format_table", "main"]
@@ -130,7 +131,7 @@ def table_rows(records: Mapping[str, list[dict[str, Any]]], per_boundary: bool =
         ``recv_bytes`` (ints: sums over the log's epoch records), ``recv_seconds``,
         ``ratio`` (wire/raw; ``None`` without raw bytes), ``recv_bytes_per_s``
         (``None`` without receive time) and ``samples_per_s`` (the summary's).
-        Evaluation traffic (:data:`~dgpipe.train.loop.EVAL_DIRECTIONS`) is left out.
+        Evaluation traffic (:data:`~dgpipe.train.report.EVAL_DIRECTIONS`) is left out.
 
     Raises:
         ValueError: a log without a summary record (the run did not finish).
