@@ -66,6 +66,37 @@ class _Step:
     works: list = field(default_factory=list)  # SendWork handles to wait for at the end
 
 
+
+def _check_options(chunks, timeout, n_boundaries: int, delta, example_ids, token_reference, skip_padding: bool,
+                   link_delay) -> None:
+    """Check :class:`Pipeline`'s scalar and boundary options (its arguments of these names).
+
+    Raises:
+        ValueError: the first that is out of range or that another excludes.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if delta is not None:
+        if not isinstance(delta, DeltaSpec):
+            raise ValueError(f"delta must be a DeltaSpec, got {type(delta).__name__}")
+        if delta.boundaries is not None and any(b >= n_boundaries for b in delta.boundaries):
+            raise ValueError(f"delta boundaries {delta.boundaries}: there are {n_boundaries} boundaries "
+                             f"(indices 0..{n_boundaries - 1})")
+    if example_ids is not None and (isinstance(example_ids, bool) or not isinstance(example_ids, int)
+                                    or example_ids < 1):
+        raise ValueError(f"example_ids must be a positive int (training examples), got {example_ids!r}")
+    if delta is not None and example_ids not in (None, delta.examples):
+        raise ValueError(f"example_ids={example_ids} but the delta spec caches {delta.examples} examples")
+    if token_reference is not None:
+        if not isinstance(token_reference, TokenReference):
+            raise ValueError(f"token_reference must be a TokenReference, got {type(token_reference).__name__}")
+        if delta is not None or skip_padding:
+            raise ValueError("token_reference codes whole tensors directly: not with delta or skip_padding")
+    if not link_delay >= 0:
+        raise ValueError(f"link_delay must be >= 0 seconds, got {link_delay!r}")
+
 class Pipeline:
     """This rank's part of a GPipe pipeline over ``stages`` placed on ranks by ``placement``.
 
@@ -155,29 +186,8 @@ class Pipeline:
         if rank != actual_rank:
             raise ValueError(f"rank={rank} but this process is rank {actual_rank} of torch.distributed")
         self._placement = validate_placement(placement, len(stages), world_size)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
-        if not timeout or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         n_boundaries = len(stages) - 1
-        if delta is not None:
-            if not isinstance(delta, DeltaSpec):
-                raise ValueError(f"delta must be a DeltaSpec, got {type(delta).__name__}")
-            if delta.boundaries is not None and any(b >= n_boundaries for b in delta.boundaries):
-                raise ValueError(f"delta boundaries {delta.boundaries}: there are {n_boundaries} boundaries "
-                                 f"(indices 0..{n_boundaries - 1})")
-        if example_ids is not None and (isinstance(example_ids, bool) or not isinstance(example_ids, int)
-                                        or example_ids < 1):
-            raise ValueError(f"example_ids must be a positive int (training examples), got {example_ids!r}")
-        if delta is not None and example_ids not in (None, delta.examples):
-            raise ValueError(f"example_ids={example_ids} but the delta spec caches {delta.examples} examples")
-        if token_reference is not None:
-            if not isinstance(token_reference, TokenReference):
-                raise ValueError(f"token_reference must be a TokenReference, got {type(token_reference).__name__}")
-            if delta is not None or skip_padding:
-                raise ValueError("token_reference codes whole tensors directly: not with delta or skip_padding")
-        if not link_delay >= 0:
-            raise ValueError(f"link_delay must be >= 0 seconds, got {link_delay!r}")
+        _check_options(chunks, timeout, n_boundaries, delta, example_ids, token_reference, skip_padding, link_delay)
         delay = DelayLine(link_delay) if link_delay > 0 else None
         # gloo keeps one TCP connection per pair of ranks, and on it a message each way at once takes as long as
         # the two one after the other (benchmarks/gloo_duplex.py over tbf links: 1.9-2.0x the one-way time; on

@@ -255,21 +255,7 @@ class LMJob(Job):
         if data.data_dir is None:
             raise ValueError("--data-dir: give a corpus folder with train.txt/valid.txt/test.txt (e.g. "
                              "../shared/data/text/wiki-excerpt) or, online, a Hugging Face dataset NAME[:CONFIG]")
-        if (opts.model is None) == (opts.model_config is None):
-            raise ValueError("give --model NAME_OR_PATH (pretrained weights) or --model-config PRESET_OR_PATH "
-                             f"(random initialisation; presets: {', '.join(LM_PRESETS)}), not both or neither")
-        if opts.block_length < 2:
-            raise ValueError(f"--block-length {opts.block_length} is too short; use e.g. 128")
-        if opts.weight_decay < 0 or not 0 <= opts.warmup_ratio < 1:
-            raise ValueError("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
-        if config.delta.example_dropout:
-            raise ValueError("--example-dropout is for the nlp job's encoders")
-        if config.pipeline.skip_padding:
-            raise ValueError("--skip-padding: the language model's blocks are packed text, without padding")
-        if opts.model_config is not None and opts.model_config not in LM_PRESETS and \
-                not (opts.model_config.endswith(".json") or "/" in opts.model_config):
-            raise ValueError(f"--model-config {opts.model_config}: unknown preset; use one of "
-                             f"{', '.join(LM_PRESETS)} or a config.json / model directory")
+        _check_flags(config)
         if opts.model is not None:
             resolve_lm(opts.model)  # an offline package or a GGUF file without what reads it: ValueError
         chat = is_chat_corpus(data.data_dir)
@@ -292,36 +278,7 @@ class LMJob(Job):
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load the model or tokenizer ({e}); pass --model as a local directory, a "
                              "GGUF file or a hub name (online), or --model-config PRESET for a random model") from None
-        if model_config.model_type not in FAMILIES:
-            raise ValueError(f"the model's family {model_config.model_type!r} is not supported; supported: "
-                             f"{', '.join(FAMILIES)}")
-        context = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
-        if context is not None and opts.block_length > context:
-            raise ValueError(f"--block-length {opts.block_length} is past the model's context of {context} "
-                             f"tokens; use --block-length <= {context}")
-        if len(tokenizer) > model_config.vocab_size:
-            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model_config.vocab_size}; "
-                             "use the model's own tokenizer")
-        for split, subset, flag in (("train", data.train_subset, "--train-subset"),
-                                    (opts.eval_split, data.eval_subset, "--eval-subset")):
-            try:
-                blocks = token_blocks(data.data_dir, split, tokenizer, opts.block_length, subset)
-            except ValueError as e:
-                raise ValueError(f"--block-length {opts.block_length}, {split} split: {e}") from None
-            if split == "train" and len(blocks) < data.batch_size:
-                raise ValueError(f"{flag}: {len(blocks)} training blocks of {opts.block_length} tokens are fewer than "
-                                 f"one batch (--batch-size {data.batch_size})")
-        check_partition(model_config.num_hidden_layers + 2, config.pipeline, cls.pinned)
-        _check_lora(opts, model_config)
-        if opts.distill and opts.bottleneck is None and not opts.lora:
-            raise ValueError("--distill trains the bottlenecks and adapters to the model's own outputs: add "
-                             "--bottleneck D or --lora R")
-        if opts.bottleneck is not None:
-            boundaries = len(placement(config.pipeline)) - 1 if config.pipeline.mode == "pipeline" else 0
-            parse_widths(opts.bottleneck, model_config.hidden_size, boundaries)
-        elif opts.bottleneck_anchor or opts.bottleneck_init != "auto":
-            raise ValueError("--bottleneck-anchor and --bottleneck-init shape the bottlenecks of --bottleneck D: "
-                             "add it")
+        _check_fit(opts, config, data.data_dir, tokenizer, model_config, cls.pinned)
         return opts
 
     def build_layers(self) -> list[nn.Module]:
@@ -462,3 +419,67 @@ class LMJob(Job):
         a = self.config.job
         opt = torch.optim.AdamW(decay_groups(params, a.weight_decay), lr=self.config.train.lr, betas=(0.9, 0.95))
         return opt, get_cosine_schedule_with_warmup(opt, round(a.warmup_ratio * total_steps), total_steps)
+
+
+def _check_flags(config: RunConfig) -> None:
+    """The LM job's flags alone (before a corpus, tokenizer or model is read).
+
+    Raises:
+        ValueError: the first problem found, with the flag to change.
+    """
+    opts = config.job
+    if (opts.model is None) == (opts.model_config is None):
+        raise ValueError("give --model NAME_OR_PATH (pretrained weights) or --model-config PRESET_OR_PATH "
+                         f"(random initialisation; presets: {', '.join(LM_PRESETS)}), not both or neither")
+    if opts.block_length < 2:
+        raise ValueError(f"--block-length {opts.block_length} is too short; use e.g. 128")
+    if opts.weight_decay < 0 or not 0 <= opts.warmup_ratio < 1:
+        raise ValueError("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
+    if config.delta.example_dropout:
+        raise ValueError("--example-dropout is for the nlp job's encoders")
+    if config.pipeline.skip_padding:
+        raise ValueError("--skip-padding: the language model's blocks are packed text, without padding")
+    if opts.model_config is not None and opts.model_config not in LM_PRESETS and \
+            not (opts.model_config.endswith(".json") or "/" in opts.model_config):
+        raise ValueError(f"--model-config {opts.model_config}: unknown preset; use one of "
+                         f"{', '.join(LM_PRESETS)} or a config.json / model directory")
+
+
+def _check_fit(opts: LMOptions, config: RunConfig, data_dir: str, tokenizer, model_config, pinned) -> None:
+    """What the model and tokenizer must fit: the family, the context, the vocabulary, each split's blocks, the
+    partition, the adapters and the bottlenecks.
+
+    Raises:
+        ValueError: the first problem found, with the flag to change.
+    """
+    data = config.data
+    if model_config.model_type not in FAMILIES:
+        raise ValueError(f"the model's family {model_config.model_type!r} is not supported; supported: "
+                         f"{', '.join(FAMILIES)}")
+    context = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    if context is not None and opts.block_length > context:
+        raise ValueError(f"--block-length {opts.block_length} is past the model's context of {context} "
+                         f"tokens; use --block-length <= {context}")
+    if len(tokenizer) > model_config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model_config.vocab_size}; "
+                         "use the model's own tokenizer")
+    for split, subset, flag in (("train", data.train_subset, "--train-subset"),
+                                (opts.eval_split, data.eval_subset, "--eval-subset")):
+        try:
+            blocks = token_blocks(data_dir, split, tokenizer, opts.block_length, subset)
+        except ValueError as e:
+            raise ValueError(f"--block-length {opts.block_length}, {split} split: {e}") from None
+        if split == "train" and len(blocks) < data.batch_size:
+            raise ValueError(f"{flag}: {len(blocks)} training blocks of {opts.block_length} tokens are fewer than "
+                             f"one batch (--batch-size {data.batch_size})")
+    check_partition(model_config.num_hidden_layers + 2, config.pipeline, pinned)
+    _check_lora(opts, model_config)
+    if opts.distill and opts.bottleneck is None and not opts.lora:
+        raise ValueError("--distill trains the bottlenecks and adapters to the model's own outputs: add "
+                         "--bottleneck D or --lora R")
+    if opts.bottleneck is not None:
+        boundaries = len(placement(config.pipeline)) - 1 if config.pipeline.mode == "pipeline" else 0
+        parse_widths(opts.bottleneck, model_config.hidden_size, boundaries)
+    elif opts.bottleneck_anchor or opts.bottleneck_init != "auto":
+        raise ValueError("--bottleneck-anchor and --bottleneck-init shape the bottlenecks of --bottleneck D: "
+                         "add it")
