@@ -80,7 +80,7 @@ def worker(out: Path, delay_ms: float, new_tokens: int, shapes: list[tuple[int, 
     from dgpipe.cli.generate import _load
     from dgpipe.comm import BandwidthMeter
     from dgpipe.comm.delay import DelayLine
-    from dgpipe.inference import ClientStages, RemoteServer, StageBlocks, generate, serve
+    from dgpipe.generation import ClientStages, RemoteServer, StageBlocks, generate, serve
     from dgpipe.models import client_server_split
     from dgpipe.models.causal_lm import causal_lm_layers
     from dgpipe.pipeline import init_distributed

@@ -6,7 +6,7 @@ Per codec setting and prompt set (3 disjoint sets of ``--blocks`` held-out block
 the seeds of the table):
 
 - held-out perplexity: the blocks scored through the link as a prefill (the KV-cache path of
-  :func:`dgpipe.inference.score`), exp of the mean next-token NLL, paired with the lossless link's;
+  :func:`dgpipe.generation.score`), exp of the mean next-token NLL, paired with the lossless link's;
 - greedy top-1 agreement: the first half of each block is a prompt; the lossless link's greedy continuation of
   ``--new`` tokens is scored, teacher-forced, through the coded link, and the share of positions whose argmax
   is the lossless token is reported;
@@ -34,7 +34,7 @@ import torch
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.data.text import tokenize_corpus
-from dgpipe.inference import ClientStages, LocalServer, StageBlocks, generate, score
+from dgpipe.generation import ClientStages, LocalServer, StageBlocks, generate, score
 from dgpipe.models import client_server_split
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
 from dgpipe.train.lm_benchmark import mean_interval

@@ -1,4 +1,4 @@
-"""A hostile client against the real split-generation server (:func:`dgpipe.inference.serve`, a tiny Llama on
+"""A hostile client against the real split-generation server (:func:`dgpipe.generation.serve`, a tiny Llama on
 gloo), and a hostile server against the client: crafted meta and payloads, truncated messages and requests past
 the server's limits are each refused with one line naming the peer and the field, before the blocks run, and
 without allocating past a bound (the server's peak RSS, measured in its process, grows by less than
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dgpipe.comm.transport import MIN_CAPACITY, Receiver, Sender, pack_message, split_parts
 from dgpipe.compression import get_codec
-from dgpipe.inference import (
+from dgpipe.generation import (
     DECODE, HIDDEN, PREFILL, TAG, ClientStages, RemoteServer, ServerLimits, StageBlocks, generate, serve,
 )
 from dgpipe.models import client_server_split

@@ -1,4 +1,4 @@
-"""Split generation (dgpipe.inference): greedy and seeded sampling through the link equal the unsplit
+"""Split generation (dgpipe.generation): greedy and seeded sampling through the link equal the unsplit
 ``model.generate`` token for token (tiny Llama, Qwen2, Qwen3, Gemma 3, GPT-2 configs, a left-padded batch);
 two processes on gloo give the same tokens and put exactly the payloads' bytes on the wire; bad input and
 lying messages are refused."""
@@ -18,7 +18,7 @@ from dgpipe.compression import get_codec
 from dgpipe.compression.wrappers.reference import (
     POSITION_KEYS, ReferenceCoder, ScaledReferenceCoder, TokenTable, position_keys,
 )
-from dgpipe.inference import (
+from dgpipe.generation import (
     DECODE, ClientStages, LocalServer, RemoteServer, Sampling, StageBlocks, generate, serve,
 )
 from dgpipe.models import client_server_split
