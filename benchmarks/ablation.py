@@ -1,8 +1,8 @@
-"""The quality benchmark (usage and flags: :mod:`dgpipe.train.ablation`, or ``--help``)."""
+"""The quality benchmark (usage and flags: :mod:`dgpipe.experiments.ablation`, or ``--help``)."""
 
 import sys
 
-from dgpipe.train.ablation import main
+from dgpipe.experiments.ablation import main
 
 if __name__ == "__main__":
     sys.exit(main())

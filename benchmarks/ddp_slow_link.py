@@ -43,7 +43,7 @@ from pathlib import Path
 
 from slow_link_runs import add_common_args, check_args, run_rounds, shaped, split_extra
 
-from dgpipe.train.ablation import DDP_SETTINGS
+from dgpipe.experiments.ablation import DDP_SETTINGS
 from dgpipe.train.runlog import read_records
 
 ROOT = Path(__file__).resolve().parent.parent

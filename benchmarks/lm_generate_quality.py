@@ -37,7 +37,7 @@ from dgpipe.data.text import tokenize_corpus
 from dgpipe.generation import ClientStages, LocalServer, StageBlocks, generate, score
 from dgpipe.models import client_server_split
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
-from dgpipe.train.lm_benchmark import mean_interval
+from dgpipe.experiments.lm_benchmark import mean_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "text" / "shakespeare"

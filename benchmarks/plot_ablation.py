@@ -1,8 +1,8 @@
-"""The ablation plot of run logs (usage and flags: :mod:`dgpipe.train.plots`, or ``--help``)."""
+"""The ablation plot of run logs (usage and flags: :mod:`dgpipe.experiments.plots`, or ``--help``)."""
 
 import sys
 
-from dgpipe.train.plots import ablation_points, main, plot  # noqa: F401  (names the tests use)
+from dgpipe.experiments.plots import ablation_points, main, plot  # noqa: F401  (names the tests use)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from dgpipe.train import lm_benchmark
+from dgpipe.experiments import lm_benchmark
 from dgpipe.train.compare import Link
 
 

@@ -1,4 +1,4 @@
-"""The quality benchmark's statistics (dgpipe.train.ablation, run as benchmarks/ablation.py): paired differences with a
+"""The quality benchmark's statistics (dgpipe.experiments.ablation, run as benchmarks/ablation.py): paired differences with a
 Student-t interval, bits per value of each direction (dgpipe.train.runlog), and the multi-seed table, on
 synthetic logs whose numbers are computed here by hand."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dgpipe.train import ablation
+from dgpipe.experiments import ablation
 from dgpipe.train.runlog import direction_bits, read_records
 
 
@@ -103,7 +103,7 @@ def test_stopping_the_runner_ends_the_run_in_progress_and_starts_no_other(tmp_pa
     """))
     driver = textwrap.dedent(f"""
         import sys
-        from dgpipe.train import ablation
+        from dgpipe.experiments import ablation
         ablation.CLIS["nlp"] = [{str(sleeper)!r}]
         sys.exit(ablation.main(["--job", "nlp", "--settings", "lowbit", "--only", "none,codebook4",
                                 "--out", {str(tmp_path)!r}]))

@@ -1,5 +1,5 @@
 """``python -m dgpipe.cli JOB [flags]``: the main job ``vision``, ``nlp`` or ``lm`` without its console script
-(how the quality benchmark, :mod:`dgpipe.train.ablation`, runs one); flags as ``dgpipe-JOB --help``."""
+(how the quality benchmark, :mod:`dgpipe.experiments.ablation`, runs one); flags as ``dgpipe-JOB --help``."""
 
 import sys
 

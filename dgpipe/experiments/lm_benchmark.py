@@ -1,7 +1,7 @@
 """The language-model benchmark's report: the numbers the field reports, from the runs' logs.
 
 Run it as ``python benchmarks/lm_pretrain.py`` (which also runs the missing runs through
-:mod:`dgpipe.train.ablation`). Every setting ran once per seed with the same flags as the
+:mod:`dgpipe.experiments.ablation`). Every setting ran once per seed with the same flags as the
 uncompressed run of that seed (same initialisation, batches and held-out tokens); per setting:
 
 - **final validation loss difference** to the uncompressed run of the same seed, in nats and in percent
@@ -31,8 +31,8 @@ from typing import Any, Sequence
 from scipy import stats
 
 from .ablation import ANCHORS, has_summary, paired
-from .compare import LM_LINKS, Link, project, run_profile, stage_boundaries
-from .runlog import direction_bits, read_records, read_summary
+from dgpipe.train.compare import LM_LINKS, Link, project, run_profile, stage_boundaries
+from dgpipe.train.runlog import direction_bits, read_records, read_summary
 
 __all__ = ["REFERENCES", "curve", "steps_to_target", "mean_interval", "results", "table", "memory_table", "plot"]
 

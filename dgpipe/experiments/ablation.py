@@ -6,7 +6,7 @@ Each setting runs the job's CLI once, with the same common arguments, and writes
 ``OUT/<label>.jsonl``; a setting whose log already holds a summary record is not run
 again (delete the log to redo it). Then a markdown table (metric, measured wire
 ratio, samples/s, wall seconds) is printed and ``OUT/ablation.png`` is drawn with
-:mod:`dgpipe.train.plots`.
+:mod:`dgpipe.experiments.plots`.
 
 With ``--seeds 0,1,2`` (the quality benchmark) every setting runs once per seed
 (``--seed k`` appended, log ``OUT/<label>_seed<k>.jsonl``; seed-major order, so that an
@@ -49,7 +49,7 @@ from scipy import stats
 from dgpipe.pipeline import raise_on_sigterm, stop_process_group
 
 from .plots import ablation_points, plot
-from .runlog import direction_bits, read_records, read_summary
+from dgpipe.train.runlog import direction_bits, read_records, read_summary
 
 #: How each job's CLI is run (after ``python``): the main jobs' modules.
 CLIS = {"vision": ["-m", "dgpipe.cli", "vision"], "nlp": ["-m", "dgpipe.cli", "nlp"], "lm": ["-m", "dgpipe.cli", "lm"]}
