@@ -199,10 +199,10 @@ def check_torch_1f1b(rank: int) -> None:
     from torch.distributed.pipelining import Schedule1F1B
 
     from dgpipe.pipelining import CompressedPipelineStage
-    from dgpipe.train.engine import _Positional
+    from dgpipe.pipelining import PositionalStage
 
     stages = _stages(D, "linear")
-    stage = CompressedPipelineStage(_Positional(stages[rank]), rank, 2, torch.device("cpu"), act_codec="none",
+    stage = CompressedPipelineStage(PositionalStage(stages[rank]), rank, 2, torch.device("cpu"), act_codec="none",
                                     grad_codec="none")
     schedule = Schedule1F1B(stage, BATCH, loss_fn=lm_loss)
     x, y = batch()

@@ -164,12 +164,12 @@ def _torch_1f1b_check(preset: str, world: int):
         from torch.distributed.pipelining import Schedule1F1B
 
         from dgpipe.pipelining import CompressedPipelineStage
-        from dgpipe.train.engine import _Positional
+        from dgpipe.pipelining import PositionalStage
 
         model = tiny(preset)
         layers = causal_lm_layers(model)
         stages = split_layers(layers, [2] * (world - 1) + [len(layers) - 2 * (world - 1)])
-        stage = CompressedPipelineStage(_Positional(stages[rank]), rank, world, torch.device("cpu"),
+        stage = CompressedPipelineStage(PositionalStage(stages[rank]), rank, world, torch.device("cpu"),
                                         act_codec="none", grad_codec="none")
         schedule = Schedule1F1B(stage, BATCH, loss_fn=lm_loss)  # 1F1B needs as many micro-batches as stages
         x, y = batch()

@@ -213,18 +213,6 @@ def _padded(value, size: int):
     return torch.cat([value, value[-1:].expand(size - len(value), *value.shape[1:])])
 
 
-class _Positional(nn.Module):
-    """A dgpipe stage as torch's schedules call it: tensors as positional arguments in (one
-    value, or the tuple a tuple boundary carries), the stage's output (tensor or tuple) out."""
-
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, *args):
-        return self.stage(args[0] if len(args) == 1 else args)
-
-
 class TorchScheduleEngine:
     """This rank's stages under a torch schedule (``--engine torch --schedule ...``), each a
     :class:`~dgpipe.pipelining.CompressedPipelineStage` with the run's codecs.
@@ -240,7 +228,7 @@ class TorchScheduleEngine:
         from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                   ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
 
-        from dgpipe.pipelining import CompressedPipelineStage
+        from dgpipe.pipelining import CompressedPipelineStage, PositionalStage
 
         p = config.pipeline
         stages, self.placement = partition(layers, p, job.pinned)
@@ -253,7 +241,7 @@ class TorchScheduleEngine:
         self.meter = BandwidthMeter()
         self.modules = {i: stages[i].to(device) for i in mine}
         self.tied = TiedParameters(stages, self.placement, rank)
-        self.stages = [CompressedPipelineStage(_Positional(self.modules[i]), i, len(stages), device,
+        self.stages = [CompressedPipelineStage(PositionalStage(self.modules[i]), i, len(stages), device,
                                                act_codec=comp.forward, grad_codec=comp.backward, meter=self.meter)
                        for i in mine]
         kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
