@@ -22,9 +22,8 @@ On a CUDA device the codec seconds are GPU time between two CUDA events around t
 work (:func:`timer`, :class:`DeviceSpan`), read when the meter is read, so that timing a
 message never makes the host wait for the GPU; on CPU they are ``time.perf_counter`` spans.
 
-The meter reports ``recv_bytes_per_s = recv_bytes / recv_seconds`` -- the "bandwidth" of
-the original dgpipe; since receive time includes waiting for the sender to compute,
-it is a lower bound on the link's bandwidth -- and ``ratio = wire_bytes / raw_bytes``,
+The meter reports ``recv_bytes_per_s = recv_bytes / recv_seconds``; since receive time includes waiting
+for the sender to compute, it is a lower bound on the link's bandwidth -- and ``ratio = wire_bytes / raw_bytes``,
 the achieved compression ratio (1.0 uncompressed, about 0.25 at 8 bits of float32).
 
 Each rank records what it sends and receives; :meth:`BandwidthMeter.gather` merges

@@ -79,7 +79,7 @@ class ImageTransform:
 
     Args:
         train: apply the random crop (``padding`` zeros) and horizontal flip.
-        image_size: output side ``S`` (32 native CIFAR; 224 as in the original runs).
+        image_size: output side ``S`` (32 native CIFAR; 224 ImageNet's).
         mean, std: per-channel statistics (default CIFAR-10's, see :data:`CIFAR_STATS`).
         padding: crop padding in pixels.
 

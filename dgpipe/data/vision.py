@@ -96,7 +96,7 @@ def make_loader(
         name: ``"cifar10"`` or ``"cifar100"``; data found as in :func:`~dgpipe.data.cifar.load_cifar`.
         data_dir, split, subset, seed, cache_dir, download: passed to ``load_cifar``.
         batch_size: images per batch (per rank when ``world_size > 1``).
-        image_size: output side ``S`` (bilinear resize; 32 native, 224 as in the original runs).
+        image_size: output side ``S`` (bilinear resize; 32 native, 224 ImageNet's).
         augment: random crop (padding 4) and flip; default on for ``"train"``.
         num_workers: DataLoader worker processes (0: in the calling process).
         drop_last: drop a last incomplete batch; default on for ``"train"`` (a pipeline

@@ -5,8 +5,8 @@ CVPR 2018. The model is Hugging Face's ``MobileNetV2ForImageClassification``.
 
 Resolution: the model keeps Hugging Face's ImageNet strides (output stride 32: the stem
 and four blocks halve the resolution). At native CIFAR size (32 px) the last feature map
-is therefore 1x1; the original runs resized CIFAR to 224 px instead (``image_size=224``
-in :class:`dgpipe.data.transforms.ImageTransform`). No CIFAR-specific stem is applied:
+is therefore 1x1; ``image_size=224`` in :class:`dgpipe.data.transforms.ImageTransform` resizes CIFAR to
+224 px instead. No CIFAR-specific stem is applied:
 the config has no switch for the stem's stride (``output_stride`` only trades later
 strides for dilation and can be passed through ``**config``).
 """

@@ -1,6 +1,6 @@
 """Compression flags -> codec specs for the stage boundaries and the DDP baseline.
 
-The flag rules (the original scripts' flag names):
+The flag rules:
 
 - ``--sortquant --quant Q --split S``: sort quantization, Q quant bits + S split bits,
   both directions. ``--quant Q`` alone: uniform Q-bit quantization. ``--codec NAME``
