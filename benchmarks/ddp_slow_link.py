@@ -3,7 +3,7 @@ on real CIFAR-10 images across a real throttled TCP link, per DDP communication 
 
 What gradient compression buys in wall-clock time when the link between data-parallel
 workers is the bottleneck (the data-parallel slow-link comparison). For each setting (labels of
-:data:`ablation.DDP_SETTINGS`, default ``ddp_none,ddp_fp16,ddp_powersgd1,ddp_topk_ef``)
+:data:`dgpipe.experiments.settings.DDP_SETTINGS`, default ``ddp_none,ddp_fp16,ddp_powersgd1,ddp_topk_ef``)
 the vision main job runs in data-parallel mode twice per round:
 
 * **slow**: through ``bandwidth/slow_link.py --rate RATE`` (network namespace + veth +
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from slow_link_runs import add_common_args, check_args, run_rounds, shaped, split_extra
 
-from dgpipe.experiments.ablation import DDP_SETTINGS
+from dgpipe.experiments.settings import DDP_SETTINGS
 from dgpipe.train.runlog import read_records
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """The language-model fine-tuning benchmark (docs/lm.md): SmolLM2-135M-Instruct (offline GGUF package),
 client/server (the client holds the embeddings, the first and last block and the head), fine-tuned on
 Shakespeare for 20 steps of 8 x 64 tokens, validation loss through the link on 32 held-out blocks, under
-settings of ``dgpipe.experiments.ablation.LM_FINETUNE_SETTINGS`` and paired seeds; then the report of
+settings of ``dgpipe.experiments.settings.LM_FINETUNE_SETTINGS`` and paired seeds; then the report of
 :mod:`dgpipe.experiments.lm_benchmark` (``OUT/lm.md``).
 
     python benchmarks/lm_finetune.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4,...] [--no-run]
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"2-{TARGET_STEPS}; default {TARGET_STEP})")
     p.add_argument("--no-run", action="store_true", help="tabulate the logs already there, run nothing")
     p.add_argument("--bottleneck", action="store_true",
-                   help="the boundary-bottleneck settings (dgpipe.experiments.ablation.LM_FINETUNE_BOTTLENECK_SETTINGS) into "
+                   help="the boundary-bottleneck settings (dgpipe.experiments.settings.LM_FINETUNE_BOTTLENECK_SETTINGS) into "
                         "benchmarks/results/lm_finetune_bottleneck, whose uncompressed logs link to this benchmark's")
     p.add_argument("--chat", action="store_true",
                    help="LoRA, bf16 and activation checkpointing on the instruction data "
-                        "(dgpipe.experiments.ablation.LM_CHAT_SETTINGS), peak memory by rank, into "
+                        "(dgpipe.experiments.settings.LM_CHAT_SETTINGS), peak memory by rank, into "
                         "benchmarks/results/lm_finetune_chat")
     args = p.parse_args(argv)
     if args.chat:

@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 from dgpipe.pipeline.timeline import simulate_step
-from dgpipe.experiments.ablation import LM_SETTINGS, has_summary
+from dgpipe.experiments.ablation import has_summary
+from dgpipe.experiments.settings import LM_SETTINGS
 from dgpipe.train.compare import TCP_FRAMING, Link, project, run_profile
 from dgpipe.train.runlog import read_records
 

@@ -1,13 +1,13 @@
 """The language-model pretraining benchmark (docs/lm.md): a small Llama (the ``small-llama`` preset,
 6 blocks of width 128, a 4,096-token byte-level BPE) pretrained from scratch on wiki-excerpt for 600
 steps of 16 x 128 tokens, 4 linear stages on 4 processes, under every setting of
-``dgpipe.experiments.ablation.LM_SETTINGS`` and 3 seeds; then the report of :mod:`dgpipe.experiments.lm_benchmark`
+``dgpipe.experiments.settings.LM_SETTINGS`` and 3 seeds; then the report of :mod:`dgpipe.experiments.lm_benchmark`
 (``OUT/lm.md``, ``OUT/frontier.png``).
 
     python benchmarks/lm_pretrain.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
         [--settings lm|lm_bottleneck]
 
-``--settings lm_bottleneck`` runs ``dgpipe.experiments.ablation.LM_BOTTLENECK_SETTINGS`` (boundary bottlenecks) instead,
+``--settings lm_bottleneck`` runs ``dgpipe.experiments.settings.LM_BOTTLENECK_SETTINGS`` (boundary bottlenecks) instead,
 into ``benchmarks/results/lm_bottleneck`` by default, whose uncompressed logs link to this benchmark's.
 
 Resumable: a run whose log holds a summary is not run again (the runs go through

@@ -2,7 +2,7 @@
 
 What a boundary codec buys in wall-clock time per epoch when client and server talk over a slow
 link, against the ideal the measured bytes allow. For each setting (labels of
-:data:`dgpipe.experiments.ablation.DELTA_SETTINGS`; default ``none``, ``codebook4`` and
+:data:`dgpipe.experiments.settings.DELTA_SETTINGS`; default ``none``, ``codebook4`` and
 ``delta_codebook2_g2``) the nlp main job (client/server partition: the client holds the first and
 last ``--client-layers`` layers, the server the middle) trains ``--epochs`` epochs of
 ``--train-subset`` sentences:
@@ -52,7 +52,7 @@ from pathlib import Path
 from slow_link_runs import add_common_args, check_args, run_rounds, shaped, split_extra
 
 from dgpipe.comm.slow_link import parse_rate
-from dgpipe.experiments.ablation import DELTA_SETTINGS
+from dgpipe.experiments.settings import DELTA_SETTINGS
 from dgpipe.train.runlog import read_records
 
 DEFAULT_LABELS = ("none", "codebook4", "delta_codebook2_g2")
