@@ -42,9 +42,9 @@ def configs():
     for rounds in (1, 4):
         yield ft._extrema_kernel, {"EB": ft.EXTREMA_BLOCK, "ROUNDS": rounds}
     for q, s in SORTQUANT:
-        yield ft._encode_buckets_kernel, {"NB": (1 << s) - 1, "Q": q, **ft._layout(q + s)}
-        yield ft._decode_buckets_kernel, {"Q": q, **ft._layout(q + s)}
-        yield ft._bucket_maxima_kernel, {"NB": (1 << s) - 1}
+        yield tb._encode_buckets_kernel, {"NB": (1 << s) - 1, "Q": q, **ft._layout(q + s)}
+        yield tb._decode_buckets_kernel, {"Q": q, **ft._layout(q + s)}
+        yield tb._bucket_maxima_kernel, {"NB": (1 << s) - 1}
         block, parts = tb.tiles(1 << s)
         yield tb._sampled_parts_kernel, {"NB": (1 << s) - 1, "NBP": 1 << s, "EB": block, "ROUNDS": 8}
         yield tb._encode_sampled_kernel, {"NB": (1 << s) - 1, "NBP": 1 << s, "PB": parts, "Q": q, **ft._layout(q + s)}

@@ -300,10 +300,8 @@ def _two_launches(flat: torch.Tensor, split_bits: int, quant_bits: int) -> Bucke
     m = sample_size(n, buckets)
     if m == n or choose(flat) != "triton" or not flat.is_contiguous():
         return None
-    from . import triton_buckets
-
     sample = torch.sort(flat.index_select(0, sample_positions(n, m, flat.device))).values
-    done = triton_buckets.encode_sampled(flat, sample, quant_bits, split_bits)
+    done = kernels_of("triton", "buckets").encode_sampled(flat, sample, quant_bits, split_bits)
     if done is None:
         return None
     grid, packed = done
@@ -339,7 +337,7 @@ def bucket_grid(flat: torch.Tensor, split_bits: int, quant_bits: int, codec_name
     bounds, mins, maxs = bucket_ranges(flat, buckets, codec_name)
     index = None
     if maxs is None and choose(flat) == "triton":  # a sampled split on a GPU: the maxima in one kernel
-        maxs = kernels_of("triton").bucket_maxima(flat, bounds, mins)
+        maxs = kernels_of("triton", "buckets").bucket_maxima(flat, bounds, mins)
     if maxs is None:  # the reference: the maxima (and the buckets, which the codes reuse)
         search = BucketIndex(bounds)
         index = torch.empty(flat.numel(), dtype=torch.uint8 if split_bits <= 8 else torch.int16, device=flat.device)
@@ -388,7 +386,7 @@ def bucket_codes(flat: torch.Tensor, grid: BucketGrid, quant_bits: int, split_bi
     backend = "torch" if stochastic else choose(flat)
     if backend != "torch":
         out = empty(packed_nbytes(n, bits), torch.uint8, flat)
-        if kernels_of(backend).encode_buckets(flat, grid.bounds, grid.mins, grid.div, quant_bits, out):
+        if kernels_of(backend, "buckets").encode_buckets(flat, grid.bounds, grid.mins, grid.div, quant_bits, out):
             return pack_tail(out, n, bits, lambda start: codes_of(start, n))
     return encode_blocks(flat, bits, codes_of)
 
@@ -414,7 +412,7 @@ def bucket_values(packed: torch.Tensor, quant_bits: int, split_bits: int, n: int
     mins, step = meta[:buckets].float(), meta[buckets:].float()
     if backend != "torch":
         y = empty(n, torch.float32, packed)
-        if kernels_of(backend).decode_buckets(packed, quant_bits, mins, step, y):
+        if kernels_of(backend, "buckets").decode_buckets(packed, quant_bits, mins, step, y):
             table = grid_table(mins, step, 1 << quant_bits)
             return values_tail(y, lambda start: table[unpack_bits(packed, quant_bits + split_bits, n, start=start)])
     return decode_table(packed, quant_bits + split_bits, n, grid_table(mins, step, 1 << quant_bits))

@@ -2,7 +2,9 @@
 
 Every step of :mod:`dgpipe.compression.kernels` has a plain-torch reference and may have
 accelerated implementations: compiled CPU loops (C, :mod:`.compiled`) and GPU programs
-(Triton, :mod:`.triton_codes`). :func:`choose` picks one per tensor from its device and size:
+(Triton: :mod:`.triton_codes`, :mod:`.triton_buckets` for sort quantization, :mod:`.triton_rows` for the
+token-grouped codebook). :func:`choose` picks one per tensor from its device and size, :func:`kernels_of` the
+module of an operation's kernels:
 
 - ``"triton"``: a CUDA tensor (or a CPU one after :func:`.triton_codes.run_on_cpu`, the
   interpreter the tests use) of at least :data:`.backend.MIN_VALUES` values, Triton importable;
@@ -54,10 +56,15 @@ def choose(t: torch.Tensor, n: int | None = None, least: int = MIN_VALUES) -> st
     return "c" if t.is_cpu else "torch"
 
 
-def kernels_of(backend: str):
-    """The module of compiled kernels of ``backend`` (``"c"``: :mod:`.compiled`, ``"triton"``:
-    :mod:`.triton_codes`, imported on first use)."""
+def kernels_of(backend: str, operation: str = "codes"):
+    """The module of compiled kernels of ``backend`` for ``operation``: ``"c"``, :mod:`.compiled` (every
+    operation); ``"triton"``, :mod:`.triton_buckets` for ``"buckets"`` (sort quantization's splits) and
+    :mod:`.triton_codes` for the others (uniform codes, levels), imported on first use."""
     if backend == "triton":
+        if operation == "buckets":
+            from . import triton_buckets
+
+            return triton_buckets
         from . import triton_codes
 
         return triton_codes

@@ -1,4 +1,11 @@
-"""Sort quantization's sampled split on the GPU in two Triton launches, nothing read back to the host.
+"""Sort quantization on the GPU (Triton): a sampled split's whole message in two launches, nothing read back to
+the host; the bucket codes and values of any split; a sampled split's per-bucket maxima.
+
+- :func:`encode_buckets` / :func:`decode_buckets`: codes ``bucket * 2**Q + level`` (the bucket by comparison
+  with the boundaries) of the whole chunks, any number of buckets, and back;
+- :func:`bucket_maxima`: per-bucket maxima (a partial max per program, then their max) where the codes are
+  stochastic (the message then takes the steps);
+- :func:`encode_sampled`: the whole message of a sampled split, below.
 
 The reference (:func:`.buckets.bucket_grid`) sorts a fixed sample of the values, takes ``2**S - 1`` of its
 values as the bucket boundaries, then needs the global min and each bucket's max -- a pass over all values --
@@ -11,7 +18,7 @@ before it can send the grid and code: some thirty launches on a GPU. Here, after
 2. :func:`_encode_sampled_kernel`: every program reduces the rows itself (no third launch), forms the grid --
    ``mins = (min, *boundaries)``, ``maxs = max(mins, bucket maxima)``, ``step = (maxs - mins) / (2**Q - 1)``,
    the divisor -- stores it (every program the same bits), and after a barrier codes its chunk
-   ``bucket * 2**Q + level`` in the :mod:`.bitpack` layout, as :func:`.triton_codes.encode_buckets`.
+   ``bucket * 2**Q + level`` in the :mod:`.bitpack` layout, as :func:`encode_buckets`.
 
 Same float32 operations as the reference (a zero as ``+0.0`` where it adds ``0.0``, IEEE division), so the same
 bytes. A NaN anywhere makes every step NaN and an infinite value a step that is not finite: the decoder refuses
@@ -26,9 +33,9 @@ from __future__ import annotations
 import torch
 
 from .bitpack import CHUNK, packed_nbytes
-from .triton_codes import _layout, available, launch, triton
+from .triton_codes import _layout, _run, available, launch, triton
 
-__all__ = ["PART_TILE", "REDUCE_TILE", "tiles", "encode_sampled"]
+__all__ = ["PART_TILE", "REDUCE_TILE", "tiles", "encode_sampled", "bucket_maxima", "encode_buckets", "decode_buckets"]
 
 PART_TILE = 4096
 """Values times buckets a program of the first kernel holds per block (its block is ``PART_TILE / 2**S`` values,
@@ -41,7 +48,43 @@ of programs of the first."""
 if triton is not None:
     import triton.language as tl
 
-    from .triton_codes import _ROUND, _bucket_of, _lanes, _pack
+    from .triton_codes import _CHUNK, _ROUND, _lanes, _pack, _unpack
+
+    @triton.jit
+    def _bucket_of(v, bounds_ptr, NB: tl.constexpr):
+        """Each value's bucket: the number of the ``NB`` boundaries ``<= v`` (int32)."""
+        b = tl.zeros(v.shape, tl.int32)
+        for j in tl.static_range(NB):
+            b += (v >= tl.load(bounds_ptr + j)).to(tl.int32)
+        return b
+
+    @triton.jit(do_not_specialize=["n"])
+    def _bucket_maxima_kernel(x_ptr, bounds_ptr, part_ptr, n, NB: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        i = c * _CHUNK + tl.arange(0, _CHUNK)
+        v = tl.load(x_ptr + i, mask=i < n, other=float("-inf"))
+        b = _bucket_of(v, bounds_ptr, NB)
+        for bb in tl.static_range(NB + 1):
+            tl.store(part_ptr + c * (NB + 1) + bb, tl.max(tl.where(b == bb, v, float("-inf")), axis=0))
+
+    @triton.jit(do_not_specialize=["n"])
+    def _encode_buckets_kernel(x_ptr, bounds_ptr, mins_ptr, div_ptr, out_ptr, n, NB: tl.constexpr,
+                               Q: tl.constexpr, K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        v = tl.load(x_ptr + _lanes(c, G))
+        b = _bucket_of(v, bounds_ptr, NB)
+        q = tl.math.div_rn(v - tl.load(mins_ptr + b), tl.load(div_ptr + b))
+        q = tl.minimum(tl.maximum((q + _ROUND) - _ROUND, 0.0), (1 << Q) - 1.0)
+        _pack(out_ptr, q.to(tl.int32) + (b << Q), c, n, K, R, G, W)
+
+    @triton.jit(do_not_specialize=["n"])
+    def _decode_buckets_kernel(packed_ptr, mins_ptr, step_ptr, y_ptr, n, Q: tl.constexpr,
+                               K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+        c = tl.program_id(0).to(tl.int64)
+        codes = _unpack(packed_ptr, c, n, K, R, G, W)
+        b = codes >> Q
+        level = (codes & ((1 << Q) - 1)).to(tl.float32)
+        tl.store(y_ptr + _lanes(c, G), tl.load(mins_ptr + b) + level * tl.load(step_ptr + b))
 
     @triton.jit(do_not_specialize=["n", "m", "parts"])
     def _sampled_parts_kernel(x_ptr, s_ptr, part_ptr, n, m, parts, NB: tl.constexpr, NBP: tl.constexpr,
@@ -135,3 +178,63 @@ def encode_sampled(x: torch.Tensor, sample: torch.Tensor, quant_bits: int,
                    NB=nb, NBP=buckets, PB=most, Q=quant_bits, **_layout(quant_bits + split_bits))):
         return None
     return grid, out
+
+
+def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
+    """Per-bucket maxima of sort quantization on the GPU: ``max(mins[b], max of the values in bucket b)``
+    with a zero as ``+0.0`` -- the reference's ``scatter_reduce`` over the buckets.
+
+    Args:
+        x: 1-D float32 values (finite, contiguous), on the GPU.
+        bounds: float32 ``(2**S - 1,)`` boundaries; a value's bucket is the number of them ``<= x``.
+        mins: float32 ``(2**S,)`` per-bucket mins (``bounds`` after the global min).
+
+    Returns:
+        float32 ``(2**S,)``, or None where it does not apply. One program per chunk writes its
+        bucket maxima; their max over programs follows (torch), so the result does not depend
+        on the order of the values.
+    """
+    chunks = -(-x.numel() // CHUNK)
+    if not (available(x) and chunks and x.is_contiguous()):
+        return None
+    part = torch.empty(chunks, mins.numel(), dtype=torch.float32, device=x.device)
+    if not launch("bucket_maxima", _bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(),
+                   NB=bounds.numel()):
+        return None
+    return torch.maximum(mins, part.amax(0)) + 0.0
+
+
+def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, div: torch.Tensor, quant_bits: int,
+                   out: torch.Tensor) -> bool:
+    """:func:`.compiled.encode_buckets` on the GPU: codes ``bucket * 2**Q + level`` of the whole chunks of ``x``.
+
+    Args:
+        x: 1-D float32 values (contiguous) on the GPU.
+        bounds: float32 ``(2**S - 1,)``; mins, div: float32 ``(2**S,)``; on ``x``'s device.
+        quant_bits: Q.
+        out: uint8 stream of ``x.numel()`` codes of ``Q + S`` bits (tail left to the caller).
+
+    Returns:
+        True if done; False where it does not apply.
+    """
+    bits = quant_bits + (bounds.numel() + 1).bit_length() - 1
+    return _run("encode_buckets", _encode_buckets_kernel, x, x, bounds.contiguous(), mins.contiguous(),
+                div.contiguous(), out, x.numel(), NB=bounds.numel(), Q=quant_bits, **_layout(bits))
+
+
+def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,
+                   y: torch.Tensor) -> bool:
+    """:func:`.compiled.decode_buckets` on the GPU: ``y = mins[b] + level * step[b]`` for the whole chunks.
+
+    Args:
+        packed: uint8 stream of ``n = y.numel()`` codes of ``Q + S`` bits, on the GPU.
+        quant_bits: Q.
+        mins, step: float32 ``(2**S,)`` as sent, on the same device.
+        y: float32 ``(n,)`` output (contiguous); values ``0 .. n - n % CHUNK`` are written.
+
+    Returns:
+        True if done; False where it does not apply.
+    """
+    bits = quant_bits + mins.numel().bit_length() - 1
+    return _run("decode_buckets", _decode_buckets_kernel, y, packed, mins.contiguous(), step.contiguous(), y, y.numel(),
+                   Q=quant_bits, **_layout(bits))

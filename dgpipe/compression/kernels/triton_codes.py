@@ -9,13 +9,9 @@ it. The reference torch steps do the same in a chain of whole-tensor kernels, ea
 pass over memory.
 
 - :func:`encode_uniform` / :func:`decode_uniform`: ``quant`` per tensor or per group
-  (:mod:`.uniform`), and sort quantization with one bucket;
+  (:mod:`.uniform`), and sort quantization with one bucket (more buckets: :mod:`.triton_buckets`);
 - :func:`encode_message`: ``quant`` with one grid, its range included, in two launches and without
   reading anything back to the host (a message's encode never waits for the GPU);
-- :func:`bucket_maxima`, :func:`encode_buckets` / :func:`decode_buckets`: sort
-  quantization's per-bucket maxima (a partial max per program, then their max) and
-  codes ``bucket * 2**Q + level`` (the bucket by comparison with the boundaries), any
-  number of buckets (a sampled split's whole message is :mod:`.triton_buckets`'s, in two launches);
 - :func:`encode_levels` / :func:`decode_levels`: the codebook codec's nearest level and
   ``level * scale`` (:mod:`.levels`).
 
@@ -63,9 +59,7 @@ from .bitpack import CHUNK, layout_planes, layout_word, packed_nbytes
 __all__ = [
     "COMPILE_OPTIONS", "EXTREMA_BLOCK", "MAX_PARTS", "available", "interpreting", "run_on_cpu", "launch",
     "encode_message",
-    "encode_uniform", "decode_uniform", "bucket_maxima",
-    "encode_buckets",
-    "decode_buckets", "encode_levels", "decode_levels",
+    "encode_uniform", "decode_uniform", "encode_levels", "decode_levels",
 ]
 
 try:  # a CUDA build of torch brings Triton; a CPU build needs it only to run the interpreter
@@ -262,42 +256,6 @@ if triton is not None:
         v = tl.minimum(tl.maximum(v, 0.0), TOP)
         _pack(out_ptr, v.to(tl.int32), c, n, K, R, G, W)
 
-    @triton.jit
-    def _bucket_of(v, bounds_ptr, NB: tl.constexpr):
-        """Each value's bucket: the number of the ``NB`` boundaries ``<= v`` (int32)."""
-        b = tl.zeros(v.shape, tl.int32)
-        for j in tl.static_range(NB):
-            b += (v >= tl.load(bounds_ptr + j)).to(tl.int32)
-        return b
-
-    @triton.jit(do_not_specialize=["n"])
-    def _bucket_maxima_kernel(x_ptr, bounds_ptr, part_ptr, n, NB: tl.constexpr):
-        c = tl.program_id(0).to(tl.int64)
-        i = c * _CHUNK + tl.arange(0, _CHUNK)
-        v = tl.load(x_ptr + i, mask=i < n, other=float("-inf"))
-        b = _bucket_of(v, bounds_ptr, NB)
-        for bb in tl.static_range(NB + 1):
-            tl.store(part_ptr + c * (NB + 1) + bb, tl.max(tl.where(b == bb, v, float("-inf")), axis=0))
-
-    @triton.jit(do_not_specialize=["n"])
-    def _encode_buckets_kernel(x_ptr, bounds_ptr, mins_ptr, div_ptr, out_ptr, n, NB: tl.constexpr,
-                               Q: tl.constexpr, K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
-        c = tl.program_id(0).to(tl.int64)
-        v = tl.load(x_ptr + _lanes(c, G))
-        b = _bucket_of(v, bounds_ptr, NB)
-        q = tl.math.div_rn(v - tl.load(mins_ptr + b), tl.load(div_ptr + b))
-        q = tl.minimum(tl.maximum((q + _ROUND) - _ROUND, 0.0), (1 << Q) - 1.0)
-        _pack(out_ptr, q.to(tl.int32) + (b << Q), c, n, K, R, G, W)
-
-    @triton.jit(do_not_specialize=["n"])
-    def _decode_buckets_kernel(packed_ptr, mins_ptr, step_ptr, y_ptr, n, Q: tl.constexpr,
-                               K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
-        c = tl.program_id(0).to(tl.int64)
-        codes = _unpack(packed_ptr, c, n, K, R, G, W)
-        b = codes >> Q
-        level = (codes & ((1 << Q) - 1)).to(tl.float32)
-        tl.store(y_ptr + _lanes(c, G), tl.load(mins_ptr + b) + level * tl.load(step_ptr + b))
-
     @triton.jit(do_not_specialize=["n"])
     def _encode_levels_kernel(v_ptr, mids_ptr, out_ptr, n, NM: tl.constexpr,
                               K: tl.constexpr, R: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
@@ -429,63 +387,3 @@ def decode_levels(packed: torch.Tensor, bits: int, table: torch.Tensor, scale: t
     """
     return _run("decode_levels", _decode_levels_kernel, y, packed, table.contiguous(),
                 scale.reshape(-1).contiguous(), y, y.numel(), group_len, GROUPED=group_len < y.numel(), **_layout(bits))
-
-
-def bucket_maxima(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
-    """Per-bucket maxima of sort quantization on the GPU: ``max(mins[b], max of the values in bucket b)``
-    with a zero as ``+0.0`` -- the reference's ``scatter_reduce`` over the buckets.
-
-    Args:
-        x: 1-D float32 values (finite, contiguous), on the GPU.
-        bounds: float32 ``(2**S - 1,)`` boundaries; a value's bucket is the number of them ``<= x``.
-        mins: float32 ``(2**S,)`` per-bucket mins (``bounds`` after the global min).
-
-    Returns:
-        float32 ``(2**S,)``, or None where it does not apply. One program per chunk writes its
-        bucket maxima; their max over programs follows (torch), so the result does not depend
-        on the order of the values.
-    """
-    chunks = -(-x.numel() // CHUNK)
-    if not (available(x) and chunks and x.is_contiguous()):
-        return None
-    part = torch.empty(chunks, mins.numel(), dtype=torch.float32, device=x.device)
-    if not launch("bucket_maxima", _bucket_maxima_kernel, (chunks,), x, bounds.contiguous(), part, x.numel(),
-                   NB=bounds.numel()):
-        return None
-    return torch.maximum(mins, part.amax(0)) + 0.0
-
-
-def encode_buckets(x: torch.Tensor, bounds: torch.Tensor, mins: torch.Tensor, div: torch.Tensor, quant_bits: int,
-                   out: torch.Tensor) -> bool:
-    """:func:`.compiled.encode_buckets` on the GPU: codes ``bucket * 2**Q + level`` of the whole chunks of ``x``.
-
-    Args:
-        x: 1-D float32 values (contiguous) on the GPU.
-        bounds: float32 ``(2**S - 1,)``; mins, div: float32 ``(2**S,)``; on ``x``'s device.
-        quant_bits: Q.
-        out: uint8 stream of ``x.numel()`` codes of ``Q + S`` bits (tail left to the caller).
-
-    Returns:
-        True if done; False where it does not apply.
-    """
-    bits = quant_bits + (bounds.numel() + 1).bit_length() - 1
-    return _run("encode_buckets", _encode_buckets_kernel, x, x, bounds.contiguous(), mins.contiguous(),
-                div.contiguous(), out, x.numel(), NB=bounds.numel(), Q=quant_bits, **_layout(bits))
-
-
-def decode_buckets(packed: torch.Tensor, quant_bits: int, mins: torch.Tensor, step: torch.Tensor,
-                   y: torch.Tensor) -> bool:
-    """:func:`.compiled.decode_buckets` on the GPU: ``y = mins[b] + level * step[b]`` for the whole chunks.
-
-    Args:
-        packed: uint8 stream of ``n = y.numel()`` codes of ``Q + S`` bits, on the GPU.
-        quant_bits: Q.
-        mins, step: float32 ``(2**S,)`` as sent, on the same device.
-        y: float32 ``(n,)`` output (contiguous); values ``0 .. n - n % CHUNK`` are written.
-
-    Returns:
-        True if done; False where it does not apply.
-    """
-    bits = quant_bits + mins.numel().bit_length() - 1
-    return _run("decode_buckets", _decode_buckets_kernel, y, packed, mins.contiguous(), step.contiguous(), y, y.numel(),
-                   Q=quant_bits, **_layout(bits))
