@@ -23,12 +23,12 @@ Hadamard butterflies        :func:`fwht`                                 :mod:`.
 ==========================  ==========================================  ===================
 
 Backends: :mod:`.compiled` (``codes.c``) and :mod:`.rows` (``rows.c``: the token-grouped codebook in one pass
-per row), compiled C built at install time, on CPU; :mod:`.triton_codes`, :mod:`.triton_rows` (the
-token-grouped codebook in one launch) and :mod:`.triton_buckets` (sort quantization; a sampled split's message in two) on
-CUDA. :mod:`.dispatch` chooses
-among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or :func:`set_enabled`), the C libraries,
-how a kernel's work is cut for torch's OpenMP threads (``team.h`` runs the parts) and the per-kernel
-failure record; :mod:`.deferred` the decoders' checks that a device leaves to the runtime's next wait.
+per row), compiled C built at install time, on CPU; :mod:`.triton_codes`, :mod:`.triton_rows` (the token-grouped
+codebook in one launch) and :mod:`.triton_buckets` (sort quantization; a sampled split's message in two) on
+CUDA. :mod:`.dispatch` chooses among them; :mod:`.backend` holds the switch (``DGPIPE_FUSED=0`` or
+:func:`set_enabled`), the C libraries, how a kernel's work is cut for torch's OpenMP threads (``team.h`` runs the
+parts) and the per-kernel failure record; :mod:`.deferred` the decoders' checks that a device leaves to the
+runtime's next wait.
 """
 
 from .backend import MIN_VALUES, enabled, failed_kernels, set_enabled
