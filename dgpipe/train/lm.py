@@ -445,7 +445,8 @@ def _check_flags(config: RunConfig) -> None:
                          f"{', '.join(LM_PRESETS)} or a config.json / model directory")
 
 
-def _check_fit(opts: LMOptions, config: RunConfig, data_dir: str, tokenizer, model_config, pinned) -> None:
+def _check_fit(opts: LMOptions, config: RunConfig, data_dir: str, tokenizer, model_config,
+               pinned: tuple[int, int]) -> None:
     """What the model and tokenizer must fit: the family, the context, the vocabulary, each split's blocks, the
     partition, the adapters and the bottlenecks.
 

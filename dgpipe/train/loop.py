@@ -403,7 +403,8 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         writer.save(progress.step, _checkpoint_state(engine, optimizer, scheduler, device, progress), meta)
 
     if lead:
-        announce(log, config, engine, progress, steps_per_epoch, restart, repeated if resumed or restart else False)
+        announce(log, config, engine, progress, steps_per_epoch, resumed=bool(resumed or restart), restart=restart,
+                 repeated=repeated)
     metrics: dict[str, float] = {}
     top: tuple[int, int] | None = None
     while progress.epoch < train.epochs and progress.step < total_steps:
@@ -424,9 +425,10 @@ def worker(rank: int, world_size: int, job_cls: type[Job], config: RunConfig, lo
         metrics, top = _evaluate(engine, job, eval_loader, eval_steps)
         eval_traffic = engine.meter.gather(dst=0)
         if lead:
-            rate = done * config.data.batch_size / seconds if seconds else 0.0
-            report_epoch(log, job, config, progress, (epoch + 1, n, train_loss, rate, scheduler.get_last_lr()[0]),
-                          metrics, (merged, eval_traffic, delta_stats), profile)
+            report_epoch(log, job, config, progress, epoch=epoch + 1, steps=n, train_loss=train_loss,
+                         rate=done * config.data.batch_size / seconds if seconds else 0.0,
+                         lr=scheduler.get_last_lr()[0], metrics=metrics, merged=merged, eval_traffic=eval_traffic,
+                         delta_stats=delta_stats, profile=profile)
         progress.epoch, progress.epoch_step, progress.loss_sum = epoch + 1, 0, 0.0
         progress.recent.clear()
         if writer is not None:

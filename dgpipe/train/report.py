@@ -66,11 +66,12 @@ class Progress:
     wire_bytes: int = 0
 
 
-def announce(log: runlog.JsonlLog, config: RunConfig, engine, progress: Progress, steps_per_epoch: int,
-              restart: int, repeated: int | None | bool) -> None:
-    """Rank 0's first lines: a resumed run's ``resume`` record and line (``repeated`` False: not resumed), then
-    what runs (the engine, the codec, the steps per epoch)."""
-    if repeated is not False:
+def announce(log: runlog.JsonlLog, config: RunConfig, engine, progress: Progress, steps_per_epoch: int, *,
+             resumed: bool, restart: int, repeated: int | None) -> None:
+    """Rank 0's first lines: a resumed run's ``resume`` record and line (``restart``: torchrun's restart count;
+    ``repeated``: the steps the log holds past the checkpoint, None if unknown), then what runs (the engine, the
+    codec, the steps per epoch)."""
+    if resumed:
         log.write({"event": "resume", "step": progress.step, "epoch": progress.epoch + 1, "restart": restart,
                    "repeated_steps": repeated})
         print(f"resumed at step {progress.step} (epoch {progress.epoch + 1}, restart {restart}"
@@ -80,13 +81,13 @@ def announce(log: runlog.JsonlLog, config: RunConfig, engine, progress: Progress
           + f"{steps_per_epoch} steps/epoch of {config.data.batch_size} examples", flush=True)
 
 
-def report_epoch(log: runlog.JsonlLog, job: Job, config: RunConfig, progress: Progress, numbers: tuple,
-                  metrics: dict[str, float], traffic: tuple, profile) -> None:
-    """Rank 0's epoch record and lines. ``numbers``: ``(epoch, steps, train_loss, samples_per_s, lr)``;
-    ``traffic``: the gathered training meter, the evaluation's, and the delta statistics. The training traffic
-    (evaluations inside the epoch left out) is added to ``progress``'s byte counts."""
-    epoch, steps, train_loss, rate, lr = numbers
-    merged, eval_traffic, delta_stats = traffic
+def report_epoch(log: runlog.JsonlLog, job: Job, config: RunConfig, progress: Progress, *, epoch: int, steps: int,
+                 train_loss: float, rate: float, lr, metrics: dict[str, float], merged, eval_traffic,
+                 delta_stats: dict[str, dict], profile) -> None:
+    """Rank 0's record and lines of epoch ``epoch`` (1-based): ``steps`` optimizer steps, ``rate`` samples/s,
+    ``lr`` the scheduler's last learning rate, ``merged`` and ``eval_traffic`` the gathered training and evaluation
+    meters, ``delta_stats`` the delta-coded boundaries' statistics, ``profile`` the step profile or None. The training traffic (evaluations inside the
+    epoch left out) is added to ``progress``'s byte counts."""
     boundaries = [b for b in boundary_entries(merged, delta_stats, job) if b["direction"] not in EVAL_DIRECTIONS]
     progress.raw_bytes += sum(b["raw_bytes"] for b in boundaries)
     progress.wire_bytes += sum(b["wire_bytes"] for b in boundaries)
