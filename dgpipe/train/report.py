@@ -86,8 +86,8 @@ def report_epoch(log: runlog.JsonlLog, job: Job, config: RunConfig, progress: Pr
                  delta_stats: dict[str, dict], profile) -> None:
     """Rank 0's record and lines of epoch ``epoch`` (1-based): ``steps`` optimizer steps, ``rate`` samples/s,
     ``lr`` the scheduler's last learning rate, ``merged`` and ``eval_traffic`` the gathered training and evaluation
-    meters, ``delta_stats`` the delta-coded boundaries' statistics, ``profile`` the step profile or None. The training traffic (evaluations inside the
-    epoch left out) is added to ``progress``'s byte counts."""
+    meters, ``delta_stats`` the delta-coded boundaries' statistics, ``profile`` the step profile or None. The
+    training traffic (evaluations inside the epoch left out) is added to ``progress``'s byte counts."""
     boundaries = [b for b in boundary_entries(merged, delta_stats, job) if b["direction"] not in EVAL_DIRECTIONS]
     progress.raw_bytes += sum(b["raw_bytes"] for b in boundaries)
     progress.wire_bytes += sum(b["wire_bytes"] for b in boundaries)
