@@ -255,15 +255,15 @@ class _Honest(QUANT8):
 def _truncating_sender(rank: int, world_size: int) -> None:
     """Rank 0 puts every coded message on the wire 8 bytes short of its size (torch's receive completes)."""
     if rank == 0:
-        import dgpipe.pipelining.stage as stage
+        import dgpipe.comm.link as link
 
-        honest = stage.pack_message
+        honest = link.pack_message
 
         def short(*args, **kwargs):
             buf, total = honest(*args, **kwargs)
             return buf[:-8], total
 
-        stage.pack_message = short
+        link.pack_message = short
     _train(rank, world_size, "1f1b", act_codec=_Honest if rank == 0 else _NeverDecodes, grad_codec="none")
 
 

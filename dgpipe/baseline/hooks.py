@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from dgpipe.comm.link import Link
 from dgpipe.comm.meter import BandwidthMeter
 
 __all__ = [
@@ -85,15 +86,15 @@ class MeteredHook:
         self.rank = dist.get_rank(process_group)
         self.meter = BandwidthMeter()
         self.step_meter = BandwidthMeter()
+        self.link = Link(METER_NAME, self.meter, self.step_meter)
 
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register this hook on ``ddp`` (once, before the first backward)."""
         ddp.register_comm_hook(state=self, hook=_run_hook)
 
     def _record(self, direction: str, *, send: dict, recv: dict) -> None:
-        for m in (self.meter, self.step_meter):
-            m.record_send(METER_NAME, direction, **send)
-            m.record_recv(METER_NAME, direction, **recv)
+        self.link.sent(direction, **send)
+        self.link.received(direction, **recv)
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Exchange one DDP bucket (DDP's comm-hook contract): returns a future of the

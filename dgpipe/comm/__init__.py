@@ -1,5 +1,9 @@
 """Moving payloads between ranks and measuring the traffic. Imports only ``dgpipe.compression``.
 
+- :mod:`dgpipe.comm.link`: ``Link``, the one way a payload moves: the caller's codecs timed, the message framed
+  and sent (or framed for torch's own transport), received and checked whole, decoded, and every step recorded
+  in the meters; the runtime's boundaries, torch's schedules' stage, split generation and the data-parallel
+  hooks all move their traffic through it, and nothing else records into a meter.
 - :mod:`dgpipe.comm.transport`: ``send_payload`` / ``recv_payload`` of a codec
   ``Payload`` (and ``Sender`` / ``Receiver`` streams of messages with several payloads
   and meta integers) over torch.distributed point-to-point messages (int64 fields,
@@ -14,11 +18,15 @@
   (network namespace, veth pair, ``tc``); standard library only, needs root.
 """
 
+from .link import Incoming, Link, Outgoing
 from .meter import BandwidthMeter
 from .transport import Receiver, Sender, SendWork, TransportError, recv_payload, send_payload, wire_device
 
 __all__ = [
     "BandwidthMeter",
+    "Incoming",
+    "Link",
+    "Outgoing",
     "Receiver",
     "SendWork",
     "Sender",

@@ -80,6 +80,7 @@ __all__ = [
     "Sender",
     "Receiver",
     "wire_device",
+    "message_size",
     "pack_message",
     "split_parts",
     "read_message",
@@ -190,6 +191,29 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8, device=device)
 
 
+def _message_layout(payloads: Sequence[Payload], n_meta: int) -> tuple[list[int], int]:
+    """The byte offsets of ``payloads``' tensors in a message with ``n_meta`` meta values, and its total size.
+
+    Raises:
+        ValueError: more than 64 meta values or payloads.
+    """
+    if n_meta > MAX_META or len(payloads) > MAX_PAYLOADS:
+        raise ValueError(f"a message holds at most {MAX_META} meta values and {MAX_PAYLOADS} payloads, "
+                         f"got {n_meta} and {len(payloads)}")  # fmt: skip
+    fields_numel = _FIXED + n_meta + len(payloads) + sum(p.header.numel() for p in payloads)
+    return _layout(fields_numel, [(t.dtype, t.numel()) for p in payloads for t in p.tensors])
+
+
+def message_size(payloads: Sequence[Payload], n_meta: int = 0) -> int:
+    """Bytes of the message :func:`pack_message` makes of ``payloads`` and ``n_meta`` meta values (nothing is
+    packed).
+
+    Raises:
+        ValueError: more than 64 meta values or payloads.
+    """
+    return _message_layout(payloads, n_meta)[1]
+
+
 def pack_message(payloads: Sequence[Payload], meta: Sequence[int] = (), device: torch.device | str = "cpu",
                  min_size: int = 0) -> tuple[torch.Tensor, int]:
     """The bytes of one message (module docstring): ``(buffer, total_bytes)``.
@@ -206,14 +230,11 @@ def pack_message(payloads: Sequence[Payload], meta: Sequence[int] = (), device: 
     Raises:
         ValueError: more than 64 meta values or payloads.
     """
-    if len(meta) > MAX_META or len(payloads) > MAX_PAYLOADS:
-        raise ValueError(f"a message holds at most {MAX_META} meta values and {MAX_PAYLOADS} payloads, "
-                         f"got {len(meta)} and {len(payloads)}")  # fmt: skip
+    offsets, total = _message_layout(payloads, len(meta))
     headers = [p.header.reshape(-1) for p in payloads]
     lengths = [h.numel() for h in headers]
     fields_numel = _FIXED + len(meta) + len(lengths) + sum(lengths)
     tensors = [t.reshape(-1) for p in payloads for t in p.tensors]
-    offsets, total = _layout(fields_numel, [(t.dtype, t.numel()) for t in tensors])
     buf = torch.zeros(max(total, min_size), dtype=torch.uint8, device=device)
     fields = [MAGIC, total, len(meta), len(payloads), sum(lengths), *meta, *lengths]
     words = torch.tensor(fields, dtype=torch.int64)

@@ -12,6 +12,7 @@ import torch
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.delay import DelayLine
+from dgpipe.comm.link import Link
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import get_codec
 from dgpipe.pipeline.coders import CodecArg
@@ -81,7 +82,8 @@ class RemoteServer:
         self.codec = Stream(act_codec, channel_mean, alpha, channel_scale)
         self.back = Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
         self.mask_codec = get_codec("intpack")
-        self.meter, self.timeout, self.peer = meter, timeout, peer
+        self.to_server, self.from_server = Link("client->server", meter), Link("server->client", meter)
+        self.timeout, self.peer = timeout, peer
         self.past = 0
         self.tracker: Tracker | None = None
 
@@ -92,34 +94,26 @@ class RemoteServer:
         else:
             self.tracker.advance()
         keys = self.tracker.keys(length, prompt_mask is not None)
-        payload, seconds = self.codec.encode(hidden, keys)
-        payloads = [payload] + ([self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else [])
+        with self.to_server.encoding("generate") as message:
+            message.add(self.codec.encode(hidden, keys), hidden.numel() * hidden.element_size())
+            if prompt_mask is not None:
+                message.add(self.mask_codec.encode(prompt_mask.long()))
         kind = PREFILL if prompt_mask is not None else DECODE
-        work = self.send_stream.send(payloads, [kind, self.past, b, length], "client->server")
-        work.wait(self.timeout)
-        if self.meter is not None:
-            wire = sum(p.nbytes for p in payloads)
-            self.meter.record_send("client->server", "generate", raw_bytes=hidden.numel() * hidden.element_size(),
-                                   wire_bytes=wire, frame_bytes=work.nbytes - wire, encode_seconds=seconds)
+        self.to_server.send(self.send_stream, message, [kind, self.past, b, length], "client->server").wait(
+            self.timeout)
         who = f"server (rank {self.peer})"
-        start = time.perf_counter()
-        back, meta = self.recv_stream.recv("cpu", self.timeout, self.max_bytes(hidden))
-        waited = time.perf_counter() - start
-        if meta != [HIDDEN, self.past, b, length] or len(back) != 1:
-            raise ValueError(f"{who} answered {meta} with {len(back)} payloads to a "
+        answer = self.from_server.receive(self.recv_stream, "cpu", self.timeout, self.max_bytes(hidden))
+        if answer.meta != [HIDDEN, self.past, b, length] or len(answer.payloads) != 1:
+            raise ValueError(f"{who} answered {answer.meta} with {len(answer.payloads)} payloads to a "
                              f"{['', 'prefill', 'decode'][kind]} of {b}x{length} tokens at past {self.past}")
-        checked_header(back[0], self.back.codec, tuple(hidden.shape), None, who, "hidden states")
-        start = time.perf_counter()
-        try:
-            out = self.back.decode(back[0], keys)
-        except ValueError as err:
-            raise ValueError(f"{who} sent hidden states that do not decode: {err}") from None
-        decoded = time.perf_counter() - start
-        if not out.is_floating_point():
-            raise ValueError(f"{who} sent hidden states of dtype {out.dtype}, want a floating dtype")
-        if self.meter is not None:
-            self.meter.record_recv("server->client", "generate", recv_bytes=back[0].nbytes, recv_seconds=waited,
-                                   decode_seconds=decoded)
+        checked_header(answer.payloads[0], self.back.codec, tuple(hidden.shape), None, who, "hidden states")
+        with self.from_server.decoding("generate", answer):
+            try:
+                out = self.back.decode(answer.payloads[0], keys)
+            except ValueError as err:
+                raise ValueError(f"{who} sent hidden states that do not decode: {err}") from None
+            if not out.is_floating_point():
+                raise ValueError(f"{who} sent hidden states of dtype {out.dtype}, want a floating dtype")
         self.past += length
         return out.to(hidden.dtype)
 

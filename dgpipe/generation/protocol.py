@@ -4,7 +4,6 @@ the running per-channel means both sides keep, and the positions of a generation
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -129,15 +128,11 @@ class Stream:
         elif channel_mean:
             self.reference = ReferenceCoder(self.codec, TokenTable(POSITION_KEYS, alpha))
 
-    def encode(self, hidden: torch.Tensor, keys: torch.Tensor) -> tuple[Payload, float]:
-        """The payload of ``hidden`` ``(B, L, H)`` (``keys``: int64 ``(B, L)``, :meth:`Tracker.keys`) and the
-        seconds it took."""
-        start = time.perf_counter()
+    def encode(self, hidden: torch.Tensor, keys: torch.Tensor) -> Payload:
+        """The payload of ``hidden`` ``(B, L, H)`` (``keys``: int64 ``(B, L)``, :meth:`Tracker.keys`)."""
         if self.reference is None:
-            payload = self.codec.encode(hidden)
-        else:
-            payload = self.reference.encode(hidden, keys, update=True)
-        return payload, time.perf_counter() - start
+            return self.codec.encode(hidden)
+        return self.reference.encode(hidden, keys, update=True)
 
     def decode(self, payload: Payload, keys: torch.Tensor) -> torch.Tensor:
         """The hidden states ``(B, L, H)`` of ``payload`` (``keys`` as for :meth:`encode`).

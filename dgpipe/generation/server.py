@@ -5,13 +5,13 @@ nothing a client sends before checking it), or in the client's own process (:cla
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.delay import DelayLine
+from dgpipe.comm.link import Link
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Payload, get_codec
 from dgpipe.pipeline.coders import CodecArg
@@ -39,7 +39,7 @@ class LocalServer:
                     Stream(act_codec, channel_mean, alpha, channel_scale))
         self.back = (Stream(ret, channel_mean, alpha, channel_scale), Stream(ret, channel_mean, alpha, channel_scale))
         self.mask_codec = get_codec("intpack")
-        self.meter = meter
+        self.to_server, self.from_server = Link("client->server", meter), Link("server->client", meter)
         self.tracker: Tracker | None = None
 
     def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
@@ -50,18 +50,19 @@ class LocalServer:
             self.tracker.advance()
         keys = self.tracker.keys(hidden.shape[1], prompt_mask is not None)
         mask = [self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else []
-        hidden = self._hop(self.act, hidden, keys, "client->server", mask)
+        hidden = self._hop(self.act, hidden, keys, self.to_server, mask)
         hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
-        return self._hop(self.back, hidden, keys, "server->client")
+        return self._hop(self.back, hidden, keys, self.from_server)
 
-    def _hop(self, coders: tuple["Stream", "Stream"], hidden: torch.Tensor, keys: torch.Tensor, name: str,
+    def _hop(self, coders: tuple["Stream", "Stream"], hidden: torch.Tensor, keys: torch.Tensor, link: Link,
              extra: Sequence[Payload] = ()) -> torch.Tensor:
         """``hidden`` through a direction's coders (encode, meter with the ``extra`` payloads a message to a
         server process carries beside it -- the prompt mask at prefill --, decode)."""
-        payload, seconds = coders[0].encode(hidden, keys)
-        if self.meter is not None:
-            self.meter.record_send(name, "generate", raw_bytes=hidden.numel() * hidden.element_size(),
-                                   wire_bytes=payload.nbytes + sum(p.nbytes for p in extra), encode_seconds=seconds)
+        with link.encoding("generate") as message:
+            payload = message.add(coders[0].encode(hidden, keys), hidden.numel() * hidden.element_size())
+        for p in extra:
+            message.add(p)
+        link.account(message)
         return coders[1].decode(payload, keys)
 
     def close(self) -> None:
@@ -166,37 +167,29 @@ def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", retu
     recv_stream, send_stream = Receiver(peer, group, TAG), Sender(peer, group, TAG + 1, delay)
     gate = _Gate(blocks, peer, limits, Stream(act_codec, channel_mean, alpha, channel_scale))
     back = Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
+    from_client, to_client = Link("client->server", meter), Link("server->client", meter)
     tracker: Tracker | None = None
     steps, pending = 0, None
     while True:
-        start = time.perf_counter()
-        payloads, meta = recv_stream.recv("cpu", timeout, gate.max_bytes)
-        waited = time.perf_counter() - start
+        incoming = from_client.receive(recv_stream, "cpu", timeout, gate.max_bytes)
         if pending is not None:
             pending.wait(timeout)
-        kind, b, length = gate.admit(meta, payloads)
+        kind, b, length = gate.admit(incoming.meta, incoming.payloads)
         if kind == END:
             return steps
         if kind == PREFILL:
-            tracker = Tracker(gate.mask(payloads[1]))
+            tracker = Tracker(gate.mask(incoming.payloads[1]))
             blocks.reset()
         else:
             assert tracker is not None  # the gate admits a decode step only after a prefill
             tracker.advance()
         keys = tracker.keys(length, kind == PREFILL)
-        start = time.perf_counter()
-        hidden = gate.hidden(payloads[0], keys)
-        decoded = time.perf_counter() - start
-        if meter is not None:
-            meter.record_recv("client->server", "generate", recv_bytes=sum(p.nbytes for p in payloads),
-                              recv_seconds=waited, decode_seconds=decoded)
+        with from_client.decoding("generate", incoming):
+            hidden = gate.hidden(incoming.payloads[0], keys)
         out = blocks(hidden, tracker.mask, tracker.positions)
-        payload, seconds = back.encode(out, keys)
-        pending = send_stream.send([payload], [HIDDEN, gate.past if kind == DECODE else 0, b, length],
-                                   "server->client")
-        if meter is not None:
-            meter.record_send("server->client", "generate", raw_bytes=out.numel() * out.element_size(),
-                              wire_bytes=payload.nbytes, frame_bytes=pending.nbytes - payload.nbytes,
-                              encode_seconds=seconds)
+        with to_client.encoding("generate") as message:
+            message.add(back.encode(out, keys), out.numel() * out.element_size())
+        pending = to_client.send(send_stream, message, [HIDDEN, gate.past if kind == DECODE else 0, b, length],
+                                 "server->client")
         gate.served(b, length, kind == PREFILL)
         steps += 1

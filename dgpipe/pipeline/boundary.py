@@ -1,4 +1,4 @@
-"""One stage boundary as seen from one rank: micro-batches through codecs, transport and meter.
+"""One stage boundary as seen from one rank: micro-batches through its lanes and its metered link.
 
 A boundary ``stage{i}->stage{i+1}`` joins two stages held by different ranks. Forward,
 it carries stage i's output for one micro-batch -- one tensor or a tuple of tensors
@@ -21,7 +21,8 @@ Each tuple position travels in a lane (:mod:`dgpipe.pipeline.lanes`: lossless, c
 delta, delta warm-up); one message (a :class:`dgpipe.comm.transport.Sender` stream per
 direction) carries one payload per present tensor and a :class:`~dgpipe.pipeline.message.Message`
 as its meta: the lane of each position, the micro-batch, and the step's mean loss
-(backward messages). :class:`Boundary` loops over the lanes, then the transport, then the meter.
+(backward messages). :class:`Boundary` codes each position in its lane and moves the message through a
+:class:`~dgpipe.comm.link.Link` (timed, framed, metered there).
 
 Delta coding (AQ-SGD, :mod:`dgpipe.compression.wrappers.delta`): when the pipeline has a
 :class:`~dgpipe.compression.wrappers.delta.DeltaSpec`, every training forward message starts
@@ -66,7 +67,6 @@ The codec instances, delta coders and token tables of this rank's side, and thei
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from dgpipe.comm import BandwidthMeter, SendWork, TransportError
 from dgpipe.comm.delay import DelayLine
-from dgpipe.comm.meter import timer
+from dgpipe.comm.link import Link
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, parse_header
 from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
@@ -184,20 +184,29 @@ class Boundary:
         self.coders = Coders(self.name, self.rank, "sender" if self.rank == src else "receiver", act_factory,
                              grad_factory, delta if self.delta_coded else None, token_reference, report)
         self._tags = {"forward": 2 * index, "eval": 2 * index, "backward": 2 * index + 1}
-        self._meter, self._device, self._timeout = meter, device, timeout
+        self._link, self._device, self._timeout = Link(self.name, meter, device=device), device, timeout
         # One stream per direction: forward (and eval) src -> dst, backward dst -> src.
         self._senders: dict[str, Sender] = {}
         self._receivers: dict[str, Receiver] = {}
         self._grads_due = 0  # backward messages this rank will still receive in this step
 
-    def _stream(self, direction: str, sending: bool) -> Sender | Receiver:
+    def _ends(self, direction: str) -> tuple[str, int, int, int, dist.ProcessGroup | None]:
+        """``(key, src, dst, tag, group)`` of ``direction``'s stream (eval shares forward's)."""
         key = "backward" if direction == "backward" else "forward"
-        table = self._senders if sending else self._receivers
-        if key not in table:
-            src, dst = (self.dst, self.src) if key == "backward" else (self.src, self.dst)
-            tag, group = self._tags[key], self._down_group if dst < src else None
-            table[key] = Sender(dst, group, tag, self._delay) if sending else Receiver(src, group, tag)
-        return table[key]
+        src, dst = (self.dst, self.src) if key == "backward" else (self.src, self.dst)
+        return key, src, dst, self._tags[key], self._down_group if dst < src else None
+
+    def _sender(self, direction: str) -> Sender:
+        key, _, dst, tag, group = self._ends(direction)
+        if key not in self._senders:
+            self._senders[key] = Sender(dst, group, tag, self._delay)
+        return self._senders[key]
+
+    def _receiver(self, direction: str) -> Receiver:
+        key, src, _, tag, group = self._ends(direction)
+        if key not in self._receivers:
+            self._receivers[key] = Receiver(src, group, tag)
+        return self._receivers[key]
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -251,7 +260,7 @@ class Boundary:
         works = self._send(direction, message, tensors, ids, keep, tokens)
         if direction == "forward":  # a backward message will answer it: have the receive ready
             self._grads_due += 1
-            self._stream("backward", sending=False).post()
+            self._receiver("backward").post()
             self._remember_rows(message, keep)
         return works, [t for t, f in zip(tensors, flags) if f & REQUIRES_GRAD]
 
@@ -283,7 +292,7 @@ class Boundary:
 
     def expect_forward(self) -> None:
         """Post the receive of the next forward message (this rank is ``dst``; one will come)."""
-        self._stream("forward", sending=False).post()
+        self._receiver("forward").post()
 
     def recv_forward(self, slot: int, direction: str) -> tuple[object, list[torch.Tensor], int, torch.Tensor | None]:
         """Receive micro-batch ``slot``'s input from ``src``.
@@ -327,7 +336,7 @@ class Boundary:
         message, grads, _ = self._recv("backward", slot, self.dst, keep, rows)
         self._grads_due -= 1
         if self._grads_due > 0:
-            self._stream("backward", sending=False).post()
+            self._receiver("backward").post()
         if len(grads) != n_expected:
             raise ValueError(f"{self.name}: rank {self.dst} sent {len(grads)} gradients, expected {n_expected}")
         return grads, message.loss
@@ -336,81 +345,79 @@ class Boundary:
 
     def _send(self, direction: str, message: Message, tensors: list, ids: torch.Tensor | None = None,
               keep: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> list[SendWork]:
-        """Lanes -> transport -> meter for one message (of the positions flagged :data:`ROWS`, the rows
+        """Lanes -> link for one message (of the positions flagged :data:`ROWS`, the rows
         ``keep`` marks; reference lanes keyed by ``tokens``)."""
-        stop = timer(self._device)
         ctx = LaneContext(ids, tokens=tokens, update=direction == "forward")
         rows_ctx = LaneContext(ids, keep=keep)
-        payloads: list[Payload] = []
-        raw = 0
-        with torch.no_grad():
+        with torch.no_grad(), self._link.encoding(direction) as out:
             if ids is not None:  # first; wire bytes but no raw bytes (a plain pipeline sends none)
-                payloads.append(encode_ids(ids))
+                out.add(encode_ids(ids))
             for pos, t in enumerate(tensors):
                 if message.kind(pos) == ABSENT:
                     continue
-                raw += t.numel() * t.element_size()
                 lane = self.coders.lane(direction, message.slot, pos, message.kind(pos), message.referenced(pos))
-                t = t.detach()
+                raw, t = t.numel() * t.element_size(), t.detach()
                 if message.rows(pos) and message.kind(pos) & DELTA:  # the delta lane takes the rows itself
-                    payloads.append(lane.encode(t, rows_ctx))
+                    out.add(lane.encode(t, rows_ctx), raw)
                 else:
-                    payloads.append(lane.encode(t[keep.to(t.device)] if message.rows(pos) else t, ctx))
-        encode_seconds = stop()
+                    out.add(lane.encode(t[keep.to(t.device)] if message.rows(pos) else t, ctx), raw)
         label = f"{self.name} {direction}, micro-batch {message.slot}"
-        work = self._stream(direction, sending=True).send(payloads, meta=message.to_meta(), label=label)
-        wire = sum(p.nbytes for p in payloads)
-        self._meter.record_send(self.name, direction, raw_bytes=raw, wire_bytes=wire,
-                                frame_bytes=work.nbytes - wire, encode_seconds=encode_seconds)  # fmt: skip
+        work = self._link.send(self._sender(direction), out, message.to_meta(), label)
         return [work]
 
     def _recv(self, direction: str, slot: int, peer: int, keep: torch.Tensor | None = None,
               rows: frozenset[int] = frozenset()
               ) -> tuple[Message, list[torch.Tensor | None], torch.Tensor | None]:
-        """Transport -> lanes -> meter for one message: ``(message, tensors or None, ids)``; tensors sent as
+        """Link -> lanes for one message: ``(message, tensors or None, ids)``; tensors sent as
         rows are put back in place, by the message's row mask or (backward) by ``keep``, where the
         positions ``rows`` may travel as rows."""
-        start = time.perf_counter()
         where = f"{self.name} {direction}, micro-batch {slot}"
         try:
-            payloads, meta = self._stream(direction, sending=False).recv(self._device, self._timeout)
+            incoming = self._link.receive(self._receiver(direction), self._device, self._timeout)
         except TransportError as err:
             raise TransportError(f"{where}: {err}", err.peer) from err
         except ValueError as err:  # a corrupt message: name the boundary too
             raise ValueError(f"{where}: {err}") from err
-        recv_seconds = time.perf_counter() - start
-        message = self._parse_meta(meta, len(payloads), slot, peer)
-        stop = timer(self._device)
-        ids = None
+        message = self._parse_meta(incoming.meta, len(incoming.payloads), slot, peer)
         try:
-            it = iter(payloads)
-            if message.has_ids:
-                ids = self._parse_ids(decode_ids(next(it)), direction, peer)
-            at = {pos: next(it) for pos in range(len(message.flags)) if message.kind(pos) != ABSENT}
-            tensors: list[torch.Tensor | None] = [None] * len(message.flags)
-            keep = self._row_keep(message, at, tensors, keep, rows)  # the row mask first: delta lanes need it
-            tokens = self._tokens(message, at, tensors)  # the token ids too: reference lanes need them
-            ctx = LaneContext(ids, self._device, tokens=tokens, update=direction == "forward")
-            rows_ctx = LaneContext(ids, self._device, keep)
-            for pos, payload in at.items():
-                if pos in (message.row_mask, message.token_ids):
-                    continue
-                kind = message.kind(pos)
-                _check_declared(pos, parse_header(payload.header).shape,
-                                keep if message.rows(pos) and not kind & DELTA else None,
-                                tokens if message.referenced(pos) else None)
-                lane = self.coders.lane(direction, slot, pos, kind, message.referenced(pos))
-                if message.rows(pos) and kind & DELTA:  # the delta lane restores the rows itself
-                    tensors[pos] = lane.decode(payload, rows_ctx)
-                else:
-                    t = lane.decode(payload, ctx)
-                    tensors[pos] = put_rows(t, keep) if message.rows(pos) else t
+            with self._link.decoding(direction, incoming):
+                tensors, ids = self._decode(message, incoming.payloads, direction, slot, peer, keep, rows)
         except ValueError as err:
             raise ValueError(f"{where}: corrupt payload from rank {peer}: {err}") from err
-        decode_seconds = stop()
-        self._meter.record_recv(self.name, direction, recv_bytes=sum(p.nbytes for p in payloads),
-                                recv_seconds=recv_seconds, decode_seconds=decode_seconds)  # fmt: skip
         return message, tensors, ids
+
+    def _decode(self, message: Message, payloads: list[Payload], direction: str, slot: int, peer: int,
+                keep: torch.Tensor | None, rows: frozenset[int]
+                ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """Lanes for one received message: ``(tensors or None, ids)`` (as :meth:`_recv`).
+
+        Raises:
+            ValueError: a payload that does not decode or whose header declares another shape than its place.
+        """
+        ids = None
+        it = iter(payloads)
+        if message.has_ids:
+            ids = self._parse_ids(decode_ids(next(it)), direction, peer)
+        at = {pos: next(it) for pos in range(len(message.flags)) if message.kind(pos) != ABSENT}
+        tensors: list[torch.Tensor | None] = [None] * len(message.flags)
+        keep = self._row_keep(message, at, tensors, keep, rows)  # the row mask first: delta lanes need it
+        tokens = self._tokens(message, at, tensors)  # the token ids too: reference lanes need them
+        ctx = LaneContext(ids, self._device, tokens=tokens, update=direction == "forward")
+        rows_ctx = LaneContext(ids, self._device, keep)
+        for pos, payload in at.items():
+            if pos in (message.row_mask, message.token_ids):
+                continue
+            kind = message.kind(pos)
+            _check_declared(pos, parse_header(payload.header).shape,
+                            keep if message.rows(pos) and not kind & DELTA else None,
+                            tokens if message.referenced(pos) else None)
+            lane = self.coders.lane(direction, slot, pos, kind, message.referenced(pos))
+            if message.rows(pos) and kind & DELTA:  # the delta lane restores the rows itself
+                tensors[pos] = lane.decode(payload, rows_ctx)
+            else:
+                t = lane.decode(payload, ctx)
+                tensors[pos] = put_rows(t, keep) if message.rows(pos) else t
+        return tensors, ids
 
     def _row_keep(self, message: Message, payloads: dict[int, Payload], tensors: list, keep: torch.Tensor | None,
                   rows: frozenset[int]) -> torch.Tensor | None:

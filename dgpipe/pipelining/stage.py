@@ -46,7 +46,6 @@ version gets a warning at construction (:func:`check_torch_version`).
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from typing import Any
 
@@ -55,7 +54,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from dgpipe.comm import BandwidthMeter
-from dgpipe.comm.transport import pack_message, read_message
+from dgpipe.comm.link import Link
+from dgpipe.comm.transport import message_size
 from dgpipe.compression import Codec, parse_header
 from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.pipeline.coders import CodecArg, codec_factory
@@ -166,7 +166,7 @@ class CompressedPipelineStage(PipelineStage):
         key = (direction, tuple(shape), dtype)
         if key not in self._sizes:
             payload = self._factories[direction]().encode(torch.zeros(shape, dtype=dtype))
-            self._sizes[key] = pack_message([payload])[1]
+            self._sizes[key] = message_size([payload])
         return self._sizes[key]
 
     def _label(self, direction: str) -> str:
@@ -176,26 +176,27 @@ class CompressedPipelineStage(PipelineStage):
         """Name of the boundary between stage ``upstream`` and the next, as dgpipe's runtime names it."""
         return boundary_name(upstream)
 
+    def _link(self, name: str) -> Link:
+        """The metered link of boundary ``name`` (records into :attr:`meter`)."""
+        return Link(name, self.meter, device=self.device)
+
     def _coded_sends(self, ops: list[dist.P2POp], direction: str, chunk: int, name: str) -> list[dist.P2POp]:
-        out = []
+        out, link, label = [], self._link(name), self._label(direction)
         for position, op in enumerate(ops):
             t = op.tensor
             if not t.is_floating_point():  # sent as torch sends it, and metered as such
                 n = t.numel() * t.element_size()
-                self.meter.record_send(name, self._label(direction), raw_bytes=n, wire_bytes=n)
+                link.sent(label, raw_bytes=n, wire_bytes=n)
                 out.append(op)
                 continue
-            start = time.perf_counter()
-            with torch.no_grad():
-                payload = self._codec(direction, chunk, position).encode(t.detach())
-                buf, total = pack_message([payload], device=t.device)
-            if total != self.message_nbytes(direction, t.shape, t.dtype):
-                raise ValueError(f"stage {self.stage_index}: the {direction} codec gave a {total}-byte message for a "
-                                 f"{tuple(t.shape)} tensor, not the {self.message_nbytes(direction, t.shape, t.dtype)} "
-                                 "bytes its shape implies: it is not fixed-rate")
-            self.meter.record_send(name, self._label(direction), raw_bytes=t.numel() * t.element_size(),
-                                   wire_bytes=payload.nbytes, frame_bytes=total - payload.nbytes,
-                                   encode_seconds=time.perf_counter() - start)
+            with torch.no_grad(), link.encoding(label) as message:
+                message.add(self._codec(direction, chunk, position).encode(t.detach()), t.numel() * t.element_size())
+            size, fixed = message_size(message.payloads), self.message_nbytes(direction, t.shape, t.dtype)
+            if size != fixed:
+                raise ValueError(f"stage {self.stage_index}: the {direction} codec gave a {size}-byte message for a "
+                                 f"{tuple(t.shape)} tensor, not the {fixed} bytes its shape implies: it is not "
+                                 "fixed-rate")
+            buf = link.frame(message, t.device)
             out.append(dist.P2POp(dist.isend, buf, op.peer, op.group, op.tag))
         return out
 
@@ -204,8 +205,7 @@ class CompressedPipelineStage(PipelineStage):
         for position, op in enumerate(ops):
             t = op.tensor
             if not t.is_floating_point():
-                self.meter.record_recv(name, self._label(direction), recv_bytes=t.numel() * t.element_size(),
-                                       recv_seconds=0.0)
+                self._link(name).received(self._label(direction), recv_bytes=t.numel() * t.element_size())
                 out.append(op)
                 continue
             # zeroed: a message cut short leaves zeros where its closing word belongs (read_message refuses it)
@@ -224,26 +224,21 @@ class CompressedPipelineStage(PipelineStage):
             ValueError: a corrupt or lying message (names the stage, the direction, the peer and the field).
         """
         for buf, target, name, peer, position in self._pending.pop((direction, chunk), []):
-            start = time.perf_counter()
-
-            def truncated(n: int, _peer: int = peer) -> torch.Tensor:
-                raise ValueError(f"{n} bytes more than its fixed size")
-
-            codec = self._codec(direction, chunk, position)
+            codec, link = self._codec(direction, chunk, position), self._link(name)
             try:
-                (payload,), _, _ = read_message(buf, truncated, peer, buf.numel(), target.device)
-                header = parse_header(payload.header, codec.codec_id)
-                if header.shape != tuple(target.shape) or header.dtype != target.dtype:
-                    raise ValueError(f"its header declares a {header.dtype} {header.shape} tensor, torch's buffer "
-                                     f"is {target.dtype} {tuple(target.shape)}")
-                value = codec.decode(payload)
+                incoming = link.unframe(buf, peer, target.device)
+                with link.decoding(self._label(direction), incoming):
+                    (payload,) = incoming.payloads
+                    header = parse_header(payload.header, codec.codec_id)
+                    if header.shape != tuple(target.shape) or header.dtype != target.dtype:
+                        raise ValueError(f"its header declares a {header.dtype} {header.shape} tensor, torch's "
+                                         f"buffer is {target.dtype} {tuple(target.shape)}")
+                    value = codec.decode(payload)
+                    with torch.no_grad():
+                        target.copy_(value)
             except ValueError as e:
                 raise ValueError(f"stage {self.stage_index}: corrupt {direction} message from rank {peer} "
                                  f"(micro-batch {chunk}): {e}") from None
-            with torch.no_grad():
-                target.copy_(value)
-            self.meter.record_recv(name, self._label(direction), recv_bytes=payload.nbytes, recv_seconds=0.0,
-                                   decode_seconds=time.perf_counter() - start)
 
     # -- torch's hooks ----------------------------------------------------------------------
 
