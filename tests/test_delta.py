@@ -20,7 +20,7 @@ from torch import nn
 from dgpipe.compression import get_codec
 from dgpipe.compression.wrappers.delta import DeltaCache, DeltaCoder, DeltaSpec, check_ids
 from dgpipe.data.loading import make_dataloader
-from dgpipe.pipeline import Pipeline, SpawnError, spawn, split_layers
+from dgpipe.pipeline import BoundarySpec, Pipeline, SpawnError, spawn, split_layers
 from helpers import assert_ranks_ok, spawn_checks
 
 N = 24  # training examples
@@ -129,7 +129,8 @@ def test_bad_ids_are_refused(ids, match):
 
 def test_bad_specs_are_refused():
     with pytest.raises(ValueError, match=r"delta boundaries \(2,\): there are 2 boundaries"):
-        Pipeline(split_layers(mlp(), [1, 2, 2]), [0, 0, 0], loss_fn=F.cross_entropy, delta=DeltaSpec(N, boundaries=(2,)))
+        Pipeline(split_layers(mlp(), [1, 2, 2]), [0, 0, 0], loss_fn=F.cross_entropy,
+                 boundary=BoundarySpec(delta=DeltaSpec(N, boundaries=(2,))))
     with pytest.raises(ValueError, match="number of training examples"):
         DeltaSpec(0)
     with pytest.raises(ValueError, match="cache dtype"):
@@ -178,7 +179,8 @@ def dataset():
 
 def make_pipe(model, codec, delta, lr=0.1, **spec):
     pipe = Pipeline(split_layers(model, [1, 2, 2]), [0, 1, 0], chunks=CHUNKS, loss_fn=F.cross_entropy,
-                    act_codec=codec, grad_codec="none", timeout=30, delta=DeltaSpec(N, **spec) if delta else None,
+                    act_codec=codec, grad_codec="none", timeout=30,
+                    boundary=BoundarySpec(delta=DeltaSpec(N, **spec) if delta else None),
                     delta_report=None)
     return pipe, torch.optim.SGD(pipe.parameters(), lr=lr)
 
@@ -299,7 +301,8 @@ def run_warmup_is_lossless_then_deltas_follow(rank):
 
 def run_only_the_named_boundary_is_delta_coded(rank):
     pipe = Pipeline(split_layers(mlp(), [1, 2, 2]), [0, 1, 0], chunks=CHUNKS, loss_fn=F.cross_entropy,
-                    act_codec=("quant", {"bits": 2}), timeout=30, delta=DeltaSpec(N, boundaries=(1,)), delta_report=None)
+                    act_codec=("quant", {"bits": 2}), timeout=30,
+                    boundary=BoundarySpec(delta=DeltaSpec(N, boundaries=(1,))), delta_report=None)
     train(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), epochs(2))
     assert pipe.delta_boundaries == ["stage1->stage2"]
     assert set(pipe.delta_digests()) == set(pipe.state_dict()["delta"]) == {"stage1->stage2"}
@@ -371,9 +374,9 @@ def _boundary(delta=True):
     from dgpipe.comm import BandwidthMeter
     from dgpipe.pipeline.boundary import Boundary
 
-    spec = DeltaSpec(N) if delta else None
+    spec = BoundarySpec(delta=DeltaSpec(N) if delta else None)
     return Boundary(0, 0, 1, lambda: get_codec("quant", bits=2), lambda: get_codec("none"), BandwidthMeter(),
-                    torch.device("cpu"), 5.0, rank=1, delta=spec, report=None)
+                    torch.device("cpu"), 5.0, rank=1, spec=spec, report=None)
 
 
 def test_ids_and_delta_payloads_are_checked_on_receipt():

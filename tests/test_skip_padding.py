@@ -1,4 +1,4 @@
-"""Padding rows stay behind (``Pipeline(skip_padding=True)``): a client/server split of a tiny BERT whose
+"""Padding rows stay behind (``BoundarySpec(row_mask=ATTENTION_MASK)``): a client/server split of a tiny BERT whose
 boundaries send only the real tokens' rows of the hidden states and of their gradients -- loss and
 gradients equal to the unsplit model's, the wire bytes those of the kept rows exactly; with delta
 coding, the same losses as whole tensors, fewer bytes, and equal caches on both sides -- and the
@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dgpipe.compression import DeltaSpec, get_codec
-from dgpipe.models.encoder import encoder_layers
-from dgpipe.pipeline import Pipeline
+from dgpipe.models.encoder import ATTENTION_MASK, encoder_layers
+from dgpipe.pipeline import BoundarySpec, Pipeline
 from dgpipe.pipeline.lanes import put_rows
 from dgpipe.pipeline.message import CODED, LOSSLESS, REQUIRES_GRAD, ROW_MASK, ROWS, Message
 from helpers import assert_ranks_ok, spawn_checks, tiny_bert
@@ -44,7 +44,8 @@ def run_client_server(rank):
     ref = copy.deepcopy(model)
     layers = encoder_layers(model)  # embeddings, 4 encoder layers, head
     stages = [torch.nn.Sequential(*layers[:2]), torch.nn.Sequential(*layers[2:4]), torch.nn.Sequential(*layers[4:])]
-    pipe = Pipeline(stages, [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30, skip_padding=True)
+    pipe = Pipeline(stages, [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30,
+                    boundary=BoundarySpec(row_mask=ATTENTION_MASK))
     (ids, mask), y = _inputs(), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     loss = pipe.train_step((ids, mask), y)
 
@@ -84,7 +85,8 @@ def _delta_pipe(skip_padding):
     stages = [torch.nn.Sequential(*layers[:2]), torch.nn.Sequential(*layers[2:4]), torch.nn.Sequential(*layers[4:])]
     codec = ("codebook", {"bits": 2, "group": "token", "rotate": "hadamard"})
     pipe = Pipeline(stages, [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30, act_codec=codec,
-                    grad_codec=codec, delta=DeltaSpec(8), delta_report=None, skip_padding=skip_padding)
+                    grad_codec=codec, delta_report=None,
+                    boundary=BoundarySpec(delta=DeltaSpec(8), row_mask=ATTENTION_MASK if skip_padding else None))
     return pipe, torch.optim.SGD(pipe.parameters(), lr=0.1)
 
 

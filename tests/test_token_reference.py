@@ -1,4 +1,4 @@
-"""Per-token reference (``Pipeline(token_reference=...)``, :mod:`dgpipe.compression.wrappers.reference`): the
+"""Per-token reference (``BoundarySpec(token_reference=...)``, :mod:`dgpipe.compression.wrappers.reference`): the
 table's running mean against an independent computation, equal tables and reconstructions on the two sides,
 evaluation that reads without writing; a client/server split of a tiny BERT whose boundaries carry the token
 ids -- loss and gradients equal to the unsplit model's, exact wire bytes, equal tables on both ranks after
@@ -15,7 +15,7 @@ from dgpipe.compression import get_codec
 from dgpipe.compression.wrappers.reference import (ReferenceCoder, ScaledReferenceCoder, TokenReference, TokenTable,
                                                    check_tokens)
 from dgpipe.models.encoder import encoder_layers
-from dgpipe.pipeline import Pipeline
+from dgpipe.pipeline import BoundarySpec, Pipeline
 from dgpipe.pipeline.message import CODED, LOSSLESS, REFERENCE, REQUIRES_GRAD, TOKEN_IDS, Message
 from helpers import assert_ranks_ok, spawn_checks, tiny_bert
 
@@ -259,7 +259,7 @@ def run_lossless(rank):
     model = _model()
     ref = copy.deepcopy(model)
     pipe = Pipeline(_stages(model), [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30,
-                    token_reference=TokenReference(VOCAB))
+                    boundary=BoundarySpec(token_reference=TokenReference(VOCAB)))
     (ids, mask), y = _inputs(), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     loss = pipe.train_step((ids, mask), y)
     out = ref(input_ids=ids, attention_mask=mask).logits
@@ -287,7 +287,8 @@ def run_coded(rank, scale=False, backoff=False):
     message costs the codebook's payload of the residual plus the ids (the weights cost no byte)."""
     codec = ("codebook", CODEBOOK)
     pipe = Pipeline(_stages(_model()), [0, 1, 0], chunks=2, loss_fn=F.cross_entropy, timeout=30, act_codec=codec,
-                    grad_codec=codec, token_reference=TokenReference(VOCAB, scale=scale, backoff=backoff))
+                    grad_codec=codec,
+                    boundary=BoundarySpec(token_reference=TokenReference(VOCAB, scale=scale, backoff=backoff)))
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     (ids, mask), y = _inputs(), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     for _ in range(3):

@@ -8,7 +8,8 @@ boundaries).
 
 from .bottleneck import fit_bottlenecks, insert_bottlenecks
 from .causal_lm import build_causal_lm, causal_lm_layers, preset_config
-from .encoder import OFFLINE_PACKAGES, build_encoder, encoder_layers, resolve_model, small_encoder_config
+from .encoder import (ATTENTION_MASK, OFFLINE_PACKAGES, build_encoder, encoder_layers, resolve_model,
+                      small_encoder_config)
 from .mobilenet import build_mobilenet, mobilenet_layers
 from .split import Stage, as_stage, client_server_split
 
@@ -17,6 +18,7 @@ __all__ = [
     "as_stage",
     "OFFLINE_PACKAGES",
     "build_causal_lm",
+    "ATTENTION_MASK",
     "build_encoder",
     "causal_lm_layers",
     "build_mobilenet",

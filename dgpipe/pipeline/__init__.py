@@ -14,7 +14,10 @@ Modules (one idea each):
 - :mod:`~dgpipe.pipeline.microbatch` -- ``batch_size``, ``split_batch``, ``detach`` for
   tensors and tuples.
 - :mod:`~dgpipe.pipeline.boundary` -- one stage boundary: tensor or tuple through its
-  lanes, :mod:`dgpipe.comm.transport` and the meter.
+  lanes and a metered :class:`~dgpipe.comm.link.Link`.
+- :mod:`~dgpipe.pipeline.spec` -- :class:`BoundarySpec`, the boundaries' options in one frozen
+  value: evaluation coded or not, delta coding, sample ids, the row mask, the per-token
+  reference, an emulated latency.
 - :mod:`~dgpipe.pipeline.lanes` -- one tuple position's way over the wire: lossless,
   coded (a codec), delta (AQ-SGD change against a cache) or delta warm-up; all
   ``encode(t, ctx) -> Payload`` / ``decode(payload, ctx) -> t``.
@@ -35,7 +38,7 @@ Pipeline API::
                     grad_codec=None,            # None: same spec as act_codec
                     device="cpu", timeout=300.0,
                     deferred_batchnorm=False,   # default: plain BatchNorm per micro-batch
-                    compress_eval=True)
+                    boundary=BoundarySpec())    # compress_eval, delta, row_mask, token_reference, ...
     loss = pipe.train_step(inputs, targets)             # float, same on every rank
     loss, out = pipe.train_step(inputs, targets, return_outputs=True)  # out on last-stage rank
     optimizer.step()                                    # optimizer over pipe.parameters()
@@ -76,9 +79,11 @@ from .partition import (
     validate_placement,
 )
 from .runtime import Pipeline
+from .spec import BoundarySpec
 from .schedule import bubble_fraction
 
 __all__ = [
+    "BoundarySpec",
     "Pipeline",
     "SpawnError",
     "balance_by_params",

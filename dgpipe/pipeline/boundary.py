@@ -15,7 +15,7 @@ Which tensors are compressed:
 - backward: every gradient goes through the gradient codec; a ``None`` gradient (the
   tensor did not influence the loss) is sent as "absent";
 - evaluation (no gradients exist to tell tensors apart): floating tensors go through
-  the activation codec if ``compress`` is set, others losslessly.
+  the activation codec if the spec's ``compress_eval`` is set, others losslessly.
 
 Each tuple position travels in a lane (:mod:`dgpipe.pipeline.lanes`: lossless, coded,
 delta, delta warm-up); one message (a :class:`dgpipe.comm.transport.Sender` stream per
@@ -42,9 +42,9 @@ receive of each message it knows will come before it is needed: the first forwar
 message of a step when the step starts (:meth:`Boundary.expect_forward`), the next
 one as soon as one arrives, and the answer to each forward message when it is sent.
 
-Padding rows (``skip_padding``): a tuple that holds an integer ``(B, L)`` tensor -- an
-encoder's attention mask -- next to floating ``(B, L, ...)`` tensors (its hidden states)
-sends only the rows the mask keeps (its nonzero entries) of those floating tensors through
+Padding rows (the spec's ``row_mask``: the tuple position of an integer ``(B, L)`` tensor -- an
+encoder's attention mask -- next to floating ``(B, L, ...)`` tensors, its hidden states):
+a boundary sends only the rows the mask keeps (its nonzero entries) of those floating tensors through
 their lossless or coded lane, forward and evaluation, and only those rows of their gradients
 backward; the receiver puts them back in place and zeros in the other rows. Exact for a
 model in which padding rows influence nothing but themselves (attention masks them as
@@ -77,15 +77,17 @@ from dgpipe.comm.delay import DelayLine
 from dgpipe.comm.link import Link
 from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import Codec, Payload, parse_header
-from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
-from dgpipe.compression.wrappers.reference import TokenReference, check_tokens
+from dgpipe.compression.wrappers.delta import check_ids
+from dgpipe.compression.wrappers.reference import check_tokens
 
 from .coders import Coders
 from .lanes import LOSSLESS_LANE, LaneContext, decode_ids, encode_ids, put_rows
 from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REFERENCE,
                       REQUIRES_GRAD, ROW_MASK, ROWS, TOKEN_IDS, Message)
+from .spec import BoundarySpec
 
 __all__ = ["Boundary", "MAX_BOUNDARY_TENSORS", "boundary_name"]
+
 
 def _as_tensors(value, where: str) -> tuple[bool, list[torch.Tensor]]:
     atomic = isinstance(value, torch.Tensor)
@@ -110,15 +112,21 @@ def _check_declared(pos: int, shape: tuple[int, ...], keep: torch.Tensor | None,
         raise ValueError(f"tensor {pos} declares shape {shape} for token ids {tuple(tokens.shape)}")
 
 
-def _row_mask(tensors: list[torch.Tensor]) -> int | None:
-    """The position of the tuple's row mask: its first integer or bool tensor of 2 dims that some
-    floating tensor of 3 or more dims shares its leading ``(B, L)`` with; None if there is none."""
-    for pos, m in enumerate(tensors):
-        if not m.is_floating_point() and not m.is_complex() and m.dim() == 2:
-            if any(t.is_floating_point() and t.dim() >= 3 and t.shape[:2] == m.shape for t in tensors):
-                return pos
-            return None
-    return None
+def _check_row_mask(tensors: list[torch.Tensor], pos: int, where: str) -> None:
+    """Check that tuple position ``pos`` of a boundary value holds an integer ``(B, L)`` row mask that a floating
+    ``(B, L, ...)`` tensor of the value shares.
+
+    Raises:
+        ValueError: one line naming ``where`` and what the value holds instead.
+    """
+    if pos >= len(tensors):
+        raise ValueError(f"{where}: row_mask is position {pos}, but the value holds {len(tensors)} tensor(s)")
+    m = tensors[pos]
+    if m.is_floating_point() or m.is_complex() or m.dim() != 2:
+        raise ValueError(f"{where}: row_mask position {pos} holds a {m.dtype} {tuple(m.shape)} tensor, not an "
+                         "integer (B, L) mask")
+    if not any(t.is_floating_point() and t.dim() >= 3 and t.shape[:2] == m.shape for t in tensors):
+        raise ValueError(f"{where}: no floating tensor of the value has the row mask's (B, L) = {tuple(m.shape)}")
 
 
 def boundary_name(index: int) -> str:
@@ -137,14 +145,9 @@ class Boundary:
         device: device of received tensors on this rank.
         timeout: seconds for each receive and send completion.
         rank: this rank (``src`` or ``dst``).
-        delta: the pipeline's delta spec (``None``: no sample ids travel); this boundary
-            delta-codes its activations if the spec covers ``index``.
+        spec: the pipeline's boundary options (:class:`~dgpipe.pipeline.spec.BoundarySpec`); this boundary
+            delta-codes its activations if ``spec.delta`` covers ``index``.
         report: where cache allocations are reported (one line each).
-        id_examples: sample ids travel with forward messages, each in ``[0, id_examples)``
-            (``None``: no ids; with ``delta``, its ``examples``).
-        skip_padding: send only the rows a tuple's row mask keeps (module docstring).
-        token_reference: code floating ``(B, L, d)`` tensors against a per-token table keyed by the
-            value's last tensor, its token ids (module docstring); ``None``: no reference.
         delay: hold every message this rank sends back by the line's latency
             (:class:`~dgpipe.comm.delay.DelayLine`, benchmarks only); ``None``: send at once.
         down_group: the process group of the messages that go to the lower of the two ranks (``None``: the
@@ -162,27 +165,24 @@ class Boundary:
         device: torch.device,
         timeout: float,
         rank: int | None = None,
-        delta: DeltaSpec | None = None,
+        spec: BoundarySpec = BoundarySpec(),
         report: Callable[[str], None] | None = print,
-        id_examples: int | None = None,
-        skip_padding: bool = False,
-        token_reference: TokenReference | None = None,
         delay: DelayLine | None = None,
         down_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.name = boundary_name(index)
         self._delay, self._down_group = delay, down_group
-        self.token_reference = token_reference
-        self.skip_padding = bool(skip_padding)
+        self.spec = spec
+        self.token_reference = spec.token_reference
         # micro-batch slot -> (the row mask's kept rows, bool (B, L); the leaves sent as rows) of the
         # training forward message of that slot, for its backward message (sender and receiver alike)
         self._kept: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self.src, self.dst = src, dst
         self.rank = src if rank is None else rank
-        self.id_examples = delta.examples if delta is not None else id_examples
+        delta = spec.delta
         self.delta_coded = delta is not None and delta.covers(index)
         self.coders = Coders(self.name, self.rank, "sender" if self.rank == src else "receiver", act_factory,
-                             grad_factory, delta if self.delta_coded else None, token_reference, report)
+                             grad_factory, delta if self.delta_coded else None, spec.token_reference, report)
         self._tags = {"forward": 2 * index, "eval": 2 * index, "backward": 2 * index + 1}
         self._link, self._device, self._timeout = Link(self.name, meter, device=device), device, timeout
         # One stream per direction: forward (and eval) src -> dst, backward dst -> src.
@@ -211,15 +211,14 @@ class Boundary:
     # -- forward ---------------------------------------------------------------------------
 
     def send_forward(
-        self, slot: int, value, n_micro: int, direction: str, compress: bool = True,
-        ids: torch.Tensor | None = None, refresh: bool = False,
+        self, slot: int, value, n_micro: int, direction: str, ids: torch.Tensor | None = None,
+        refresh: bool = False,
     ) -> tuple[list[SendWork], list[torch.Tensor]]:
         """Send micro-batch ``slot``'s stage output ``value`` (tensor or tuple) to ``dst``.
 
         Args:
             n_micro: number of micro-batches in this step (travels in the meta).
             direction: ``"forward"`` (training) or ``"eval"``.
-            compress: in eval, whether floating tensors go through the activation codec.
             ids: training only, with a delta spec: the sample ids (int64 ``(B,)``) of the rows.
             refresh: on a delta-coded boundary, send the tensors that require grad
                 losslessly and store them in the caches (warm-up) instead of coding the change.
@@ -229,7 +228,8 @@ class Boundary:
             back through :meth:`recv_backward`, in this order).
 
         Raises:
-            ValueError: a delta-coded boundary in training without ``ids``.
+            ValueError: a delta-coded boundary in training without ``ids``, or a value without the spec's row
+                mask.
         """
         atomic, tensors = _as_tensors(value, f"output of the stage before {self.name}")
         if direction == "forward" and self.delta_coded and ids is None:
@@ -243,10 +243,11 @@ class Boundary:
                     kind = DELTA_WARMUP if refresh else DELTA_CODED
                 flags.append(kind | (REQUIRES_GRAD if rg else 0))
             else:
-                flags.append(CODED if compress and t.is_floating_point() else LOSSLESS)
+                flags.append(CODED if self.spec.compress_eval and t.is_floating_point() else LOSSLESS)
         keep = None
-        mask_pos = _row_mask(tensors) if self.skip_padding else None
+        mask_pos = self.spec.row_mask
         if mask_pos is not None:
+            _check_row_mask(tensors, mask_pos, self.name)
             keep = tensors[mask_pos] != 0
             flags[mask_pos] |= ROW_MASK
             for pos, t in enumerate(tensors):
@@ -460,10 +461,10 @@ class Boundary:
     def _parse_ids(self, ids: torch.Tensor, direction: str, peer: int) -> torch.Tensor:
         """Check a message's sample ids against their range (with delta coding, the rows are checked
         where they meet a cache: :meth:`DeltaCoder.decode <dgpipe.compression.wrappers.delta.DeltaCoder.decode>`)."""
-        if direction != "forward" or self.id_examples is None:
+        if direction != "forward" or self.spec.id_examples is None:
             raise ValueError(f"sample ids in a {direction} message, but this rank expects none "
                              f"(are delta coding and per-example dropout configured alike on every rank?)")
-        check_ids(ids, self.id_examples, where=f"sample ids from rank {peer}")
+        check_ids(ids, self.spec.id_examples, where=f"sample ids from rank {peer}")
         return ids
 
     def _parse_meta(self, meta: list[int], n_payloads: int, slot: int, peer: int) -> Message:

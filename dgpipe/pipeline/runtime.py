@@ -34,8 +34,7 @@ from torchgpipe.microbatch import Batch, gather
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.delay import DelayLine
 from dgpipe.compression import raise_deferred
-from dgpipe.compression.wrappers.delta import DeltaSpec, check_ids
-from dgpipe.compression.wrappers.reference import TokenReference
+from dgpipe.compression.wrappers.delta import check_ids
 from dgpipe.models.example_dropout import example_ids
 
 from .boundary import Boundary, boundary_name
@@ -43,6 +42,7 @@ from .coders import CodecArg, codec_factories
 from .microbatch import batch_size, detach, split_batch
 from .partition import validate_placement
 from .schedule import Task, gpipe_tasks, segments
+from .spec import BoundarySpec
 from .tied import TiedParameters, unique_parameters
 
 __all__ = ["Pipeline"]
@@ -67,35 +67,17 @@ class _Step:
 
 
 
-def _check_options(chunks, timeout, n_boundaries: int, delta, example_ids, token_reference, skip_padding: bool,
-                   link_delay) -> None:
-    """Check :class:`Pipeline`'s scalar and boundary options (its arguments of these names).
+def _check_options(chunks, timeout) -> None:
+    """Check :class:`Pipeline`'s ``chunks`` and ``timeout``.
 
     Raises:
-        ValueError: the first that is out of range or that another excludes.
+        ValueError: the first that is out of range.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if delta is not None:
-        if not isinstance(delta, DeltaSpec):
-            raise ValueError(f"delta must be a DeltaSpec, got {type(delta).__name__}")
-        if delta.boundaries is not None and any(b >= n_boundaries for b in delta.boundaries):
-            raise ValueError(f"delta boundaries {delta.boundaries}: there are {n_boundaries} boundaries "
-                             f"(indices 0..{n_boundaries - 1})")
-    if example_ids is not None and (isinstance(example_ids, bool) or not isinstance(example_ids, int)
-                                    or example_ids < 1):
-        raise ValueError(f"example_ids must be a positive int (training examples), got {example_ids!r}")
-    if delta is not None and example_ids not in (None, delta.examples):
-        raise ValueError(f"example_ids={example_ids} but the delta spec caches {delta.examples} examples")
-    if token_reference is not None:
-        if not isinstance(token_reference, TokenReference):
-            raise ValueError(f"token_reference must be a TokenReference, got {type(token_reference).__name__}")
-        if delta is not None or skip_padding:
-            raise ValueError("token_reference codes whole tensors directly: not with delta or skip_padding")
-    if not link_delay >= 0:
-        raise ValueError(f"link_delay must be >= 0 seconds, got {link_delay!r}")
+
 
 class Pipeline:
     """This rank's part of a GPipe pipeline over ``stages`` placed on ranks by ``placement``.
@@ -124,32 +106,12 @@ class Pipeline:
         deferred_batchnorm: convert BatchNorm layers to torchgpipe's
             ``DeferredBatchNorm`` (running statistics per mini-batch; inputs must be
             at least 3-D). Default off: plain BatchNorm per micro-batch.
-        compress_eval: compress floating activations in :meth:`eval_step` too.
-        delta: delta-code the activations of the boundaries it covers against per-example
-            caches (AQ-SGD, :mod:`dgpipe.compression.wrappers.delta`; ``act_codec`` codes the
-            change): training steps then need ``sample_ids``, which travel with every
-            forward message. The same spec on every rank.
-        delta_report: called with one line per cache allocation (size in examples x values
-            x bytes); default ``print``.
-        example_ids: without ``delta``: the number of training examples whose sample ids travel
-            with every forward message, for stages that need them (per-example dropout,
-            :mod:`dgpipe.models.example_dropout`); training steps then need ``sample_ids``. With
-            ``delta`` the ids travel anyway and this must be ``None`` or ``delta.examples``.
-            Each stage's training forward runs inside
-            :func:`~dgpipe.models.example_dropout.example_ids` with its micro-batch's ids.
-        skip_padding: a boundary value that holds an integer ``(B, L)`` mask beside floating
-            ``(B, L, ...)`` tensors (an encoder's attention mask and hidden states) sends only the
-            rows the mask keeps of those tensors and of their gradients (padding rows arrive as
-            zeros; exact where padding influences nothing but itself;
-            :mod:`dgpipe.pipeline.boundary`). The same on every rank.
-        token_reference: a :class:`~dgpipe.compression.wrappers.reference.TokenReference`: every stage
-            output (and input) ends with the token ids, an integer ``(B, L)`` tensor, and each coded
-            floating ``(B, L, d)`` tensor crosses a boundary as its residual against a per-token table
-            both sides build from training messages (:mod:`dgpipe.pipeline.boundary`). Not with
-            ``delta`` or ``skip_padding``. The same on every rank.
-        link_delay: seconds every boundary message is held back before it is sent (an emulated one-way
-            link latency, :class:`~dgpipe.comm.delay.DelayLine`; benchmarks on kernels without
-            ``netem``). Default 0: sent at once, no thread.
+        boundary: what every boundary carries besides its codecs and how (a
+            :class:`~dgpipe.pipeline.spec.BoundarySpec`: evaluation coded or not, delta coding, sample ids, the
+            row mask of padding rows left behind, the per-token reference, an emulated link latency). The same
+            on every rank.
+        delta_report: with ``boundary.delta``, called with one line per cache allocation (size in examples x
+            values x bytes); default ``print``.
 
     Raises:
         ValueError: bad placement, ``chunks``, ``timeout``, rank, codec or delta spec.
@@ -167,13 +129,8 @@ class Pipeline:
         device: torch.device | str = "cpu",
         timeout: float = 300.0,
         deferred_batchnorm: bool = False,
-        compress_eval: bool = True,
-        delta: DeltaSpec | None = None,
+        boundary: BoundarySpec = BoundarySpec(),
         delta_report: Callable[[str], None] | None = print,
-        example_ids: int | None = None,
-        skip_padding: bool = False,
-        token_reference: TokenReference | None = None,
-        link_delay: float = 0.0,
     ) -> None:
         stages = list(stages)
         if not stages or any(not isinstance(s, nn.Module) for s in stages):
@@ -187,8 +144,11 @@ class Pipeline:
             raise ValueError(f"rank={rank} but this process is rank {actual_rank} of torch.distributed")
         self._placement = validate_placement(placement, len(stages), world_size)
         n_boundaries = len(stages) - 1
-        _check_options(chunks, timeout, n_boundaries, delta, example_ids, token_reference, skip_padding, link_delay)
-        delay = DelayLine(link_delay) if link_delay > 0 else None
+        _check_options(chunks, timeout)
+        if not isinstance(boundary, BoundarySpec):
+            raise ValueError(f"boundary must be a BoundarySpec, got {type(boundary).__name__}")
+        boundary.check(n_boundaries)
+        delay = DelayLine(boundary.link_delay) if boundary.link_delay > 0 else None
         # gloo keeps one TCP connection per pair of ranks, and on it a message each way at once takes as long as
         # the two one after the other (benchmarks/gloo_duplex.py over tbf links: 1.9-2.0x the one-way time; on
         # two connections 1.0-1.3x): messages to a lower rank take a second process group, with connections of
@@ -199,11 +159,10 @@ class Pipeline:
         grads = acts if grad_codec is None else codec_factories(grad_codec, n_boundaries, "grad_codec")
 
         self.rank, self.world_size, self.chunks = rank, world_size, chunks
-        self.loss_fn, self.compress_eval, self.timeout = loss_fn, compress_eval, float(timeout)
+        self.loss_fn, self.timeout = loss_fn, float(timeout)
         self.device = torch.device(device)
-        self.delta = delta
-        #: Sample ids travel with forward messages, each in ``[0, id_examples)`` (None: no ids).
-        self.id_examples = delta.examples if delta is not None else example_ids
+        #: The boundaries' options (:class:`~dgpipe.pipeline.spec.BoundarySpec`).
+        self.boundary = boundary
         #: With a delta spec: send delta-coded tensors losslessly and store them (AQ-SGD's
         #: full-precision warm-up), instead of coding their change. Read by the sending rank.
         self.delta_warmup = False
@@ -223,8 +182,7 @@ class Pipeline:
             if rank in (a.rank, b.rank):
                 self._bounds[a.index] = Boundary(
                     a.last, a.rank, b.rank, acts[a.last], grads[a.last], self.meter, self.device, self.timeout,
-                    rank=rank, delta=delta, report=delta_report, id_examples=self.id_examples,
-                    skip_padding=skip_padding, token_reference=token_reference, delay=delay, down_group=down,
+                    rank=rank, spec=boundary, report=delta_report, delay=delay, down_group=down,
                 )
         self.last_step_totals: dict = self.meter.totals()
         # Seconds and count of this rank's training tasks, [forward, backward] x segment (take_task_seconds).
@@ -257,9 +215,10 @@ class Pipeline:
     @property
     def delta_boundaries(self) -> list[str]:
         """Names of the boundaries whose activations are delta-coded (all of the pipeline's)."""
-        if self.delta is None:
+        delta = self.boundary.delta
+        if delta is None:
             return []
-        return [boundary_name(i) for i in range(self.n_stages - 1) if self.delta.covers(i)]
+        return [boundary_name(i) for i in range(self.n_stages - 1) if delta.covers(i)]
 
     def take_delta_stats(self) -> torch.Tensor:
         """float64 ``(len(delta_boundaries), 3)``: per delta-coded boundary, the sums
@@ -347,8 +306,8 @@ class Pipeline:
             return_outputs: also return the last stage's outputs (detached,
                 concatenated over micro-batches) on the last-stage rank, ``None`` elsewhere.
             sample_ids: on the rank holding stage 0, the dataset index of every example
-                of ``inputs`` (int64 ``(B,)``, distinct, in ``[0, delta.examples)`` or
-                ``[0, example_ids)``); needed with a delta spec or ``example_ids``, ignored
+                of ``inputs`` (int64 ``(B,)``, distinct, in ``[0, boundary.id_examples)``); needed
+                with ``boundary.delta`` or ``boundary.example_ids``, ignored
                 without them and on other ranks. They are split with the micro-batches and
                 travel with the forward messages.
 
@@ -375,13 +334,13 @@ class Pipeline:
                 )
             micro_in = split_batch(inputs, self.chunks, self.device)
             micro_ids = None
-            if self.id_examples is not None:
+            if self.boundary.id_examples is not None:
                 if sample_ids is None:
-                    why = ("delta-codes activations against per-example caches" if self.delta is not None
+                    why = ("delta-codes activations against per-example caches" if self.boundary.delta is not None
                            else "sends sample ids with every micro-batch (example_ids)")
                     raise ValueError(f"this pipeline {why}: train_step needs sample_ids (the dataset index "
                                      "of every example)")
-                check_ids(sample_ids, self.id_examples, batch)
+                check_ids(sample_ids, self.boundary.id_examples, batch)
                 micro_ids = split_batch(sample_ids, self.chunks, torch.device("cpu"))
         if self.holds_last_stage:
             if self.loss_fn is None:
@@ -406,7 +365,7 @@ class Pipeline:
         """Forward only, without gradients, in eval mode (BatchNorm uses running statistics).
 
         Any batch size >= 1 works: it is split into ``min(chunks, batch)`` micro-batches.
-        Floating activations are compressed if ``compress_eval`` (metered as direction
+        Floating activations are compressed if ``boundary.compress_eval`` (metered as direction
         ``"eval"``). A collective: every rank must call it.
 
         Args:
@@ -491,8 +450,8 @@ class Pipeline:
             if step.keep_outputs:
                 step.outputs.append(detach(x))
         else:
-            works, out_rg = self._bounds[seg.index].send_forward(m, x, step.n_micro, step.direction, self.compress_eval,
-                                                                 ids=ids, refresh=self.delta_warmup)
+            works, out_rg = self._bounds[seg.index].send_forward(m, x, step.n_micro, step.direction, ids=ids,
+                                                                 refresh=self.delta_warmup)
             step.works.extend(works)
             if training:
                 step.saved[(m, seg.index)] = (leaves, None, out_rg)

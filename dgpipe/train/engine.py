@@ -33,7 +33,7 @@ from dgpipe.compression import CodecSpec, raise_deferred
 from dgpipe.compression.wrappers.delta import CACHE_DTYPES, DeltaSpec
 from dgpipe.compression.wrappers.reference import TokenReference
 from dgpipe.models import Stage, client_server_split
-from dgpipe.pipeline import Pipeline, balance_by_params, client_server_placement, split_layers
+from dgpipe.pipeline import BoundarySpec, Pipeline, balance_by_params, client_server_placement, split_layers
 from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.pipeline.schedule import segments
 from dgpipe.pipeline.timeline import StepProfile
@@ -130,12 +130,14 @@ class PipelineEngine:
             stages, self.placement, rank, chunks=p.chunk, loss_fn=self.loss_scale.scaled(job.loss),
             act_codec=comp.forward, grad_codec=comp.backward,
             device=device, timeout=p.timeout,
-            deferred_batchnorm=job.deferred_batchnorm, compress_eval=p.compress_eval,
-            delta=delta, delta_report=lambda line: print(line, flush=True),
-            example_ids=train_examples if d.example_dropout else None, skip_padding=p.skip_padding,
-            token_reference=TokenReference(job.vocab, scale=p.token_reference_scale,
-                                           backoff=p.token_reference_backoff) if p.token_reference else None,
-            link_delay=p.link_delay_ms / 1000,
+            deferred_batchnorm=job.deferred_batchnorm, delta_report=lambda line: print(line, flush=True),
+            boundary=BoundarySpec(
+                compress_eval=p.compress_eval, delta=delta,
+                example_ids=train_examples if d.example_dropout else None,
+                row_mask=job.row_mask if p.skip_padding else None,
+                token_reference=TokenReference(job.vocab, scale=p.token_reference_scale,
+                                               backoff=p.token_reference_backoff) if p.token_reference else None,
+                link_delay=p.link_delay_ms / 1000),
         )
         self.meter = self.pipe.meter
         self.reads_data = self.pipe.holds_first_stage or self.pipe.holds_last_stage

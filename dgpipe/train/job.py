@@ -79,6 +79,8 @@ class Job:
             partition besides ``--client-layers`` (an encoder's embeddings and head).
         deferred_batchnorm: BatchNorm statistics per mini-batch (torchgpipe's
             ``DeferredBatchNorm``) in a pipeline.
+        row_mask: the tuple position of the padding mask in the values between the job's layers, for
+            ``--skip-padding`` (``None``: its values have no padding rows).
         classifier: the outputs are class scores (the logs then record how many evaluation examples
             the most predicted class got, a sign of a model that has not learnt the task).
         step_records: write a ``step`` record (loss, learning rate) after every optimizer step.
@@ -90,6 +92,7 @@ class Job:
     options: type
     pinned: tuple[int, int] = (0, 0)
     deferred_batchnorm: bool = False
+    row_mask: int | None = None
     classifier: bool = True
     step_records: bool = False
     links: tuple[Link, ...] = LINKS

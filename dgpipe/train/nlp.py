@@ -25,7 +25,7 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from dgpipe.data import glue_task, load_glue, make_glue_loader, offline_tokenizer
 from dgpipe.data.loading import make_dataloader
-from dgpipe.models import build_encoder, encoder_layers, resolve_model, small_encoder_config
+from dgpipe.models import ATTENTION_MASK, build_encoder, encoder_layers, resolve_model, small_encoder_config
 from dgpipe.models.example_dropout import use_example_dropout
 
 from .config import RunConfig
@@ -109,6 +109,7 @@ class GlueJob(Job):
 
     options = GlueOptions
     pinned = (1, 1)
+    row_mask = ATTENTION_MASK
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
