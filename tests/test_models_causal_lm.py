@@ -8,7 +8,8 @@ Spawned (gloo, 2 and 3 ranks): each family trained one step through dgpipe's run
 ranks, linear on 3 ranks, client/server [0, 1, 0] -- and through ``CompressedPipelineStage`` under
 torch's 1F1B, uncompressed, gives the loss and every parameter gradient of the unsplit model run
 micro-batch by micro-batch (float tolerance). In the linear placements the tied embeddings sit on
-the first and the last rank, whose gradients the pipeline sums. The wire bytes of each boundary and
+the first and the last rank, whose gradients the pipeline (and, under torch's schedule, the stage given them as
+``tied``) sums. The wire bytes of each boundary and
 direction equal the codec's payloads, uncompressed and (Llama, both placements) through an 8-bit codec.
 """
 
@@ -170,7 +171,8 @@ def _torch_1f1b_check(preset: str, world: int):
         layers = causal_lm_layers(model)
         stages = split_layers(layers, [2] * (world - 1) + [len(layers) - 2 * (world - 1)])
         stage = CompressedPipelineStage(PositionalStage(stages[rank]), rank, world, torch.device("cpu"),
-                                        act_codec="none", grad_codec="none")
+                                        act_codec="none", grad_codec="none",
+                                        tied=TiedParameters(stages, list(range(world)), rank))
         schedule = Schedule1F1B(stage, BATCH, loss_fn=lm_loss)  # 1F1B needs as many micro-batches as stages
         x, y = batch()
         losses: list[torch.Tensor] = []
@@ -180,7 +182,6 @@ def _torch_1f1b_check(preset: str, world: int):
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
-        TiedParameters(stages, list(range(world)), rank).sum_gradients()
         want_loss, want = reference(preset, x, y, BATCH)
         if rank == world - 1:
             assert abs(float(torch.stack(losses).mean()) - want_loss) < 1e-5 * abs(want_loss)

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 
 from dgpipe.compression import Codec, get_codec
 from dgpipe.pipeline import SpawnError, spawn
+from dgpipe.pipeline.tied import TiedParameters
 from dgpipe.pipelining import UNTESTED_TORCH_ENV, CompressedPipelineStage, check_torch_version
 from helpers import assert_ranks_ok, message_bytes, spawn_checks
 
@@ -167,6 +168,18 @@ def test_refuses_variable_size_codecs_and_warns_on_untested_torch(monkeypatch):
         assert check_torch_version("2.13.0+cpu") and check_torch_version("2.14.1") and check_torch_version("2.15.0")
         monkeypatch.setenv(UNTESTED_TORCH_ENV, "1")
         assert not check_torch_version("2.16.0")
+
+
+def test_tied_parameters_on_a_rank_of_several_stages_are_refused():
+    """Stages 0 and 3 share a weight on ranks 0 and 1, which hold two stages each: torch's multi-stage schedules
+    call no end-of-step hook, so the stage refuses to own the sum and says what to call instead."""
+    shared = nn.Linear(4, 4)
+    stages = [shared, nn.Linear(4, 4), nn.Linear(4, 4), nn.Sequential(shared)]
+    tied = TiedParameters(stages, [0, 1, 0, 1], 0)
+    assert [ranks for ranks, _ in tied.shared] == [(0, 1), (0, 1)]  # weight and bias
+    with pytest.raises(ValueError, match=r"stage 0: tied parameters across ranks, and this rank holds 2 stages.*"
+                                         r"call tied.sum_gradients\(\) after each schedule.step"):
+        CompressedPipelineStage(stages[0], 0, 4, torch.device("cpu"), tied=tied)
 
 
 class _FailingDecode(Codec):

@@ -63,6 +63,8 @@ class TiedParameters:
             if ranks not in self._groups:  # every rank creates every group, in the same order
                 self._groups[ranks] = dist.new_group(list(ranks)) if dist.is_initialized() else None
         self.rank = rank
+        #: How many of the partition's stages this rank holds.
+        self.stages_here = sum(1 for r in placement if r == rank)
 
     def __bool__(self) -> bool:
         return bool(self.shared)

@@ -59,6 +59,7 @@ from dgpipe.comm.transport import message_size
 from dgpipe.compression import Codec, parse_header
 from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.pipeline.coders import CodecArg, codec_factory
+from dgpipe.pipeline.tied import TiedParameters
 
 __all__ = ["TESTED_TORCH", "UNTESTED_TORCH_ENV", "CompressedPipelineStage", "check_torch_version"]
 
@@ -125,6 +126,12 @@ class CompressedPipelineStage(PipelineStage):
         grad_codec: backward codec of the gradients this stage sends; ``None``: ``act_codec``.
             Each direction puts its own bits on the wire.
         meter: a :class:`~dgpipe.comm.BandwidthMeter` to record into (default: a new one).
+        tied: the parameters this stage shares with stages on other ranks (tied input/output embeddings:
+            :class:`~dgpipe.pipeline.tied.TiedParameters` of the full partition, built alike on every rank). The
+            stage sums their gradients over the ranks that hold them at the end of every training step (torch's
+            ``perform_reduce_grad``, which ``ScheduleGPipe`` and ``Schedule1F1B`` call once the rank's last backward
+            is done), so each copy holds the unsplit model's gradient before the optimizer steps. Without it, a
+            partition that cuts between tied layers trains two different copies.
 
     Attributes:
         meter: the traffic (module docstring).
@@ -132,13 +139,19 @@ class CompressedPipelineStage(PipelineStage):
 
     Raises:
         RuntimeError: an untested torch (:func:`check_torch_version`).
-        ValueError: a codec that is not fixed-rate, an unknown codec or bad options.
+        ValueError: a codec that is not fixed-rate, an unknown codec or bad options; ``tied`` parameters on a rank
+            that holds several stages (torch's multi-stage schedules call no hook at the end of a step there: call
+            ``tied.sum_gradients()`` after ``schedule.step`` instead, as dgpipe's torch engine does).
     """
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device,
                  *args: Any, act_codec: CodecArg | None = None, grad_codec: CodecArg | None = None,
-                 meter: BandwidthMeter | None = None, **kwargs: Any) -> None:
+                 meter: BandwidthMeter | None = None, tied: TiedParameters | None = None, **kwargs: Any) -> None:
         check_torch_version()
+        if tied and tied.stages_here > 1:
+            raise ValueError(f"stage {stage_index}: tied parameters across ranks, and this rank holds "
+                             f"{tied.stages_here} stages: torch's multi-stage schedules give a stage no end-of-step "
+                             "hook; pass tied=None and call tied.sum_gradients() after each schedule.step")
         act = codec_factory("none" if act_codec is None else act_codec)
         grad = act if grad_codec is None else codec_factory(grad_codec)
         _fixed_rate(act, "forward")
@@ -149,6 +162,7 @@ class CompressedPipelineStage(PipelineStage):
         self._sizes: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
         self._pending: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor, str, int, int]]] = {}
         self.meter = BandwidthMeter() if meter is None else meter
+        self._tied = tied
         self.evaluating = False
 
     # -- sizes and coding ------------------------------------------------------------------
@@ -241,6 +255,13 @@ class CompressedPipelineStage(PipelineStage):
                                  f"(micro-batch {chunk}): {e}") from None
 
     # -- torch's hooks ----------------------------------------------------------------------
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """torch's end of a step's backward (the gradients scaled), then the tied parameters' gradients summed
+        over the ranks that hold them (``tied``)."""
+        super().perform_reduce_grad(grad_scale_factor)
+        if self._tied and self.has_backward:
+            self._tied.sum_gradients()
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         """torch's forward sends, each floating tensor replaced by its coded message."""

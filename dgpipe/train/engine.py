@@ -242,9 +242,12 @@ class TorchScheduleEngine:
         warm_up_codecs((comp.forward, comp.backward), device)
         self.meter = BandwidthMeter()
         self.modules = {i: stages[i].to(device) for i in mine}
-        self.tied = TiedParameters(stages, self.placement, rank)
+        tied = TiedParameters(stages, self.placement, rank)
+        # one stage here: the stage sums the tied gradients at the step's end; several: this engine, after the step
+        self._tied_after_step = tied if len(mine) > 1 else None
         self.stages = [CompressedPipelineStage(PositionalStage(self.modules[i]), i, len(stages), device,
-                                               act_codec=comp.forward, grad_codec=comp.backward, meter=self.meter)
+                                               act_codec=comp.forward, grad_codec=comp.backward, meter=self.meter,
+                                               tied=None if len(mine) > 1 else tied)
                        for i in mine]
         kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                  "looped-bfs": ScheduleLoopedBFS, "interleaved-zb": ScheduleInterleavedZeroBubble}
@@ -278,7 +281,8 @@ class TorchScheduleEngine:
         losses: list[torch.Tensor] = []
         self._run(self.schedule.step, inputs, targets, **({"losses": losses} if self.last else {}))
         raise_deferred()  # a grid received on a device that was not finite (the decoders read nothing back)
-        self.tied.sum_gradients()
+        if self._tied_after_step:
+            self._tied_after_step.sum_gradients()
         loss = torch.tensor([float(torch.stack(losses).detach().mean()) if self.last else 0.0], dtype=torch.float64,
                             device=wire_device())
         dist.broadcast(loss, self.output_rank)
