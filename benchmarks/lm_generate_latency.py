@@ -63,7 +63,7 @@ def message_bytes(spec: tuple[str, dict], shape: tuple[int, ...], prefill: bool)
     prefill), as the transport frames it."""
     import torch
 
-    from dgpipe.comm.transport import pack_message
+    from dgpipe.comm.framing import pack_message
     from dgpipe.compression import get_codec
 
     payloads = [get_codec(spec[0], **spec[1]).encode(torch.zeros(shape))]

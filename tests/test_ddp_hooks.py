@@ -274,7 +274,7 @@ def framed_bytes(payloads) -> int:
 
 
 def test_varint_matches_protobuf_sint64_bytes():
-    from dgpipe.baseline.framing import varint_encode
+    from dgpipe.comm.framing import varint_encode
 
     # Protocol Buffers' sint64 encodings (zigzag, then base-128 varint)
     cases = {0: [0x00], -1: [0x01], 1: [0x02], -2: [0x03], 63: [0x7E], -64: [0x7F], 64: [0x80, 0x01], 300: [0xD8, 0x04],
@@ -286,7 +286,7 @@ def test_varint_matches_protobuf_sint64_bytes():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40))
 def test_varint_roundtrip_and_size(values):
-    from dgpipe.baseline.framing import varint_decode, varint_encode
+    from dgpipe.comm.framing import varint_decode, varint_encode
 
     data = varint_encode(torch.tensor(values, dtype=torch.int64))
     assert data.dtype == torch.uint8 and data.numel() == sum(_leb128_zigzag_size(v) for v in values)
@@ -294,7 +294,7 @@ def test_varint_roundtrip_and_size(values):
 
 
 def test_varint_rejects_truncated_and_overlong_values():
-    from dgpipe.baseline.framing import varint_decode
+    from dgpipe.comm.framing import varint_decode
 
     with pytest.raises(ValueError, match="end inside a value"):
         varint_decode(torch.tensor([0x80], dtype=torch.uint8))
@@ -305,7 +305,7 @@ def test_varint_rejects_truncated_and_overlong_values():
 
 
 def test_frame_roundtrip_exact_bytes_and_corruption():
-    from dgpipe.baseline.framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
+    from dgpipe.comm.framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
 
     x = torch.randn(5, 4)
     payloads = [get_codec("onebit").encode(x), get_codec("none").encode(x.half()), get_codec("atomo").encode(x)]

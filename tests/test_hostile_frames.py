@@ -2,7 +2,7 @@
 
 Real messages of every registered codec (packed by :func:`helpers.wire_message`) are
 mutated -- random byte flips, truncation, extension, a lying size word -- and fed to
-:func:`dgpipe.comm.transport.read_message` as a receiver would see them: the first part
+:func:`dgpipe.comm.framing.read_message` as a receiver would see them: the first part
 is the stream's capacity, and ``rest(n)`` stands for allocating and receiving the second
 part (bytes that were never sent time out as a :class:`TransportError`). Every outcome
 must be a clean refusal (``ValueError`` from the transport or the codec, or that
@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dgpipe.pipeline import BoundarySpec
-from dgpipe.comm.transport import MIN_CAPACITY, TransportError, read_message
+from dgpipe.comm.framing import read_message
+from dgpipe.comm.transport import MIN_CAPACITY, TransportError
 from dgpipe.compression import available_codecs, get_codec, parse_header
 from helpers import wire_message, wire_parts
 
@@ -257,7 +258,7 @@ def _truncating_boundary(rank: int, world_size: int, part: int) -> None:
     """Rank 0 sends one forward message of the runtime's boundary with part ``part`` (0: the whole message of one
     part; 1: the second of two) 100 bytes short; rank 1 receives it through its Boundary."""
     from dgpipe.comm import BandwidthMeter
-    from dgpipe.comm.transport import pack_message, split_parts
+    from dgpipe.comm.framing import pack_message, split_parts
     from dgpipe.compression.base import Payload
     from dgpipe.pipeline.boundary import Boundary
     from dgpipe.pipeline.message import CODED, REQUIRES_GRAD, Message

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dgpipe.comm.transport import MIN_CAPACITY, Receiver, Sender, pack_message, split_parts
+from dgpipe.comm.framing import pack_message, split_parts
+from dgpipe.comm.transport import MIN_CAPACITY, Receiver, Sender
 from dgpipe.compression import get_codec
 from dgpipe.generation import (
     DECODE, HIDDEN, PREFILL, TAG, ClientStages, RemoteServer, ServerLimits, StageBlocks, generate, serve,

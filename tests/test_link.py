@@ -14,7 +14,8 @@ import torch
 import dgpipe
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.link import Link
-from dgpipe.comm.transport import Receiver, Sender, message_size, pack_message
+from dgpipe.comm.framing import message_size, pack_message
+from dgpipe.comm.transport import Receiver, Sender
 from dgpipe.compression import get_codec
 from helpers import assert_ranks_ok, message_bytes, spawn_checks
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dgpipe.comm.transport import MAGIC, Receiver, Sender, TransportError, recv_payload, send_payload
+from dgpipe.comm.framing import MAGIC
+from dgpipe.comm.transport import Receiver, Sender, TransportError, recv_payload, send_payload
 from dgpipe.compression import Payload, get_codec
 from dgpipe.compression.base import make_payload
 from helpers import assert_ranks_ok, message_bytes, spawn_checks, wire_message

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from dgpipe.comm.meter import timer
+from dgpipe.comm.framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
 from dgpipe.comm.transport import wire_device
 from dgpipe.compression import CodecSpec
 from dgpipe.compression.base import Codec, Payload
 from dgpipe.compression.gradients.core import mix_seed
 
-from .framing import FRAME_PREFIX_BYTES, frame_payloads, unframe_payloads
 from .hooks import MeteredHook
 
 __all__ = ["LINEAR_CODECS", "CodecHook"]

@@ -26,7 +26,7 @@ of the averaged buffer. The hooks here are all metered in a
     failed to encode.
   * ``"allgather"`` for all the others (``topk``, ``onebit``, ``qsgd``, ``terngrad``,
     ``dgc``, ``atomo``, ``quant``, ``sortquant``, ``lowrank``): every rank frames its
-    bucket's payloads into one byte buffer (:mod:`dgpipe.baseline.framing`), the byte
+    bucket's payloads into one byte buffer (:mod:`dgpipe.comm.framing`), the byte
     counts are all-gathered, the buffers are padded to the largest and all-gathered, and every
     rank decodes every rank's payloads (headers validated) and averages them in rank
     order -- so all ranks end with bit-identical gradients. ``lowrank`` goes here: its
@@ -43,7 +43,7 @@ the completion of the future.
 Meter fields per bucket exchange (``direction`` is ``"allreduce"`` or ``"allgather"``):
 ``raw_bytes`` the bucket's gradients uncompressed; ``wire_bytes`` the bytes this rank
 contributes: the framed payloads (tensors plus varint headers, see
-:mod:`~dgpipe.baseline.framing`; a payload's int64 header would be ``Payload.nbytes``) for all-gather, the
+:mod:`~dgpipe.comm.framing`; a payload's int64 header would be ``Payload.nbytes``) for all-gather, the
 payload tensors (headers stay home) for the generic all-reduce, the (cast or PowerSGD-factor) buffer
 for the others; ``frame_bytes`` sizes, framing, padding and header digests;
 ``recv_bytes`` the framed payload bytes received from the other ranks (all-gather) or the

@@ -4,6 +4,9 @@
   and sent (or framed for torch's own transport), received and checked whole, decoded, and every step recorded
   in the meters; the runtime's boundaries, torch's schedules' stage, split generation and the data-parallel
   hooks all move their traffic through it, and nothing else records into a meter.
+- :mod:`dgpipe.comm.framing`: the wire format, the one place payloads become bytes and back: point-to-point
+  messages (int64 fields and headers, the tensors, a closing word) and the data-parallel hooks' all-gather
+  frames (varint headers), each read back validated before anything is allocated.
 - :mod:`dgpipe.comm.transport`: ``send_payload`` / ``recv_payload`` of a codec
   ``Payload`` (and ``Sender`` / ``Receiver`` streams of messages with several payloads
   and meta integers) over torch.distributed point-to-point messages (int64 fields,

@@ -8,7 +8,7 @@ exchange ``"ddp"``) and the meters it records into. Every message goes through t
   :meth:`Outgoing.add` counts each payload and the uncoded bytes it stands for;
 - **frame and send**: :meth:`Link.send` hands the payloads to a :class:`~dgpipe.comm.transport.Sender` (dgpipe's
   transport), :meth:`Link.frame` packs them into one message for a transport of torch's
-  (:func:`~dgpipe.comm.transport.pack_message`), :meth:`Link.account` records a message that stays in process;
+  (:func:`~dgpipe.comm.framing.pack_message`), :meth:`Link.account` records a message that stays in process;
   each records ``raw_bytes``, ``wire_bytes`` (the payloads' :attr:`~dgpipe.compression.base.Payload.nbytes`),
   ``frame_bytes`` (the message around them) and the encode seconds;
 - **receive** (:meth:`Link.receive` from a :class:`~dgpipe.comm.transport.Receiver`, timing the wait, or
@@ -33,7 +33,8 @@ import torch
 from dgpipe.compression.base import Payload
 
 from .meter import BandwidthMeter, DeviceSpan, timer
-from .transport import Receiver, Sender, SendWork, pack_message, read_message
+from .framing import pack_message, read_message
+from .transport import Receiver, Sender, SendWork
 
 __all__ = ["Outgoing", "Incoming", "Link"]
 

@@ -1,13 +1,7 @@
 """Point-to-point transport of codec :class:`~dgpipe.compression.base.Payload` s over torch.distributed.
 
-A *message* carries one or more payloads plus a few integers of caller meta data,
-packed into one byte string (nothing is ever pickled)::
-
-    int64 fields  [MAGIC, total_bytes, n_meta, n_payloads, header_numel,
-                   *meta, *header_lengths, *headers]
-    tensors       the payloads' tensors, in order, each at an 8-byte aligned offset,
-                  dtype and numel as its header says
-    closing word  :data:`CLOSE` at the next 8-byte aligned offset; total_bytes ends it
+A *message* is one or more payloads and a few meta integers in the wire format of
+:mod:`dgpipe.comm.framing` (int64 fields and headers, the tensors' bytes, a closing word; never pickled).
 
 A *stream* is the sequence of messages from one rank to another on one tag
 (:class:`Sender` on one side, :class:`Receiver` on the other). Both ends keep the
@@ -20,7 +14,7 @@ the next message ahead of time (:meth:`Receiver.post`) into a buffer of that siz
 with steady shapes every message is a single pre-posted transfer, as with a
 fixed-shape pipeline, yet shapes and dtypes may change at any time.
 
-The receiver trusts nothing it reads (:func:`read_message`): before it allocates for or
+The receiver trusts nothing it reads (:func:`~dgpipe.comm.framing.read_message`): before it allocates for or
 waits on a second part, it validates the fixed fields and, when the fields and headers
 fit in the first part (they do for all but messages of many payloads), every header
 (:func:`~dgpipe.compression.base.parse_header`) and the layout they imply, which must
@@ -32,7 +26,7 @@ complete. Received tensors are views into the message buffer (no copy).
 
 The wire proves each part whole. gloo completes a receive that got *fewer* bytes than
 its buffer holds and does not say how many came, so every receive buffer is zeroed
-before it is posted and every part ends with :data:`CLOSE`, whose bytes are all nonzero:
+before it is posted and every part ends with the closing word, whose bytes are all nonzero:
 a part cut short leaves zeros where its closing word belongs and is refused (``corrupt
 message from rank N: truncated ...``) -- the first part before the second is allocated.
 No receive buffer reaches a decoder with memory the peer did not fill. (A part *longer*
@@ -66,13 +60,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dgpipe.compression.base import Payload, parse_header
+from dgpipe.compression.base import Payload
 
 from .delay import DelayLine, HeldWork
+from .framing import pack_message, read_message, split_parts
 
 __all__ = [
-    "MAGIC",
-    "CLOSE",
     "MIN_CAPACITY",
     "DEFAULT_MAX_BYTES",
     "TransportError",
@@ -80,33 +73,16 @@ __all__ = [
     "Sender",
     "Receiver",
     "wire_device",
-    "message_size",
-    "pack_message",
-    "split_parts",
-    "read_message",
     "send_payload",
     "recv_payload",
 ]
 
-MAGIC = 0x64677033  # "dgp3"
-CLOSE = int.from_bytes(b"dgp3end!", "little")
-"""The closing word of every message and of a split message's first part: 8 nonzero bytes."""
 MIN_CAPACITY = 512  # bytes; the first capacity of every stream
-_FIXED = 5  # MAGIC, total_bytes, n_meta, n_payloads, header_numel
-MAX_META = 64
-MAX_PAYLOADS = 64
-MAX_HEADER_NUMEL = 1 << 16
 DEFAULT_MAX_BYTES = 1 << 34  # 16 GiB: refuse to allocate more for one received message
 LIMIT_GROWTH = 16
 """A message whose headers do not fit in its first part may be at most this many times the
 largest message seen on its stream (or :data:`MIN_LIMIT`), unless ``max_bytes`` is given."""
 MIN_LIMIT = 1 << 28  # 256 MiB
-MAX_EXPANSION = 4096
-"""The tensors a message's headers declare (what decoding allocates) may hold at most this many
-times the message's own bytes, or :data:`MIN_DECLARED` bytes: far above any codec's ratio (top-k at
-0.1% is ~700x, rank-1 factors of a 4096 x 4096 matrix 2048x), far below what a forged 300-byte
-header could ask for."""
-MIN_DECLARED = 1 << 26  # 64 MiB
 
 
 class TransportError(RuntimeError):
@@ -163,101 +139,9 @@ def _action(label: str, action: str) -> str:
     return f"{label}: {action}" if label else action
 
 
-def _align(n: int) -> int:
-    return (n + 7) // 8 * 8
-
-
-def _layout(fields_numel: int, specs) -> tuple[list[int], int]:
-    """Byte offsets of the tensors described by ``specs`` [(dtype, numel)], and the total size (the
-    closing word included)."""
-    offsets, end = [], 8 * fields_numel
-    for dt, n in specs:
-        start = _align(end)
-        offsets.append(start)
-        end = start + n * dt.itemsize
-    return offsets, _align(end) + 8
-
-
-_CLOSE_BYTES = torch.tensor([CLOSE], dtype=torch.int64).view(torch.uint8)
-
-
-def _closed(part: torch.Tensor) -> bool:
-    """Whether ``part`` (1-D uint8) ends with :data:`CLOSE`."""
-    return part.numel() >= 8 and bool(torch.equal(part[-8:].cpu(), _CLOSE_BYTES))
-
-
 def _zeros(n: int, device: torch.device) -> torch.Tensor:
     """A receive buffer: zeroed, so that bytes a peer does not send are zeros, never earlier memory."""
     return torch.zeros(n, dtype=torch.uint8, device=device)
-
-
-def _message_layout(payloads: Sequence[Payload], n_meta: int) -> tuple[list[int], int]:
-    """The byte offsets of ``payloads``' tensors in a message with ``n_meta`` meta values, and its total size.
-
-    Raises:
-        ValueError: more than 64 meta values or payloads.
-    """
-    if n_meta > MAX_META or len(payloads) > MAX_PAYLOADS:
-        raise ValueError(f"a message holds at most {MAX_META} meta values and {MAX_PAYLOADS} payloads, "
-                         f"got {n_meta} and {len(payloads)}")  # fmt: skip
-    fields_numel = _FIXED + n_meta + len(payloads) + sum(p.header.numel() for p in payloads)
-    return _layout(fields_numel, [(t.dtype, t.numel()) for p in payloads for t in p.tensors])
-
-
-def message_size(payloads: Sequence[Payload], n_meta: int = 0) -> int:
-    """Bytes of the message :func:`pack_message` makes of ``payloads`` and ``n_meta`` meta values (nothing is
-    packed).
-
-    Raises:
-        ValueError: more than 64 meta values or payloads.
-    """
-    return _message_layout(payloads, n_meta)[1]
-
-
-def pack_message(payloads: Sequence[Payload], meta: Sequence[int] = (), device: torch.device | str = "cpu",
-                 min_size: int = 0) -> tuple[torch.Tensor, int]:
-    """The bytes of one message (module docstring): ``(buffer, total_bytes)``.
-
-    Args:
-        payloads: at most 64; their tensors are copied into the buffer.
-        meta: at most 64 int64 values.
-        device: where the buffer is made (the wire device).
-        min_size: pad the buffer with zeros to at least this many bytes (NCCL's fixed first part).
-
-    Returns:
-        ``buffer``: 1-D uint8 of ``max(total_bytes, min_size)`` bytes; ``total_bytes``: the
-        message's own size, which :func:`read_message` checks.
-    Raises:
-        ValueError: more than 64 meta values or payloads.
-    """
-    offsets, total = _message_layout(payloads, len(meta))
-    headers = [p.header.reshape(-1) for p in payloads]
-    lengths = [h.numel() for h in headers]
-    fields_numel = _FIXED + len(meta) + len(lengths) + sum(lengths)
-    tensors = [t.reshape(-1) for p in payloads for t in p.tensors]
-    buf = torch.zeros(max(total, min_size), dtype=torch.uint8, device=device)
-    fields = [MAGIC, total, len(meta), len(payloads), sum(lengths), *meta, *lengths]
-    words = torch.tensor(fields, dtype=torch.int64)
-    if headers:
-        words = torch.cat([words, *headers])
-    buf[: 8 * fields_numel].copy_(words.view(torch.uint8))
-    for t, off in zip(tensors, offsets):
-        if t.numel():
-            buf[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(torch.uint8))
-    buf[total - 8 : total].copy_(_CLOSE_BYTES)
-    return buf, total
-
-
-def split_parts(buf: torch.Tensor, capacity: int) -> list[torch.Tensor]:
-    """The parts a message ``buf`` (1-D uint8) goes out as on a stream of ``capacity`` bytes: itself when
-    it fits, else a first part of ``capacity`` bytes -- its first ``capacity - 8`` and :data:`CLOSE` --
-    and the rest of the message from byte ``capacity - 8``."""
-    if buf.numel() <= capacity:
-        return [buf]
-    first = torch.empty(capacity, dtype=torch.uint8, device=buf.device)
-    first[: capacity - 8].copy_(buf[: capacity - 8])
-    first[capacity - 8 :].copy_(_CLOSE_BYTES)
-    return [first, buf[capacity - 8 :]]
 
 
 class SendWork:
@@ -401,105 +285,6 @@ class Receiver(_Stream):
         payloads, meta, total = read_message(first, rest, src, limit, device)
         self.grow(total)
         return payloads, meta
-
-
-def _fields(words: list[int], n_meta: int, n_payloads: int, header_numel: int, total: int, src: int):
-    """Meta, headers and tensor offsets from the int64 ``words`` of a message's fields; checks that
-    the headers are valid and that their layout ends at exactly ``total`` bytes."""
-    meta = words[_FIXED : _FIXED + n_meta]
-    lengths = words[_FIXED + n_meta : _FIXED + n_meta + n_payloads]
-    if any(n < 1 for n in lengths) or sum(lengths) != header_numel:
-        raise ValueError(f"corrupt message from rank {src}: header lengths {lengths} do not add up to {header_numel}")
-    fields_numel = _FIXED + n_meta + n_payloads + header_numel
-    flat = torch.tensor(words[fields_numel - header_numel : fields_numel], dtype=torch.int64)
-    headers = list(flat.split(lengths)) if lengths else []
-    try:
-        parsed = [parse_header(h) for h in headers]
-    except ValueError as err:
-        raise ValueError(f"corrupt message from rank {src}: {err}") from None
-    specs = [h.tensor_specs for h in parsed]
-    declared = sum(h.numel * h.dtype.itemsize for h in parsed)
-    if declared > max(MIN_DECLARED, MAX_EXPANSION * total):
-        raise ValueError(f"corrupt message from rank {src}: its {total} bytes declare tensors of {declared} bytes, "
-                         f"more than {MAX_EXPANSION}x (or {MIN_DECLARED} bytes) a codec can expand to")
-    offsets, end = _layout(fields_numel, [sp for spec in specs for sp in spec])
-    if end != total:
-        raise ValueError(f"corrupt message from rank {src}: its size word says {total} bytes but its headers "
-                         f"describe {end}")  # fmt: skip
-    return meta, headers, specs, offsets
-
-
-def _truncated(src: int, what: str) -> ValueError:
-    return ValueError(f"corrupt message from rank {src}: truncated: the closing word is missing from {what} "
-                      "(fewer bytes arrived than the message says)")
-
-
-def read_message(first: torch.Tensor, rest, src: int, limit: int, device: torch.device | str):
-    """Validate and unpack one message from its first part; the receiving side of the wire format.
-
-    Args:
-        first: 1-D uint8, the message's first part (the stream's capacity: the whole
-            message, padded, when it fits; else its first ``capacity - 8`` bytes and
-            :data:`CLOSE`), received into a zeroed buffer.
-        rest: ``rest(n)`` returns the next ``n`` bytes of the message (1-D uint8), i.e.
-            allocates and receives the second part into a zeroed buffer; called at most
-            once, and only after the checks below passed.
-        src: the sender's rank (for messages).
-        limit: most bytes of a message whose fields and headers do not fit in ``first``
-            (the others are checked exactly) -- and of any message.
-        device: where the returned tensors are placed.
-
-    Returns:
-        ``(payloads, meta, total_bytes)``.
-
-    Raises:
-        ValueError: ``corrupt message from rank N: ...`` -- a wrong magic, a size word
-            below the fields, above ``limit`` or other than the headers describe, counts out
-            of range, an invalid header, a first part cut short -- before ``rest`` is called
-            when the fields fit in ``first``; a message cut short (``truncated``) once it is
-            complete.
-    """
-    if first.numel() < 8 * _FIXED:
-        raise ValueError(f"corrupt message from rank {src}: a first part of {first.numel()} bytes")
-    head = first[: 8 * _FIXED].cpu().view(torch.int64).tolist()
-    magic, total, n_meta, n_payloads, header_numel = head
-    if magic != MAGIC:
-        raise ValueError(f"corrupt message from rank {src}: magic {magic:#x}, not {MAGIC:#x} "
-                         "(sender and receiver out of step?)")  # fmt: skip
-    if not (0 <= n_meta <= MAX_META and 0 <= n_payloads <= MAX_PAYLOADS and 0 <= header_numel <= MAX_HEADER_NUMEL):
-        raise ValueError(f"corrupt message from rank {src}: {n_meta} meta, {n_payloads} payloads, "
-                         f"{header_numel} header values")  # fmt: skip
-    fields_numel = _FIXED + n_meta + n_payloads + header_numel
-    if not 8 * fields_numel <= total <= limit:
-        raise ValueError(f"corrupt message from rank {src}: its size word says {total} bytes, outside "
-                         f"[{8 * fields_numel}, {limit}] (its {fields_numel} fields .. the limit)")  # fmt: skip
-    split = total > first.numel()  # then the first part is the message's first bytes and a closing word
-    body = first[:-8] if split else first
-    checked = None
-    if 8 * fields_numel <= body.numel():  # everything needed to know the size is here: check it now
-        words = body[: 8 * fields_numel].cpu().view(torch.int64).tolist()
-        checked = _fields(words, n_meta, n_payloads, header_numel, total, src)
-    if split:
-        if not _closed(first):
-            raise _truncated(src, f"its first part of {first.numel()} bytes")
-        buf = torch.cat([body, rest(total - body.numel()).to(first.device)])
-    else:
-        buf = first[:total]
-    if checked is None:
-        checked = _fields(buf[: 8 * fields_numel].cpu().view(torch.int64).tolist(), n_meta, n_payloads,
-                          header_numel, total, src)  # fmt: skip
-    if not _closed(buf):
-        raise _truncated(src, f"its {total} bytes")
-    meta, headers, specs, offsets = checked
-    it = iter(offsets)
-    payloads = []
-    for h, spec in zip(headers, specs):
-        tensors = []
-        for dt, n in spec:
-            off = next(it)
-            tensors.append(buf[off : off + n * dt.itemsize].view(dt).to(device))
-        payloads.append(Payload(h, tuple(tensors)))
-    return payloads, meta, total
 
 
 def send_payload(payload: Payload, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> SendWork:

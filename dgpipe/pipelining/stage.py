@@ -8,7 +8,7 @@ they batch and wait on, and then read what arrived through the stage's
 rewrites each one that carries a floating-point tensor:
 
 - a send op sends the codec's payload of the tensor instead, packed into one uint8 message
-  (:func:`dgpipe.comm.transport.pack_message`: int64 fields and headers, never pickled),
+  (:func:`dgpipe.comm.framing.pack_message`: int64 fields and headers, never pickled),
   activations with the forward codec and their gradients with the backward codec;
 - a receive op receives into a uint8 buffer of exactly that message's size, which the
   receiver derives from the tensor's shape and dtype alone (torch pre-allocates its buffers
@@ -55,7 +55,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from dgpipe.comm import BandwidthMeter
 from dgpipe.comm.link import Link
-from dgpipe.comm.transport import message_size
+from dgpipe.comm.framing import message_size
 from dgpipe.compression import Codec, parse_header
 from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.pipeline.coders import CodecArg, codec_factory
