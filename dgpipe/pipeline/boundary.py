@@ -42,24 +42,8 @@ receive of each message it knows will come before it is needed: the first forwar
 message of a step when the step starts (:meth:`Boundary.expect_forward`), the next
 one as soon as one arrives, and the answer to each forward message when it is sent.
 
-Padding rows (the spec's ``row_mask``: the tuple position of an integer ``(B, L)`` tensor -- an
-encoder's attention mask -- next to floating ``(B, L, ...)`` tensors, its hidden states):
-a boundary sends only the rows the mask keeps (its nonzero entries) of those floating tensors through
-their lossless or coded lane, forward and evaluation, and only those rows of their gradients
-backward; the receiver puts them back in place and zeros in the other rows. Exact for a
-model in which padding rows influence nothing but themselves (attention masks them as
-keys, the head reads real tokens): their activations never reach the loss and their
-gradients are zero. The raw bytes the meter records stay those of the whole tensors, so
-wire/raw falls by the padding's share. A delta-coded tensor sends the change of its kept rows
-(its caches hold whole examples; padding rows keep their cached values, zeros from a warm-up).
-
-Per-token reference (``token_reference``, :mod:`dgpipe.compression.wrappers.reference`): the last
-tensor of a forward or evaluation value is the token ids, an integer ``(B, L)`` tensor that travels
-losslessly (flag ``TOKEN_IDS``; decoded first on the receiver); each coded floating ``(B, L, d)``
-tensor of the value is sent as its residual against the table of its tuple position (flag
-``REFERENCE``). The table is one per position on each side, shared by the micro-batches and by
-evaluation; training messages update it in the order they are sent and received, evaluation only
-reads it.
+Padding rows left behind (``row_mask``) and the per-token reference (``token_reference``): see
+:mod:`dgpipe.pipeline.spec`.
 
 The codec instances, delta coders and token tables of this rank's side, and their saved state:
 :class:`~dgpipe.pipeline.coders.Coders` (``Boundary.coders``).
@@ -83,7 +67,7 @@ from dgpipe.compression.wrappers.reference import check_tokens
 from .coders import Coders
 from .lanes import LOSSLESS_LANE, LaneContext, decode_ids, encode_ids, put_rows
 from .message import (ABSENT, CODED, DELTA, DELTA_CODED, DELTA_WARMUP, LOSSLESS, MAX_BOUNDARY_TENSORS, REFERENCE,
-                      REQUIRES_GRAD, ROW_MASK, ROWS, TOKEN_IDS, Message)
+                      REQUIRES_GRAD, ROW_MASK, ROWS, TOKEN_IDS, Message, check_declared)
 from .spec import BoundarySpec
 
 __all__ = ["Boundary", "MAX_BOUNDARY_TENSORS", "boundary_name"]
@@ -97,36 +81,6 @@ def _as_tensors(value, where: str) -> tuple[bool, list[torch.Tensor]]:
     if not 1 <= len(tensors) <= MAX_BOUNDARY_TENSORS:
         raise ValueError(f"{where} has {len(tensors)} tensors; a boundary carries 1..{MAX_BOUNDARY_TENSORS}")
     return atomic, tensors
-
-
-def _check_declared(pos: int, shape: tuple[int, ...], keep: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
-    """Before a received tensor is decoded: the ``shape`` its header declares fits the message's
-    row mask (``keep``: one row per kept entry) and token ids (``tokens``: ``(B, L, ...)``).
-
-    Raises:
-        ValueError: another number of rows, or another ``(B, L)``, than they imply.
-    """
-    if keep is not None and (not shape or shape[0] != int(keep.sum())):
-        raise ValueError(f"tensor {pos} declares {shape} rows for a row mask that keeps {int(keep.sum())}")
-    if tokens is not None and shape[:2] != tuple(tokens.shape):
-        raise ValueError(f"tensor {pos} declares shape {shape} for token ids {tuple(tokens.shape)}")
-
-
-def _check_row_mask(tensors: list[torch.Tensor], pos: int, where: str) -> None:
-    """Check that tuple position ``pos`` of a boundary value holds an integer ``(B, L)`` row mask that a floating
-    ``(B, L, ...)`` tensor of the value shares.
-
-    Raises:
-        ValueError: one line naming ``where`` and what the value holds instead.
-    """
-    if pos >= len(tensors):
-        raise ValueError(f"{where}: row_mask is position {pos}, but the value holds {len(tensors)} tensor(s)")
-    m = tensors[pos]
-    if m.is_floating_point() or m.is_complex() or m.dim() != 2:
-        raise ValueError(f"{where}: row_mask position {pos} holds a {m.dtype} {tuple(m.shape)} tensor, not an "
-                         "integer (B, L) mask")
-    if not any(t.is_floating_point() and t.dim() >= 3 and t.shape[:2] == m.shape for t in tensors):
-        raise ValueError(f"{where}: no floating tensor of the value has the row mask's (B, L) = {tuple(m.shape)}")
 
 
 def boundary_name(index: int) -> str:
@@ -247,7 +201,7 @@ class Boundary:
         keep = None
         mask_pos = self.spec.row_mask
         if mask_pos is not None:
-            _check_row_mask(tensors, mask_pos, self.name)
+            self.spec.check_row_mask(tensors, self.name)
             keep = tensors[mask_pos] != 0
             flags[mask_pos] |= ROW_MASK
             for pos, t in enumerate(tensors):
@@ -409,7 +363,7 @@ class Boundary:
             if pos in (message.row_mask, message.token_ids):
                 continue
             kind = message.kind(pos)
-            _check_declared(pos, parse_header(payload.header).shape,
+            check_declared(pos, parse_header(payload.header).shape,
                             keep if message.rows(pos) and not kind & DELTA else None,
                             tokens if message.referenced(pos) else None)
             lane = self.coders.lane(direction, slot, pos, kind, message.referenced(pos))

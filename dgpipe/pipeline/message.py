@@ -32,8 +32,10 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 __all__ = ["ABSENT", "LOSSLESS", "CODED", "DELTA_WARMUP", "DELTA_CODED", "REQUIRES_GRAD", "ROWS", "ROW_MASK",
-           "TOKEN_IDS", "REFERENCE", "MAX_BOUNDARY_TENSORS", "Message"]
+           "TOKEN_IDS", "REFERENCE", "MAX_BOUNDARY_TENSORS", "Message", "check_declared"]
 
 #: Lane kinds (the low bits of a flag).
 ABSENT, LOSSLESS, CODED = 0, 1, 2
@@ -159,3 +161,16 @@ class Message:
             raise ValueError(f"corrupt message meta: {list(meta[:8])} implies {message.n_payloads} payloads, "
                              f"{n_payloads} came")
         return message
+
+
+def check_declared(pos: int, shape: tuple[int, ...], keep: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
+    """Before a received tensor is decoded: the ``shape`` its header declares fits the message's
+    row mask (``keep``: one row per kept entry) and token ids (``tokens``: ``(B, L, ...)``).
+
+    Raises:
+        ValueError: another number of rows, or another ``(B, L)``, than they imply.
+    """
+    if keep is not None and (not shape or shape[0] != int(keep.sum())):
+        raise ValueError(f"tensor {pos} declares {shape} rows for a row mask that keeps {int(keep.sum())}")
+    if tokens is not None and shape[:2] != tuple(tokens.shape):
+        raise ValueError(f"tensor {pos} declares shape {shape} for token ids {tuple(tokens.shape)}")

@@ -1,10 +1,31 @@
 """``BoundarySpec``: what every boundary of a pipeline carries and how, besides its codecs -- one frozen value,
 checked once when it is made, the same on every rank (as :class:`~dgpipe.compression.CodecSpec` is for a codec).
+
+Padding rows (``row_mask``: the tuple position of an integer ``(B, L)`` tensor -- an
+encoder's attention mask -- next to floating ``(B, L, ...)`` tensors, its hidden states):
+a boundary sends only the rows the mask keeps (its nonzero entries) of those floating tensors through
+their lossless or coded lane, forward and evaluation, and only those rows of their gradients
+backward; the receiver puts them back in place and zeros in the other rows. Exact for a
+model in which padding rows influence nothing but themselves (attention masks them as
+keys, the head reads real tokens): their activations never reach the loss and their
+gradients are zero. The raw bytes the meter records stay those of the whole tensors, so
+wire/raw falls by the padding's share. A delta-coded tensor sends the change of its kept rows
+(its caches hold whole examples; padding rows keep their cached values, zeros from a warm-up).
+
+Per-token reference (``token_reference``, :mod:`dgpipe.compression.wrappers.reference`): the last
+tensor of a forward or evaluation value is the token ids, an integer ``(B, L)`` tensor that travels
+losslessly (flag ``TOKEN_IDS``; decoded first on the receiver); each coded floating ``(B, L, d)``
+tensor of the value is sent as its residual against the table of its tuple position (flag
+``REFERENCE``). The table is one per position on each side, shared by the micro-batches and by
+evaluation; training messages update it in the order they are sent and received, evaluation only
+reads it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from dgpipe.compression.wrappers.delta import DeltaSpec
 from dgpipe.compression.wrappers.reference import TokenReference
@@ -92,3 +113,22 @@ class BoundarySpec:
                 and any(b >= n_boundaries for b in self.delta.boundaries):
             raise ValueError(f"delta boundaries {self.delta.boundaries}: there are {n_boundaries} boundaries "
                              f"(indices 0..{n_boundaries - 1})")
+
+    def check_row_mask(self, tensors: list[torch.Tensor], where: str) -> None:
+        """Check that tuple position :attr:`row_mask` of a boundary value (``tensors``) holds an integer ``(B, L)``
+        mask that a floating ``(B, L, ...)`` tensor of the value shares.
+
+        Raises:
+            ValueError: one line naming ``where`` and what the value holds instead (or no :attr:`row_mask`).
+        """
+        pos = self.row_mask
+        if pos is None:
+            raise ValueError(f"{where}: this pipeline names no row mask")
+        if pos >= len(tensors):
+            raise ValueError(f"{where}: row_mask is position {pos}, but the value holds {len(tensors)} tensor(s)")
+        m = tensors[pos]
+        if m.is_floating_point() or m.is_complex() or m.dim() != 2:
+            raise ValueError(f"{where}: row_mask position {pos} holds a {m.dtype} {tuple(m.shape)} tensor, not an "
+                             "integer (B, L) mask")
+        if not any(t.is_floating_point() and t.dim() >= 3 and t.shape[:2] == m.shape for t in tensors):
+            raise ValueError(f"{where}: no floating tensor of the value has the row mask's (B, L) = {tuple(m.shape)}")
