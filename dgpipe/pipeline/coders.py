@@ -10,7 +10,7 @@ micro-batches (:mod:`dgpipe.pipeline.boundary` says how messages use them).
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Iterable, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from dgpipe.compression.wrappers.reference import ReferenceCoder, ScaledReferenc
 from .lanes import LOSSLESS_LANE, CodedLane, DeltaLane, DeltaWarmupLane, Lane, ReferenceLane
 from .message import CODED, DELTA_CODED, LOSSLESS
 
-__all__ = ["CodecArg", "codec_factory", "codec_factories", "Coders"]
+__all__ = ["CodecArg", "codec_factory", "codec_factories", "Coders", "coder_states", "load_coder_states"]
 
 #: What the Pipeline API takes for a boundary's codec (see :func:`codec_factory`).
 CodecArg = Union[CodecSpec, str, tuple, Callable[[], Codec], Codec]
@@ -210,3 +210,30 @@ class Coders:
     def delta_digests(self) -> dict[int, str]:
         """SHA-256 of this side's cache per tuple position (equal on the two sides of the boundary)."""
         return {pos: coder.cache.digest() for pos, coder in sorted(self.deltas.items())}
+
+
+def coder_states(boundaries: Iterable) -> dict:
+    """``{"codecs": {boundary name: codec states}, "delta": {name: cache states}, "reference": {name: token
+    tables}}`` of the :class:`~dgpipe.pipeline.boundary.Boundary` objects ``boundaries`` (this rank's side of each)."""
+    boundaries = list(boundaries)
+    return {
+        "codecs": {b.name: b.coders.codec_state() for b in boundaries},
+        "delta": {b.name: b.coders.delta_state() for b in boundaries if b.delta_coded},
+        "reference": {b.name: b.coders.reference_state() for b in boundaries if b.token_reference is not None},
+    }
+
+
+def load_coder_states(boundaries: Iterable, state: dict) -> None:
+    """Restore :func:`coder_states` output (the keys of ``state`` it made; others are ignored) into ``boundaries``.
+
+    Raises:
+        ValueError: a state for a boundary that is not among ``boundaries``, or one its coders refuse.
+    """
+    bounds = {b.name: b for b in boundaries}
+    kinds = {"codecs": ("codec state", "load_codec_state"), "delta": ("delta caches", "load_delta_state"),
+             "reference": ("token tables", "load_reference_state")}
+    for key, (what, load) in kinds.items():
+        for name, saved in state.get(key, {}).items():
+            if name not in bounds:
+                raise ValueError(f"{what} for boundary {name!r}, which this rank does not touch")
+            getattr(bounds[name].coders, load)(saved)

@@ -22,7 +22,6 @@ mini-batch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -38,33 +37,14 @@ from dgpipe.compression.wrappers.delta import check_ids
 from dgpipe.models.example_dropout import example_ids
 
 from .boundary import Boundary, boundary_name
-from .coders import CodecArg, codec_factories
+from .coders import CodecArg, codec_factories, coder_states, load_coder_states
 from .microbatch import batch_size, detach, split_batch
 from .partition import validate_placement
-from .schedule import Task, gpipe_tasks, segments
+from .schedule import StepState, Task, gpipe_tasks, segments
 from .spec import BoundarySpec
 from .tied import TiedParameters, unique_parameters
 
 __all__ = ["Pipeline"]
-
-
-@dataclass
-class _Step:
-    """What one rank tracks during one train or eval step."""
-
-    direction: str  # "forward" (training) or "eval"
-    n_micro: int
-    inputs: list | None  # micro-batches of the inputs (rank holding stage 0)
-    targets: list | None  # micro-batches of the targets (rank holding the last stage)
-    keep_outputs: bool
-    ids: list | None = None  # micro-batches of the sample ids (rank holding stage 0, delta coding)
-    received: dict = field(default_factory=dict)  # (micro, segment) -> (value, leaves, ids), received ahead
-    saved: dict = field(default_factory=dict)  # (micro, segment) -> (leaves, loss, outputs needing grad)
-    losses: list = field(default_factory=list)  # per micro-batch, detached (last-stage rank)
-    loss: float | None = None  # mean over micro-batches: computed or received with the gradients
-    outputs: list = field(default_factory=list)
-    works: list = field(default_factory=list)  # SendWork handles to wait for at the end
-
 
 
 def _check_options(chunks, timeout) -> None:
@@ -253,13 +233,8 @@ class Pipeline:
     def state_dict(self) -> dict:
         """``{"stages": {index: stage state}, "codecs": {boundary name: codec states},
         "delta": {boundary name: cache states}, "reference": {boundary name: token tables}}`` of this rank."""
-        return {
-            "stages": {str(i): s.state_dict() for i, s in sorted(self._stages.items())},
-            "codecs": {b.name: b.coders.codec_state() for b in self._bounds.values()},
-            "delta": {b.name: b.coders.delta_state() for b in self._bounds.values() if b.delta_coded},
-            "reference": {b.name: b.coders.reference_state() for b in self._bounds.values()
-                          if b.token_reference is not None},
-        }
+        return {"stages": {str(i): s.state_dict() for i, s in sorted(self._stages.items())},
+                **coder_states(self._bounds.values())}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output of the same rank and placement.
@@ -274,19 +249,7 @@ class Pipeline:
             raise ValueError(f"state holds stages {sorted(saved)} but this rank holds stages {sorted(mine)}")
         for i, s in self._stages.items():
             s.load_state_dict(state["stages"][str(i)])
-        bounds = {b.name: b for b in self._bounds.values()}
-        for name, codec_state in state.get("codecs", {}).items():
-            if name not in bounds:
-                raise ValueError(f"codec state for boundary {name!r}, which this rank does not touch")
-            bounds[name].coders.load_codec_state(codec_state)
-        for name, delta_state in state.get("delta", {}).items():
-            if name not in bounds:
-                raise ValueError(f"delta caches for boundary {name!r}, which this rank does not touch")
-            bounds[name].coders.load_delta_state(delta_state)
-        for name, reference_state in state.get("reference", {}).items():
-            if name not in bounds:
-                raise ValueError(f"token tables for boundary {name!r}, which this rank does not touch")
-            bounds[name].coders.load_reference_state(reference_state)
+        load_coder_states(self._bounds.values(), state)
 
     # -- steps -----------------------------------------------------------------------------
 
@@ -391,11 +354,11 @@ class Pipeline:
 
     # -- execution -------------------------------------------------------------------------
 
-    def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool, micro_ids=None) -> "_Step":
+    def _run(self, direction: str, micro_in, micro_tg, keep_outputs: bool, micro_ids=None) -> StepState:
         """Run this rank's tasks of one step."""
         before = self.meter.totals()
         training = direction == "forward"
-        step = _Step(direction, 0, micro_in, micro_tg, keep_outputs, micro_ids)
+        step = StepState(direction, 0, micro_in, micro_tg, keep_outputs, micro_ids)
         for seg in self._segs:  # every incoming boundary brings at least one message this step
             if seg.rank == self.rank and seg.index > 0:
                 self._bounds[seg.index - 1].expect_forward()
@@ -425,7 +388,7 @@ class Pipeline:
         self.last_step_totals = {k: after[k] - before[k] for k in after if k not in ("ratio", "recv_bytes_per_s")}
         return step
 
-    def _forward(self, step: "_Step", task: Task) -> None:
+    def _forward(self, step: StepState, task: Task) -> None:
         seg, m = self._segs[task.segment], task.micro
         if seg.first == 0:
             x, leaves, ids = step.inputs[m], [], step.ids[m] if step.ids else None
@@ -456,7 +419,7 @@ class Pipeline:
             if training:
                 step.saved[(m, seg.index)] = (leaves, None, out_rg)
 
-    def _backward(self, step: "_Step", task: Task) -> None:
+    def _backward(self, step: StepState, task: Task) -> None:
         seg, m = self._segs[task.segment], task.micro
         leaves, loss, out_rg = step.saved.pop((m, seg.index))
         if loss is not None:

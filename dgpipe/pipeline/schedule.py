@@ -22,16 +22,16 @@ A *segment* is a maximal run of consecutive stages held by one rank: nothing
 crosses the wire inside it, so it runs as one unit. Client/server ``[0, 1, 0]`` has
 three segments; ``[0, 0, 1]`` has two.
 
-Pure functions, no torch.distributed: the runtime (:mod:`dgpipe.pipeline.runtime`)
-executes the tasks.
+Pure functions and :class:`StepState` (what a rank tracks during a step), no torch.distributed: the runtime
+(:mod:`dgpipe.pipeline.runtime`) executes the tasks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["Segment", "Task", "segments", "gpipe_tasks", "bubble_fraction"]
+__all__ = ["Segment", "Task", "StepState", "segments", "gpipe_tasks", "bubble_fraction"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,21 @@ def bubble_fraction(n_stages: int, n_micro: int) -> float:
     if n_stages < 1 or n_micro < 1:
         raise ValueError(f"need n_stages >= 1 and n_micro >= 1, got {n_stages}, {n_micro}")
     return (n_stages - 1) / (n_micro + n_stages - 1)
+
+
+@dataclass
+class StepState:
+    """What one rank tracks while it runs one train or eval step's tasks (:class:`~dgpipe.pipeline.Pipeline`)."""
+
+    direction: str  # "forward" (training) or "eval"
+    n_micro: int
+    inputs: list | None  # micro-batches of the inputs (rank holding stage 0)
+    targets: list | None  # micro-batches of the targets (rank holding the last stage)
+    keep_outputs: bool
+    ids: list | None = None  # micro-batches of the sample ids (rank holding stage 0, delta coding)
+    received: dict = field(default_factory=dict)  # (micro, segment) -> (value, leaves, ids), received ahead
+    saved: dict = field(default_factory=dict)  # (micro, segment) -> (leaves, loss, outputs needing grad)
+    losses: list = field(default_factory=list)  # per micro-batch, detached (last-stage rank)
+    loss: float | None = None  # mean over micro-batches: computed or received with the gradients
+    outputs: list = field(default_factory=list)
+    works: list = field(default_factory=list)  # SendWork handles to wait for at the end
