@@ -25,7 +25,7 @@ VOCAB, LENGTH, BATCH, CHUNKS = 97, 16, 4, 2
 
 
 def tiny(preset: str):
-    from dgpipe.train.lm import add_adapters
+    from dgpipe.train.lora import add_adapters
 
     torch.manual_seed(0)
     model = build_causal_lm(preset_config(preset, VOCAB, LENGTH)).train()

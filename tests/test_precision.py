@@ -32,7 +32,7 @@ VOCAB, LENGTH, BATCH, CHUNKS, WIDTH = 97, 16, 4, 2, 64
 
 
 def tiny(lora: bool = True):
-    from dgpipe.train.lm import add_adapters
+    from dgpipe.train.lora import add_adapters
 
     torch.manual_seed(0)
     model = build_causal_lm(preset_config("tiny-llama", VOCAB, LENGTH)).train()

@@ -29,7 +29,8 @@ from dgpipe.models import Stage
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
 
 from . import checkpoint
-from .lm import LMOptions, lm_tokenizer, lora_config, random_config
+from .lm import LMOptions, lm_tokenizer, random_config
+from .lora import lora_config
 
 __all__ = ["Run", "load_run", "run_context", "export"]
 

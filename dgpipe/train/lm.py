@@ -42,10 +42,10 @@ from .compare import LM_LINKS
 from .config import RunConfig
 from .engine import placement
 from .job import Job, check_partition, decay_groups
+from .lora import add_adapters, check_lora, lora_config
 from .precision import PRECISIONS
 
-__all__ = ["LMJob", "LMOptions", "DEFAULT_BPE", "lm_tokenizer", "random_config", "lora_config", "add_adapters",
-           "token_blocks"]
+__all__ = ["LMJob", "LMOptions", "DEFAULT_BPE", "lm_tokenizer", "random_config", "token_blocks"]
 
 #: Tokenizer of a randomly initialised preset unless ``--tokenizer`` says otherwise.
 DEFAULT_BPE = "bpe:4096"
@@ -100,59 +100,8 @@ class LMOptions:
     distill: bool = False
 
 
-def _check_lora(opts: LMOptions, model_config) -> None:
-    """``--lora`` flags against the model's modules (a model built on the meta device: no weights allocated).
-
-    Raises:
-        ValueError: a rank below 0, an alpha <= 0, a dropout outside [0, 1), a LoRA flag without ``--lora``,
-            or targets that match no module.
-    """
-    if not opts.lora:
-        if opts.lora_alpha is not None or opts.lora_dropout or opts.lora_targets is not None:
-            raise ValueError("--lora-alpha, --lora-dropout and --lora-targets shape the adapters of --lora R: add it")
-        return
-    if opts.lora < 0 or (opts.lora_alpha is not None and opts.lora_alpha <= 0) or not 0 <= opts.lora_dropout < 1:
-        raise ValueError("--lora takes a rank >= 1, --lora-alpha an integer > 0 and --lora-dropout one in [0, 1)")
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    try:
-        add_adapters(model, lora_config(opts))
-    except ValueError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ValueError(f"--lora-targets {opts.lora_targets}: {first}") from None
-
-
 PCA_BLOCKS = 32
 """Training blocks whose boundary states start the bottlenecks of a pretrained model (``--bottleneck-init pca``)."""
-
-
-def lora_config(opts: LMOptions):
-    """The ``peft.LoraConfig`` of ``--lora`` (a causal LM's adapters), or None without ``--lora``."""
-    if not opts.lora:
-        return None
-    from peft import LoraConfig
-
-    targets = None if opts.lora_targets is None else [t.strip() for t in opts.lora_targets.split(",") if t.strip()]
-    config = LoraConfig(r=opts.lora, lora_dropout=opts.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
-    if opts.lora_alpha is not None:
-        config.lora_alpha = opts.lora_alpha
-    return config
-
-
-def add_adapters(model: nn.Module, config) -> nn.Module:
-    """``model`` with the LoRA adapters of ``config`` (a ``peft.LoraConfig``) injected in place and every other
-    weight frozen (``peft.get_peft_model``); returns the same model object, whose layers
-    (:func:`~dgpipe.models.causal_lm.causal_lm_layers`) then carry the adapters.
-
-    Raises:
-        ValueError: targets that match no module of the model (peft's message).
-    """
-    from peft import get_peft_model
-
-    peft_model = get_peft_model(model, config)
-    return peft_model.get_base_model()
 
 
 def token_blocks(corpus: str, split: str, tokenizer, length: int, limit: int | None = None) -> TokenBlocks:
@@ -474,7 +423,7 @@ def _check_fit(opts: LMOptions, config: RunConfig, data_dir: str, tokenizer, mod
             raise ValueError(f"{flag}: {len(blocks)} training blocks of {opts.block_length} tokens are fewer than "
                              f"one batch (--batch-size {data.batch_size})")
     check_partition(model_config.num_hidden_layers + 2, config.pipeline, pinned)
-    _check_lora(opts, model_config)
+    check_lora(opts, model_config)
     if opts.distill and opts.bottleneck is None and not opts.lora:
         raise ValueError("--distill trains the bottlenecks and adapters to the model's own outputs: add "
                          "--bottleneck D or --lora R")
