@@ -35,7 +35,7 @@ import torch
 
 from codec_speed import SHAPE, clone_and_roundtrips, one_pass_data, same_payload, timed
 from dgpipe.compression import get_codec
-from dgpipe.compression.kernels import backend, buckets, compiled, levels, uniform
+from dgpipe.compression.kernels import backend, buckets, compiled, compiled_grid, levels, uniform
 from dgpipe.compression.kernels.fwht import fwht
 from dgpipe.compression.kernels.bitpack import CHUNK, packed_nbytes
 
@@ -233,10 +233,10 @@ def step_rows(x: torch.Tensor, reps: int) -> list[str]:
     xs = flat.numpy()
     positions = buckets._cpu_sample_positions(n, 16384)
     ref = np.sort(xs[positions])
-    cands = {"eager": (lambda: np.sort(xs[positions]), None), "C": (lambda: compiled.sort_sample(xs, positions), None)}
+    cands = {"eager": (lambda: np.sort(xs[positions]), None), "C": (lambda: compiled_grid.sort_sample(xs, positions), None)}
     add("sort of a 16k sample (eager: numpy)", cands, torch.from_numpy(ref))
     bnd = ref[[4096, 8192, 12288]] + np.float32(0)
-    cands = {"C": (lambda: torch.from_numpy(compiled.bucket_extrema(xs, bnd)[1]), None)}
+    cands = {"C": (lambda: torch.from_numpy(compiled_grid.bucket_extrema(xs, bnd)[1]), None)}
     add("min and bucket maxima, 4 buckets (against C's)", cands, cands["C"][0]())
     return rows
 

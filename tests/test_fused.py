@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.kernels import backend, compiled
+from dgpipe.compression.kernels import backend, compiled, compiled_grid
 from dgpipe.compression.kernels.bitpack import CHUNK
 from helpers import HAVE_C, needs_c
 
@@ -327,13 +327,13 @@ def test_value_range_against_torch(monkeypatch, threads):
                 for lo, hi in ((-50.0, 60.0), (-float("inf"), float("inf")), (-0.0, 0.0)):
                     x = torch.randn(n, generator=g) if lo else -torch.relu(torch.randn(n, generator=g))
                     x[where], x[(where + 5 * CHUNK // 2) % n] = lo, hi
-                    got = compiled.value_range(x.numpy())
+                    got = compiled_grid.value_range(x.numpy())
                     want = torch.aminmax(x)
                     assert (got[0], got[1]) == (want.min.item(), want.max.item()), (n, where, lo)
                     x[(where + 1) % n] = float("nan")
-                    assert np.isnan(compiled.value_range(x.numpy())).all(), (n, where, lo)
+                    assert np.isnan(compiled_grid.value_range(x.numpy())).all(), (n, where, lo)
         assert ("value_range",) in backend._kernels
-        assert compiled.value_range(np.zeros(100, np.float32)) is None  # small: torch's turn
+        assert compiled_grid.value_range(np.zeros(100, np.float32)) is None  # small: torch's turn
     finally:
         backend.set_enabled(previous)
 
@@ -363,7 +363,7 @@ def test_sort_sample_equals_numpy_sort():
     for name, flat in cases.items():
         for positions in (None, g.integers(0, flat.size, 4096)):
             want = np.sort(flat if positions is None else flat[positions])
-            got = compiled.sort_sample(flat, positions)
+            got = compiled_grid.sort_sample(flat, positions)
             assert got is not None and got.dtype == np.float32 and got.shape == want.shape
             finite = ~np.isnan(want)
             assert np.array_equal(np.sort(got[~np.isnan(got)]), want[finite]) and np.isnan(got).sum() == (~finite).sum()
@@ -372,7 +372,7 @@ def test_sort_sample_equals_numpy_sort():
             zeros = np.signbit(vals[vals == 0])
             assert not np.any(~zeros[:-1] & zeros[1:]), name  # no -0.0 after a +0.0
     assert ("sort_sample",) in backend._kernels
-    assert compiled.sort_sample(cases["randn"], np.arange(compiled.MIN_SORT_VALUES - 1)) is None  # numpy's turn
+    assert compiled_grid.sort_sample(cases["randn"], np.arange(compiled_grid.MIN_SORT_VALUES - 1)) is None  # numpy's turn
 
 
 @pytest.mark.parametrize("bad, error", [((float("nan"),), "inf/NaN"), ((float("-inf"),), "inf/NaN"),
@@ -396,7 +396,7 @@ def test_not_applicable_returns_false():
     out = torch.empty(10, dtype=torch.uint8)
     small = torch.randn(100)
     assert not compiled.encode_uniform(small, small[:1], small[:1], 8, 100, out)
-    assert compiled.bucket_extrema(np.zeros(3 * CHUNK, np.float32), np.zeros(31, np.float32)) is None  # S = 5 > 4
+    assert compiled_grid.bucket_extrema(np.zeros(3 * CHUNK, np.float32), np.zeros(31, np.float32)) is None  # S = 5 > 4
 
 
 @needs_c
@@ -414,7 +414,7 @@ def test_message_values_refuses_buffers_of_another_size():
 @needs_c
 def test_stochastic_rounding_stays_eager(monkeypatch):
     """Stochastic rounding draws from torch's generator: no fused kernel is asked for it."""
-    calls, sampled_grid = [], compiled.sampled_grid
+    calls, sampled_grid = [], compiled_grid.sampled_grid
     for module, name in ((compiled, "encode_uniform"), (compiled, "encode_buckets"),
                          (compiled, "uniform_message")):  # recorded, not applied
         monkeypatch.setattr(module, name, lambda *a, name=name: calls.append(name))
@@ -424,7 +424,7 @@ def test_stochastic_rounding_stays_eager(monkeypatch):
             calls.append("sampled_grid(pack=True)")
         return sampled_grid(x, positions, ranks, quant_bits, pack)
 
-    monkeypatch.setattr(compiled, "sampled_grid", grid_only_unless_asked)
+    monkeypatch.setattr(compiled_grid, "sampled_grid", grid_only_unless_asked)
     x = torch.randn(4 * CHUNK)
     get_codec("quant", bits=4, stochastic=True).encode(x)
     get_codec("sortquant", quant_bits=3, split_bits=1, stochastic=True).encode(x)

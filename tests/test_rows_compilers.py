@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dgpipe.compression import get_codec
-from dgpipe.compression.kernels import backend, compiled, rows
+from dgpipe.compression.kernels import backend, compiled, compiled_grid, rows
 from dgpipe.compression.kernels.bitpack import CHUNK
 from dgpipe.compression.steps.levels import normal_levels
 from helpers import ROOT, load_benchmark, needs_c
@@ -163,7 +163,7 @@ def test_codes_on_aarch64_equal_the_installed_build(aarch64_codes_driver, monkey
     mids, scale = (levels[1:] + levels[:-1]) / 2, torch.tensor([0.75])
     meta, codes8 = compiled.uniform_message(x, float(lo), float(hi), 8)
     y8 = compiled.message_values(codes8, 8, 0, meta, n)
-    grid, codes62 = compiled.sampled_grid(x.numpy(), positions, ranks, 6, pack=True)
+    grid, codes62 = compiled_grid.sampled_grid(x.numpy(), positions, ranks, 6, pack=True)
     grid[3, 2:] = 0.0  # unused
     y62 = compiled.message_values(torch.from_numpy(codes62), 6, 2, torch.from_numpy(grid[:2].reshape(-1)), n)
     codes2, y2 = torch.empty(n // 4, dtype=torch.uint8), torch.empty(n)

@@ -21,13 +21,13 @@ has no Python loop over buckets or values:
    ``benchmarks/codec_speed.py`` measures it), read off the sorted sample (on CPU a
    radix sort, :func:`..kernels.buckets.sort_sample`, else numpy's sort); a zero boundary is +0.0
    (a small message's whole grid and its codes come from one compiled call,
-   :func:`..kernels.compiled.sampled_grid`, and its decode from another,
+   :func:`..kernels.compiled_grid.sampled_grid`, and its decode from another,
    :func:`..kernels.compiled.message_values`);
 2. the bucket of ``x`` is the number of boundaries ``<= x`` (:class:`..kernels.BucketIndex`);
 3. bucket ``i``'s min is ``b_i`` itself (a value of the tensor, and the smallest one in
    the bucket; the global min for bucket 0); its max comes with the sort for small
    tensors, else from one pass over the values that also finds the global min
-   (:func:`..kernels.compiled.bucket_extrema`, or eager ``torch.aminmax`` and one ``scatter_reduce``
+   (:func:`..kernels.compiled_grid.bucket_extrema`, or eager ``torch.aminmax`` and one ``scatter_reduce``
    over the bucket indices); a zero min or max is sent as +0.0;
 4. levels, codes and bit-packing run in one compiled loop on CPU (:mod:`..kernels.compiled`, up
    to 16 buckets), else block by block (:func:`..kernels.uniform.blocks`: cache-sized blocks on

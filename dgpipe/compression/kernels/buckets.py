@@ -10,10 +10,10 @@ tensor:
    values -- read off the sorted sample (:func:`sort_sample`: a radix sort on CPU); a zero
    boundary is +0.0. Bucket ``i``'s min is boundary ``i`` (the global min for bucket 0),
    its max comes with the sort for small tensors, else from one pass over the values that
-   also finds the global min (:func:`.compiled.bucket_extrema`; on a GPU the Triton
+   also finds the global min (:func:`.compiled_grid.bucket_extrema`; on a GPU the Triton
    maxima; the reference a :class:`BucketIndex` and a ``scatter_reduce``). Then the steps.
    A small CPU message does all of it, and its codes, in one compiled call
-   (:func:`.compiled.sampled_grid`).
+   (:func:`.compiled_grid.sampled_grid`).
 2. :func:`bucket_codes`: ``bucket * 2**Q + level`` per value, bit-packed; the bucket of
    ``x`` is the number of boundaries ``<= x``.
 3. :func:`bucket_values`: ``mins[b] + level * step[b]``.
@@ -28,7 +28,7 @@ import functools
 import numpy as np
 import torch
 
-from . import compiled
+from . import compiled, compiled_grid
 from .backend import empty, enabled
 from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, packed_nbytes, unpack_bits
@@ -93,11 +93,11 @@ def _boundary_ranks(m: int, buckets: int) -> np.ndarray:
 def sort_sample(x: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
     """``np.sort(x[positions])`` (or of all of ``x``): float32 ``(m,)`` ascending.
 
-    A radix sort on CPU where the kernels are on (:func:`.compiled.sort_sample`: 2-3x numpy's on
+    A radix sort on CPU where the kernels are on (:func:`.compiled_grid.sort_sample`: 2-3x numpy's on
     the 2k-16k values of a boundary sample; equal value for value, only the order among equal values
     may differ: ``-0.0`` before ``+0.0``), else numpy's sort.
     """
-    s = compiled.sort_sample(x, positions) if enabled() else None
+    s = compiled_grid.sort_sample(x, positions) if enabled() else None
     return np.sort(x if positions is None else x[positions]) if s is None else s
 
 
@@ -170,7 +170,7 @@ class BucketGrid:
 
     @classmethod
     def of_rows(cls, grid: np.ndarray, packed: torch.Tensor | None) -> "BucketGrid":
-        """The grid of :func:`.compiled.sampled_grid`'s float32 rows (mins, step, divisor); the tensors
+        """The grid of :func:`.compiled_grid.sampled_grid`'s float32 rows (mins, step, divisor); the tensors
         other than ``meta`` are made when first asked for (a small message coded in the same call needs
         only ``meta``: each tensor made costs a microsecond or two)."""
         made = cls.__new__(cls)
@@ -214,7 +214,7 @@ def _cpu_grid(flat: torch.Tensor, buckets: int, m: int, codec_name: str
     if m < n:
         found = None
         if choose(flat) == "c":
-            found = compiled.bucket_extrema(xs, bounds)
+            found = compiled_grid.bucket_extrema(xs, bounds)
         if found is None:
             lo, _ = range_of(flat, codec_name)
             bounds_t = torch.from_numpy(bounds)
@@ -266,7 +266,7 @@ def bucket_ranges(flat: torch.Tensor, buckets: int, codec_name: str
         buckets ``1 ..``: ``s[(i * m) // buckets]``, ``s`` the sorted :func:`sample_size` values (each a
         value of ``flat``). ``mins``: per-bucket min, ``(lo, *bounds)`` with ``lo`` the min of ``flat``.
         ``maxs``: per-bucket max (= min for an empty bucket; a zero as ``+0.0``) when the split is exact
-        or a sampled split's compiled pass found it (:func:`.compiled.bucket_extrema`), else None.
+        or a sampled split's compiled pass found it (:func:`.compiled_grid.bucket_extrema`), else None.
 
     Raises:
         ValueError: ``flat`` holds inf or NaN (:func:`.uniform.finite_range`).
@@ -277,12 +277,12 @@ def bucket_ranges(flat: torch.Tensor, buckets: int, codec_name: str
 
 def _one_call(flat: torch.Tensor, buckets: int, quant_bits: int, codec_name: str, pack: bool) -> BucketGrid | None:
     """The grid (and with ``pack`` the whole chunks' codes) of a sampled split in one compiled call
-    (:func:`.compiled.sampled_grid`), or None where that does not apply."""
+    (:func:`.compiled_grid.sampled_grid`), or None where that does not apply."""
     n = flat.numel()
     m = sample_size(n, buckets)
     if m == n or choose(flat) != "c":
         return None
-    result = compiled.sampled_grid(flat.detach().numpy(), _cpu_sample_positions(n, m),
+    result = compiled_grid.sampled_grid(flat.detach().numpy(), _cpu_sample_positions(n, m),
                                         _boundary_ranks(m, buckets), quant_bits, pack)
     if result is None:
         return None

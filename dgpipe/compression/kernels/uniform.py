@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import compiled, deferred
+from . import compiled, compiled_grid, deferred
 from .backend import empty
 from .dispatch import choose, kernels_of
 from .bitpack import CHUNK, pack_bits, pack_bits_into, packed_nbytes, unpack_bits
@@ -295,7 +295,7 @@ def uniform_message(values: torch.Tensor, bits: int, codec_name: str,
         ``(meta, packed)``: float32 ``(2,)`` ``[lo, step]``, ``lo = min(values)``,
         ``step = (max(values) - lo) / (2**bits - 1)`` (a zero min or max as ``+0.0``), and the uint8 code
         stream (:func:`uniform_codes`). On the CPU the range is one compiled pass
-        (:func:`.compiled.value_range`), and a small message's grid and codes one more call; on the GPU,
+        (:func:`.compiled_grid.value_range`), and a small message's grid and codes one more call; on the GPU,
         two kernel launches that read nothing back to the host (:func:`.triton_codes.encode_message`).
 
     Raises:
@@ -311,7 +311,7 @@ def uniform_message(values: torch.Tensor, bits: int, codec_name: str,
             n = values.numel()
             return grid[:2], pack_tail(out, n, bits, lambda start: _tail_codes(values, grid[:1], grid[2:], bits, n,
                                                                                 start))
-    found = compiled.value_range(values.detach().numpy()) if backend == "c" and values.is_contiguous() else None
+    found = compiled_grid.value_range(values.detach().numpy()) if backend == "c" and values.is_contiguous() else None
     if found is None:
         lo, hi = torch.aminmax(values)
         lo, hi = lo + 0.0, hi + 0.0  # a zero as +0.0: which zero a min or max keeps depends on the order
