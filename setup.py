@@ -1,14 +1,20 @@
+import re
+
 from setuptools import Extension, find_packages, setup
 
 # The compiled CPU kernels, plain C libraries that dgpipe loads with ctypes. Optional: without a C compiler the
 # package installs and runs the reference torch steps (and says so once).
 KERNELS = "dgpipe/compression/kernels/"
+# Codes per chunk of the packed layout: defined once (bitpack.CHUNK), given to the C kernels as DGPIPE_CHUNK.
+with open(KERNELS + "bitpack.py") as f:
+    LAYOUT = [("DGPIPE_CHUNK", re.search(r"^CHUNK = (\d+)$", f.read(), re.M).group(1))]
 # The per-value codec steps (codes.c). -ffp-contract=off: a fused multiply-add would round a decode's
 # lo + code * step once where the reference rounds twice; -fno-math-errno lets rintf vectorise.
 CODES = Extension(
     "dgpipe.compression.kernels._codes",
     sources=[KERNELS + "codes.c"],
     depends=[KERNELS + "variants.h", KERNELS + "team.h", KERNELS + "layout.h", KERNELS + "sample_sort.h"],
+    define_macros=LAYOUT,
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
     libraries=["m"],
     optional=True,
@@ -19,7 +25,9 @@ CODES = Extension(
 ROWS = Extension(
     "dgpipe.compression.kernels._rows",
     sources=[KERNELS + "rows.c"],
-    depends=[KERNELS + "variants.h", KERNELS + "team.h", KERNELS + "vectors.h", KERNELS + "rotation.h"],
+    depends=[KERNELS + "variants.h", KERNELS + "team.h", KERNELS + "vectors.h", KERNELS + "rotation.h",
+             KERNELS + "layout.h"],
+    define_macros=LAYOUT,
     extra_compile_args=["-O3", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"],
     libraries=["m"],
     optional=True,

@@ -94,7 +94,8 @@ def cross_build(tmp_path_factory, kernel: str, flags: list[str]) -> Path:
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
     out = tmp_path_factory.mktemp("aarch64") / f"{kernel}_driver"
-    proc = subprocess.run([CROSS[0], *flags, "-static", str(ROOT / f"dgpipe/compression/kernels/{kernel}.c"),
+    proc = subprocess.run([CROSS[0], *flags, f"-DDGPIPE_CHUNK={CHUNK}", "-static",
+                           str(ROOT / f"dgpipe/compression/kernels/{kernel}.c"),
                            str(ROOT / f"tests/{kernel}_driver.c"), "-lm", "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"the aarch64 build failed:\n{proc.stderr[-4000:]}"

@@ -1,5 +1,5 @@
 /*
- * The packed layout of bitpack.py in compiled C, for codes.c: a chunk of CHUNK codes of 1-16 bits packed into
+ * The packed layout of bitpack.py in compiled C, for codes.c and rows.c: a chunk of CHUNK codes of 1-16 bits packed into
  * a stream of n codes -- k = (bits - 1) / 8 planes of low bytes (n bytes each), then per chunk the r = bits - 8k
  * high bits of each code, g = 8 / gcd(r, 8) lanes of CHUNK / g codes sharing a word of w = g * r / 8 bytes,
  * stored as w byte planes -- and back. The code width is a constant inside each specialised body (pack_any,
@@ -13,7 +13,11 @@
 
 #include "variants.h"
 
-#define CHUNK 4096 /* codes per chunk of the packed layout (bitpack.CHUNK) */
+/* Codes per chunk of the packed layout: defined once, as bitpack.CHUNK, and given by the build (setup.py). */
+#ifndef DGPIPE_CHUNK
+#error "build with -DDGPIPE_CHUNK=<dgpipe.compression.kernels.bitpack.CHUNK>, as setup.py does"
+#endif
+#define CHUNK DGPIPE_CHUNK
 
 /* Codes (each < 2**bits, bits 1..16) of chunk c into the stream `out` of n codes. */
 static inline INLINE void pack_chunk(const uint16_t *codes, int bits, uint8_t *out, long n, long c) {

@@ -43,12 +43,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layout.h"
 #include "rotation.h"
 #include "team.h"
 #include "variants.h"
 #include "vectors.h"
-
-#define CHUNK 4096 /* codes per chunk of the packed layout (bitpack.CHUNK) */
 
 /* a > b, lane by lane (-1 or 0), whole or in halves (`wide`). */
 static inline INLINE vi greater(vf a, vf b, int wide) {
@@ -189,8 +188,9 @@ static inline INLINE void code_chunk(const float *y, long wpad, long width, cons
         }
 }
 
-/* A chunk of CHUNK codes, one byte each, to bitpack.py's layout (LANES) and back. */
-static inline INLINE void pack_chunk(const uint8_t *codes, int bits, uint8_t *out) {
+/* A chunk of CHUNK codes of 1-8 bits, one byte each, to layout.h's packed layout (LANES) and back: its byte-code
+ * form, without the low-byte planes of wider codes. */
+static inline INLINE void pack_byte_chunk(const uint8_t *codes, int bits, uint8_t *out) {
     int g = LANES(bits), w = g * bits / 8;
     long cg = CHUNK / g;
     for (long j = 0; j < cg; j++) {
@@ -202,7 +202,7 @@ static inline INLINE void pack_chunk(const uint8_t *codes, int bits, uint8_t *ou
     }
 }
 
-static inline INLINE void unpack_chunk(const uint8_t *in, int bits, uint8_t *codes) {
+static inline INLINE void unpack_byte_chunk(const uint8_t *in, int bits, uint8_t *codes) {
     int g = LANES(bits), w = g * bits / 8;
     long cg = CHUNK / g;
     for (long j = 0; j < cg; j++) {
@@ -281,7 +281,7 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
             else {
                 for (long i = 0; i < nr; i++)
                     row_codes(y + i * wpad, width, scl[i], mv, mids, bits, wide, rc + i * width);
-                pack_chunk(rc, bits, out + p0 / CHUNK * chunk_bytes);
+                pack_byte_chunk(rc, bits, out + p0 / CHUNK * chunk_bytes);
             }
             continue;
         }
@@ -296,7 +296,7 @@ static inline INLINE int encode_body(const float *x, const float *signs, long ro
             long c = p / CHUNK, ce = (c + 1) * CHUNK < e ? (c + 1) * CHUNK : e;
             memcpy(chunk + (p - c * CHUNK), rc + (p - p0), ce - p);
             if (ce == (c + 1) * CHUNK)
-                pack_chunk(chunk, bits, out + c * chunk_bytes);
+                pack_byte_chunk(chunk, bits, out + c * chunk_bytes);
             p = ce;
         }
     }
@@ -408,7 +408,7 @@ static inline INLINE int decode_body(const uint8_t *packed, int bits, const floa
             }
             long c = p / CHUNK, ce = (c + 1) * CHUNK < p1 ? (c + 1) * CHUNK : p1;
             if (c != have) {
-                unpack_chunk(packed + c * chunk_bytes, bits, chunk);
+                unpack_byte_chunk(packed + c * chunk_bytes, bits, chunk);
                 have = c;
             }
             widen(rc + (p - p0), chunk + (p - c * CHUNK), ce - p);
