@@ -6,19 +6,17 @@ LoRA: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .lm import LMOptions
-
 __all__ = ["check_lora", "lora_config", "add_adapters"]
 
 
-def check_lora(opts: "LMOptions", model_config) -> None:
-    """``--lora`` flags against the model's modules (a model built on the meta device: no weights allocated).
+def check_lora(opts: Any, model_config) -> None:
+    """``--lora`` flags (``opts``: the LM job's options, :class:`~dgpipe.train.lm.LMOptions`) against the model's
+    modules (a model built on the meta device: no weights allocated).
 
     Raises:
         ValueError: a rank below 0, an alpha <= 0, a dropout outside [0, 1), a LoRA flag without ``--lora``,
@@ -41,7 +39,7 @@ def check_lora(opts: "LMOptions", model_config) -> None:
         raise ValueError(f"--lora-targets {opts.lora_targets}: {first}") from None
 
 
-def lora_config(opts: "LMOptions"):
+def lora_config(opts: Any):
     """The ``peft.LoraConfig`` of ``--lora`` (a causal LM's adapters), or None without ``--lora``."""
     if not opts.lora:
         return None
