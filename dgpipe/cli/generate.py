@@ -43,9 +43,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="random initialisation from a preset instead (needs --tokenizer)")
     m.add_argument("--checkpoint", metavar="DIR",
                    help="the newest complete checkpoint of a dgpipe-lm run (its --save folder): the run's model with "
-                        "its trained weights and LoRA adapters (merged), and its tokenizer, instead of --model")
+                        "its trained weights and LoRA adapters (merged), and its tokenizer, instead of --model; a run "
+                        "with boundary bottlenecks (--bottleneck, client/server) is split where it was trained, each "
+                        "pair's channels crossing the link")
     m.add_argument("--tokenizer", metavar="DIR_OR_NAME", help="tokenizer (default: --model's own)")
-    m.add_argument("--client-layers", type=int, default=1, help="decoder blocks the client holds at each end")
+    m.add_argument("--client-layers", type=int,
+                   help="decoder blocks the client holds at each end (default 1; a --checkpoint run with bottlenecks: "
+                        "its own)")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable: one batch, left-padded)")
     g.add_argument("--prompts-file", type=Path, help="one prompt per line, added to --prompt")
@@ -104,7 +108,7 @@ def _config(args: argparse.Namespace):
         prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("give --prompt TEXT or --prompts-file FILE")
-    if args.max_new_tokens < 1 or args.client_layers < 0:
+    if args.max_new_tokens < 1 or (args.client_layers is not None and args.client_layers < 0):
         raise ValueError("--max-new-tokens must be >= 1 and --client-layers >= 0")
     if args.max_tokens < 1 or (args.max_length is not None and args.max_length < 1):
         raise ValueError("--max-length and --max-tokens take a number of tokens >= 1")
@@ -119,22 +123,25 @@ def _config(args: argparse.Namespace):
 
 
 def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
-    """In the launcher: the model's config and tokenizer load (a ``--checkpoint``'s whole run), and the longest prompt
-    plus ``--max-new-tokens`` fits the model's context (and the server's ``--max-length``).
+    """In the launcher: the model's config and tokenizer load (a ``--checkpoint``'s whole run), the longest prompt
+    plus ``--max-new-tokens`` fits the model's context (and the server's ``--max-length``), and the client's layers
+    are where a run's bottlenecks sit (``args.client_layers`` set: given, the run's, or 1).
 
     Raises:
-        ValueError: one line: a model or tokenizer that does not load, or a generation past the context.
+        ValueError: one line: a model or tokenizer that does not load, a run whose bottlenecks split generation
+            cannot take or that sit elsewhere than ``--client-layers`` says, or a generation past the context.
     """
     from transformers import AutoConfig, AutoTokenizer
 
     from dgpipe.data.text import load_tokenizer
     from dgpipe.models.causal_lm import resolve_lm
 
+    cut = None
     try:
         if args.checkpoint is not None:
             from dgpipe.train.export import run_context
 
-            tokenizer, context = run_context(args.checkpoint)
+            tokenizer, context, cut = run_context(args.checkpoint)
         elif args.model is not None:
             source = resolve_lm(args.model)
             extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -147,6 +154,10 @@ def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         what = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--model {args.model or args.model_config}"
         raise ValueError(f"cannot load {what} or its tokenizer: {first}") from None
+    if cut is not None and args.client_layers not in (None, cut):
+        raise ValueError(f"--client-layers {args.client_layers}: the run's bottlenecks sit after the client's {cut} "
+                         f"block(s) at each end; give --client-layers {cut} or leave it out")
+    args.client_layers = (1 if cut is None else cut) if args.client_layers is None else args.client_layers
     longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
     limits = [v for v in (context, args.max_length) if v is not None]
     if limits and longest + args.max_new_tokens > min(limits):
@@ -155,11 +166,13 @@ def _check_fit(args: argparse.Namespace, prompts: list[str]) -> None:
 
 
 def _load(args: argparse.Namespace):
-    """``(model, tokenizer)`` in evaluation mode."""
+    """``(model, tokenizer, stages)`` in evaluation mode: ``stages`` the client's front, the server's and the
+    client's back layers, each a list."""
     from transformers import AutoTokenizer
 
     from dgpipe.data.text import load_tokenizer
-    from dgpipe.models.causal_lm import build_causal_lm, preset_config, resolve_lm
+    from dgpipe.models import client_server_split
+    from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config, resolve_lm
 
     if args.checkpoint is not None:
         from dgpipe.train.export import load_run
@@ -167,6 +180,11 @@ def _load(args: argparse.Namespace):
         run = load_run(args.checkpoint)
         model = run.peft_model.merge_and_unload() if run.peft_model is not None else run.model
         tokenizer = run.tokenizer
+        if run.stages is not None:  # cut where the run was, its pairs at the boundaries (run_context checked it)
+            tokenizer.padding_side = "left"
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            return model.eval(), tokenizer, [list(stage.children()) for stage in run.stages]
     elif args.model is not None:
         source = resolve_lm(args.model)
         model = build_causal_lm(source)
@@ -179,7 +197,7 @@ def _load(args: argparse.Namespace):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer, client_server_split(causal_lm_layers(model), args.client_layers, (1, 1))
 
 
 def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -189,12 +207,9 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     from dgpipe.comm import BandwidthMeter
     from dgpipe.comm.delay import DelayLine
     from dgpipe.generation import ClientStages, LocalServer, RemoteServer, StageBlocks, generate, serve
-    from dgpipe.models import client_server_split
-    from dgpipe.models.causal_lm import causal_lm_layers
 
     (act, back), prompts, sampling = _config(args)
-    model, tokenizer = _load(args)
-    front, middle, last = client_server_split(causal_lm_layers(model), args.client_layers, (1, 1))
+    model, tokenizer, (front, middle, last) = _load(args)
     meter = BandwidthMeter()
     delay = DelayLine(args.link_delay_ms / 1000) if args.link_delay_ms else None
     if rank == 1:
@@ -203,14 +218,16 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
               limits=ServerLimits(args.max_length, args.max_tokens))
         return
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    client = ClientStages(front, last, model.config)
     server = LocalServer(StageBlocks(middle, model.config), act, back, meter, args.channel_mean,
                          channel_scale=args.channel_scale) \
         if world_size == 1 else RemoteServer(1, act, back, meter, args.timeout, delay=delay,
-                                             channel_mean=args.channel_mean, channel_scale=args.channel_scale)
+                                             channel_mean=args.channel_mean, channel_scale=args.channel_scale,
+                                             answer_width=client.last.width_in)
     generator = torch.Generator().manual_seed(args.seed)
     steps: list[float] = []
     try:
-        out = generate(ClientStages(front, last, model.config), server, batch["input_ids"], batch["attention_mask"],
+        out = generate(client, server, batch["input_ids"], batch["attention_mask"],
                        args.max_new_tokens, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id, generator,
                        getattr(model.config, "max_position_embeddings", None), steps)
     finally:
@@ -221,10 +238,12 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     n = new.numel()
     print(f"time to first token {steps[0] * 1e3:.1f} ms; {n} tokens in {sum(steps):.2f} s "
           f"({n / sum(steps):.1f} tokens/s, batch {len(prompts)})")
-    for rec in meter.records():
-        sent = rec["wire_bytes"] or rec["recv_bytes"]
+    widths = {"client->server": client.first.width_out, "server->client": client.last.width_in}
+    for rec in meter.records():  # bits a value of the model's width: a bottleneck's channels count against H
+        sent, share = rec["wire_bytes"] or rec["recv_bytes"], widths[rec["name"]] / model.config.hidden_size
         print(f"{rec['name']}: {rec['count'] or rec['recv_count']} messages, {sent / 1e3:.1f} kB on the wire"
-              + (f" ({32 * sent / rec['raw_bytes']:.2f} bits/value of float32)" if rec["raw_bytes"] else ""))
+              + (f" ({32 * sent / rec['raw_bytes'] * share:.2f} bits/value of float32 over the model's "
+                 f"{model.config.hidden_size} channels)" if rec["raw_bytes"] else ""))
     if args.log_file is not None:
         record = {"event": "generate", "batch": len(prompts), "prompt_length": int(batch["input_ids"].shape[1]),
                   "new_tokens": int(new.shape[1]), "step_seconds": steps, "time_to_first_token": steps[0],

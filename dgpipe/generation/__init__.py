@@ -12,6 +12,12 @@ once, losslessly (``intpack``), at prefill; the server keeps its own copy, grown
 derives the positions from it exactly as the client does. Each block keeps its keys and values in its
 stage's ``transformers.DynamicCache``.
 
+A model trained with boundary bottlenecks (:mod:`dgpipe.models.bottleneck`) is split where it was trained: the
+client's front ends with the encoder of the first pair, the server starts with its decoder and ends with the
+encoder of the second, and the client's back starts with that decoder, so each direction carries its pair's
+channels (:class:`StageBlocks`: ``width_in``/``width_out``); anchored pairs, which need the token ids on both
+sides, are refused.
+
 What the unsplit ``model.generate`` computes, step for step: positions ``cumsum(mask) - 1`` (0 at pads)
 and one more per step; no mask at all when the prompts have no padding; greedy decoding or sampling with
 temperature, top-k and top-p applied in that order to the last position's logits (as ``transformers``'

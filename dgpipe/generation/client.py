@@ -4,6 +4,7 @@ scoring loops (:mod:`dgpipe.generation`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -71,14 +72,17 @@ class RemoteServer:
     the running per-channel means both sides keep (module docstring; ``alpha``: the least weight of a new row,
     :data:`ALPHA`); ``channel_scale``: also weigh each channel of the residual by its running variance to the
     power -1/4 (:class:`~dgpipe.compression.wrappers.reference.ScaledReferenceCoder`). :func:`serve` must be
-    given the same; a ``channel_scale`` without ``channel_mean`` is a ``ValueError``.
+    given the same; a ``channel_scale`` without ``channel_mean`` is a ``ValueError``. ``answer_width``: the
+    channels of the server's answers (its last bottleneck's width, :attr:`StageBlocks.width_out`; ``None``: as
+    many as the client sends).
     """
 
     def __init__(self, peer: int = 1, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
                  meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
                  delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA,
-                 channel_scale: bool = False) -> None:
+                 channel_scale: bool = False, answer_width: int | None = None) -> None:
         self.send_stream, self.recv_stream = Sender(peer, group, TAG, delay), Receiver(peer, group, TAG + 1)
+        self.answer_width = answer_width
         self.codec = Stream(act_codec, channel_mean, alpha, channel_scale)
         self.back = Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
         self.mask_codec = get_codec("intpack")
@@ -102,11 +106,12 @@ class RemoteServer:
         self.to_server.send(self.send_stream, message, [kind, self.past, b, length], "client->server").wait(
             self.timeout)
         who = f"server (rank {self.peer})"
-        answer = self.from_server.receive(self.recv_stream, "cpu", self.timeout, self.max_bytes(hidden))
+        shape = (b, length, hidden.shape[2] if self.answer_width is None else self.answer_width)
+        answer = self.from_server.receive(self.recv_stream, "cpu", self.timeout, self.max_bytes(shape))
         if answer.meta != [HIDDEN, self.past, b, length] or len(answer.payloads) != 1:
             raise ValueError(f"{who} answered {answer.meta} with {len(answer.payloads)} payloads to a "
                              f"{['', 'prefill', 'decode'][kind]} of {b}x{length} tokens at past {self.past}")
-        checked_header(answer.payloads[0], self.back.codec, tuple(hidden.shape), None, who, "hidden states")
+        checked_header(answer.payloads[0], self.back.codec, shape, None, who, "hidden states")
         with self.from_server.decoding("generate", answer):
             try:
                 out = self.back.decode(answer.payloads[0], keys)
@@ -118,10 +123,10 @@ class RemoteServer:
         return out.to(hidden.dtype)
 
     @staticmethod
-    def max_bytes(hidden: torch.Tensor) -> int:
-        """Most bytes of the server's answer to ``hidden``: its values uncoded in float64 and 64 KiB of
-        headers and framing."""
-        return hidden.numel() * 8 + (1 << 16)
+    def max_bytes(shape: tuple[int, ...]) -> int:
+        """Most bytes of a server's answer of hidden states of ``shape``: its values uncoded in float64 and 64 KiB
+        of headers and framing."""
+        return math.prod(shape) * 8 + (1 << 16)
 
     def close(self) -> None:
         """Tell the server this client is done (it returns from :func:`serve`)."""

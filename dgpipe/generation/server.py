@@ -75,7 +75,7 @@ class _Gate:
 
     def __init__(self, blocks: StageBlocks, peer: int, limits: ServerLimits, act: Stream) -> None:
         self.who, self.act = f"client (rank {peer})", act
-        self.hidden_size, self.dtype = blocks.config.hidden_size, blocks.dtype
+        self.hidden_size, self.dtype = blocks.width_in, blocks.dtype
         self.context, self.max_tokens = limits.context(blocks.config), limits.max_tokens
         self.max_bytes = limits.message_bytes(self.hidden_size, max(self.dtype.itemsize, 4))
         self.mask_codec = get_codec("intpack")

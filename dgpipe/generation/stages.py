@@ -9,27 +9,52 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from dgpipe.models.bottleneck import BottleneckDecoder, BottleneckEncoder
 from dgpipe.models.causal_lm import CausalEmbeddings, CausalLMHead, DecoderBlock
 
 __all__ = ["StageBlocks", "ClientStages"]
 
 
 class StageBlocks:
-    """A stage's decoder blocks with their KV cache: ``hidden`` ``(B, L, H)`` -> ``(B, L, H)`` per step.
+    """A stage's decoder blocks with their KV cache: hidden states ``(B, L, width_in)`` -> ``(B, L, width_out)``
+    per step; with boundary bottlenecks (:mod:`dgpipe.models.bottleneck`) the stage starts with the decoder of the
+    pair before it (``d -> H``) and ends with the encoder of the pair after it (``H -> d``), so what crosses
+    each boundary is the pair's ``d`` channels.
 
     Args:
-        blocks: consecutive :class:`~dgpipe.models.causal_lm.DecoderBlock` layers.
+        layers: an optional :class:`~dgpipe.models.bottleneck.BottleneckDecoder`, consecutive
+            :class:`~dgpipe.models.causal_lm.DecoderBlock` layers, an optional
+            :class:`~dgpipe.models.bottleneck.BottleneckEncoder`.
         config: the model config (sizes the cache).
+
+    Raises:
+        ValueError: other layers, or an anchored bottleneck (it needs the token ids, which split generation keeps
+            on the client).
     """
 
-    def __init__(self, blocks: Iterable[nn.Module], config) -> None:
-        blocks = list(blocks)
-        if not all(isinstance(b, DecoderBlock) for b in blocks):
-            raise ValueError("a stage of split generation holds DecoderBlock layers only")
-        self.blocks, self.config = blocks, config
+    def __init__(self, layers: Iterable[nn.Module], config) -> None:
+        layers = list(layers)
+        first, last = (layers[0], layers[-1]) if layers else (None, None)
+        self.decoder = first if isinstance(first, BottleneckDecoder) else None
+        self.encoder = last if isinstance(last, BottleneckEncoder) else None
+        layers = layers[self.decoder is not None: len(layers) - (self.encoder is not None)]
+        if not all(isinstance(b, DecoderBlock) for b in layers):
+            raise ValueError("a stage of split generation holds DecoderBlock layers only (with a bottleneck's "
+                             "decoder first and an encoder last)")
+        if any(pair is not None and pair.anchor is not None for pair in (self.decoder, self.encoder)):
+            raise ValueError("an anchored bottleneck (--bottleneck-anchor) needs the token ids on both sides of its "
+                             "boundary; split generation keeps them on the client")
+        self.blocks, self.config = layers, config
         self.cache = None
-        self.dtype = next((p.dtype for b in blocks for p in b.parameters() if p.is_floating_point()), torch.float32)
-        """The blocks' floating dtype: what the hidden states they take must be."""
+        self._blocks_dtype: torch.dtype = next((p.dtype for b in layers for p in b.parameters()
+                                                if p.is_floating_point()), torch.float32)
+        self.dtype: torch.dtype = self._blocks_dtype if self.decoder is None else self.decoder.proj.weight.dtype
+        """What the hidden states the stage takes must be: the blocks' floating dtype, or its bottleneck's."""
+        hidden_size = int(config.hidden_size)
+        self.width_in: int = hidden_size if self.decoder is None else self.decoder.proj.in_features
+        """Channels of the hidden states the stage takes: a bottleneck's width, else the model's."""
+        self.width_out: int = hidden_size if self.encoder is None else self.encoder.proj.out_features
+        """Channels of the hidden states the stage gives."""
 
     def reset(self) -> None:
         """Drop the cache (a new batch of prompts)."""
@@ -39,15 +64,21 @@ class StageBlocks:
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        if self.decoder is not None:
+            hidden = self.decoder(hidden.to(self.dtype)).to(self._blocks_dtype)
         for block in self.blocks:
             hidden = block.step(hidden, mask, positions, self.cache)
+        if self.encoder is not None:
+            hidden = self.encoder(hidden.to(self.encoder.proj.weight.dtype))
         return hidden
 
 
 class ClientStages:
     """The client's layers of a split LM: the embeddings and first blocks (``front``), the last blocks and
     the head (``back``), each block run with the client's KV cache (:class:`StageBlocks`) -- the client's
-    stages of ``client_server_split(causal_lm_layers(model), k, (1, 1))`` (:mod:`dgpipe.models.split`).
+    stages of ``client_server_split(causal_lm_layers(model), k, (1, 1))`` (:mod:`dgpipe.models.split`), or of a
+    run's client/server partition with boundary bottlenecks (``front`` then ends with an encoder, ``back`` starts
+    with a decoder).
 
     Raises:
         ValueError: ``front`` does not start with the embeddings or ``back`` does not end with the head.

@@ -10,14 +10,17 @@ weights (``peft``'s ``merge_and_unload``), tied embeddings kept tied -- or, with
 adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that loads on top of the base model.
 The weights are written in float32 (weights a ``--precision bf16`` run stored in bf16 are widened exactly).
 
-A run with boundary bottlenecks (``--bottleneck``) has layers that no transformers architecture holds and is
-refused; a token reference or codec state is link state, not model, and is left out.
+A run with boundary bottlenecks (``--bottleneck``) has layers that no transformers architecture holds: the export
+refuses it, and :func:`load_run` gives its stages as the run cut them, each bottleneck pair at its boundary
+(:attr:`Run.stages`), which split generation runs (``dgpipe-lm generate --checkpoint``) where the run was cut
+client/server. A token reference or codec state is link state, not model, and is left out.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from dgpipe.models import Stage
+from dgpipe.models.bottleneck import insert_bottlenecks
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
 
 from . import checkpoint
@@ -45,6 +49,9 @@ class Run:
         tokenizer: the run's tokenizer.
         step: the checkpoint's optimizer step.
         args: the run's arguments (``meta.json``'s ``args``).
+        stages: with boundary bottlenecks, the run's stages (``nn.Sequential`` of the model's layers, the encoder
+            of each pair ending the stage before its boundary and the decoder starting the one after it), else
+            None.
     """
 
     model: nn.Module
@@ -52,6 +59,7 @@ class Run:
     tokenizer: Any
     step: int
     args: dict[str, Any]
+    stages: list[nn.Sequential] | None = None
 
 
 def _complete_step(directory: str) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
@@ -102,9 +110,6 @@ def _run_parts(directory: str) -> tuple[int, dict[str, Any], list[dict[str, Any]
     if any(n not in args for n in ("model", "model_config", "block_length")):
         raise ValueError(f"{directory}: not a language-model run (dgpipe-lm)")
     opts = LMOptions(**{n: args[n] for n in names if n in args})
-    if opts.bottleneck is not None:
-        raise ValueError(f"{directory}: the run has boundary bottlenecks (--bottleneck {opts.bottleneck}), layers no "
-                         "transformers architecture holds; export a run without them")
     tokenizer = lm_tokenizer(opts, args.get("data_dir"))
     config = random_config(opts, len(tokenizer))
     if config is None:
@@ -116,22 +121,36 @@ def _run_parts(directory: str) -> tuple[int, dict[str, Any], list[dict[str, Any]
     return step, meta, states, opts, tokenizer, config
 
 
-def run_context(directory: str) -> tuple[Any, int | None]:
-    """The tokenizer of the newest complete checkpoint's run and its model's context (tokens), without building the
-    model: what ``dgpipe-lm generate --checkpoint`` checks before any process starts.
+def run_context(directory: str) -> tuple[Any, int | None, int | None]:
+    """The tokenizer of the newest complete checkpoint's run, its model's context (tokens), and -- for a run with
+    boundary bottlenecks -- the decoder blocks its client held at each end (``--client-layers``: where its pairs
+    sit), else None; without building the model: what ``dgpipe-lm generate --checkpoint`` checks before any
+    process starts.
 
     Raises:
-        ValueError: see :func:`load_run`."""
-    *_, tokenizer, config = _run_parts(directory)
-    return tokenizer, getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        ValueError: see :func:`load_run`; a run with bottlenecks that was not cut client/server (split generation
+            runs a client and a server), or with anchored ones (``--bottleneck-anchor``: their pairs need the token
+            ids on both sides, which split generation keeps on the client)."""
+    _, meta, _, opts, tokenizer, config = _run_parts(directory)
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if opts.bottleneck is None:
+        return tokenizer, context, None
+    args = meta["args"]
+    if args.get("partition") != "client-server" or meta.get("mode") != "pipeline":
+        raise ValueError(f"{directory}: the run's bottlenecks sit at the boundaries of a {args.get('partition')} "
+                         "partition; split generation takes a run cut client/server (--partition client-server)")
+    if opts.bottleneck_anchor:
+        raise ValueError(f"{directory}: the run's bottlenecks are anchored (--bottleneck-anchor): they need the token "
+                         "ids on both sides of a boundary, which split generation keeps on the client")
+    return tokenizer, context, int(args["client_layers"])
 
 
 def load_run(directory: str) -> Run:
     """The model of the newest complete checkpoint under ``directory`` (see the module docstring).
 
     Raises:
-        ValueError: no complete checkpoint; not a language-model run; a run with boundary bottlenecks; weights that
-            do not fit the rebuilt model (names the first keys).
+        ValueError: no complete checkpoint; not a language-model run; anchored bottlenecks; weights that do not fit
+            the rebuilt model (names the first keys).
     """
     step, meta, states, opts, tokenizer, config = _run_parts(directory)
     args = meta["args"]
@@ -142,14 +161,51 @@ def load_run(directory: str) -> Run:
 
         peft_model = get_peft_model(model, lora_config(opts))
         model = peft_model.get_base_model()
-    whole = Stage(*causal_lm_layers(model))
-    missing, unexpected = whole.load_state_dict(_stage_states(meta, states), strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{directory}, step {step}: the weights do not fit the run's model (missing "
-                         f"{', '.join(missing[:3]) or 'none'}; unexpected {', '.join(unexpected[:3]) or 'none'})")
-    for p in whole.parameters():  # weights stored in 16 bits (--precision bf16) widen exactly
-        p.data = p.data.float()
-    return Run(model.eval(), peft_model, tokenizer, step, args)
+    layers = causal_lm_layers(model)
+    if opts.bottleneck is not None:
+        if opts.bottleneck_anchor:
+            raise ValueError(f"{directory}: anchored bottlenecks (--bottleneck-anchor) are not rebuilt from a "
+                             "checkpoint: their pairs share the token embedding")
+        saved = _saved_stages(states)
+        config_: Any = model.config
+        stages = _bottleneck_stages(layers, int(config_.hidden_size), saved)
+        parts = [(stage, saved[i]) for i, stage in zip(sorted(saved), stages)]
+    else:
+        stages, parts = None, [(Stage(*layers), _stage_states(meta, states))]
+    for module, state in parts:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{directory}, step {step}: the weights do not fit the run's model (missing "
+                             f"{', '.join(missing[:3]) or 'none'}; unexpected {', '.join(unexpected[:3]) or 'none'})")
+        for p in module.parameters():  # weights stored in 16 bits (--precision bf16) widen exactly
+            p.data = p.data.float()
+    for stage in stages or []:
+        stage.eval()
+    return Run(model.eval(), peft_model, tokenizer, step, args, stages)
+
+
+def _saved_stages(states: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """``{stage index: its weights}`` of a pipeline run's ranks (dgpipe's runtime or torch's schedules)."""
+    out = {}
+    for state in states:
+        engine = state["engine"]
+        for index, weights in (engine["stages"] if "stages" in engine else engine).items():
+            out[int(index)] = weights
+    return out
+
+
+def _bottleneck_stages(layers: list[nn.Module], hidden_size: int, saved: dict[int, dict[str, Any]]
+                       ) -> list[nn.Sequential]:
+    """The run's stages rebuilt from what each saved stage holds: the model's layers by their index, and a pair of
+    the saved width at each boundary whose stage saved an encoder (:func:`~dgpipe.models.bottleneck.insert_bottlenecks`;
+    the weights are loaded afterwards)."""
+    stages, widths = [], {}
+    for i in sorted(saved):
+        indices = sorted({int(k.split(".")[0]) for k in saved[i] if k.split(".")[0].isdigit()})
+        stages.append(nn.Sequential(OrderedDict((str(j), layers[j]) for j in indices)))
+        if "bottleneck_encoder.proj.weight" in saved[i]:
+            widths[i] = int(saved[i]["bottleneck_encoder.proj.weight"].shape[0])
+    return insert_bottlenecks(stages, widths, hidden_size, init="orthonormal")
 
 
 def _plain(model: Any) -> Any:
@@ -179,6 +235,10 @@ def export(directory: str, out: str, adapter_only: bool = False, overwrite: bool
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise ValueError(f"{out} exists and is not empty; choose a new folder or pass --overwrite")
     run = load_run(directory)
+    if run.stages is not None:
+        raise ValueError(f"{directory}: the run has boundary bottlenecks (--bottleneck {run.args.get('bottleneck')}), "
+                         "layers no transformers architecture holds; export a run without them (dgpipe-lm generate "
+                         "--checkpoint runs it split)")
     if adapter_only and run.peft_model is None:
         raise ValueError(f"--adapter-only: the run in {directory} trained no LoRA adapters (no --lora)")
     target.mkdir(parents=True, exist_ok=True)
