@@ -17,9 +17,15 @@ Settings ``+ means`` code each direction against the running per-channel means b
 (``channel_scale``); their link first carries ``--calibration`` training blocks and then learns on from every
 message, as a server that has served before; one link per setting serves all the prompt sets in turn.
 
+With ``--checkpoint DIR`` -- a ``dgpipe-lm`` run of this model trained client/server with boundary bottlenecks,
+e.g. adapted by ``--distill`` -- the settings of :data:`BOTTLENECK_SETTINGS` run through the run's stages (its
+pairs' channels cross, coded), while the reference (perplexity and greedy tokens) stays the unsplit original
+model; bits a value count each direction's bytes over the model's width (576 channels).
+
 Prints a markdown table (mean over the prompt sets and the 95% t-interval of the perplexity change).
 
     python benchmarks/lm_generate_quality.py [--blocks 8] [--length 64] [--new 16] [--sets 3] [--only A,B]
+        [--checkpoint DIR]
 """
 
 from __future__ import annotations
@@ -77,6 +83,38 @@ SETTINGS = {
 }
 
 
+def _rows(bits: int) -> tuple[str, dict]:
+    """Uniform min-max levels per token (``quant``) without a rotation: a bottleneck's channels are not a power of
+    two (the rotation would pad them)."""
+    return "quant", {"bits": bits, "group": "token", "scale_dtype": "bfloat16"}
+
+
+#: The settings of a run with bottlenecks (``--checkpoint``): its pairs' channels, coded.
+BOTTLENECK_SETTINGS = {
+    "pairs, float32": (("none", {}), ("none", {}), False, False),
+    "pairs, bf16": (("bf16", {}), ("bf16", {}), False, False),
+    "pairs, quant8": (_rows(8), _rows(8), False, False),
+    "pairs, quant6": (_rows(6), _rows(6), False, False),
+    "pairs, quant4": (_rows(4), _rows(4), False, False),
+    "pairs, quant2": (_rows(2), _rows(2), False, False),
+}
+
+
+def _adapted(directory: str):
+    """``(client, server stage, widths)`` of a run with bottlenecks: its stages (LoRA adapters merged) and the
+    channels each direction carries."""
+    from dgpipe.train.export import load_run
+
+    run = load_run(directory)
+    if run.stages is None:
+        raise SystemExit(f"--checkpoint {directory}: the run has no boundary bottlenecks")
+    if run.peft_model is not None:
+        run.peft_model.merge_and_unload()  # in place: the stages hold the same layers
+    front, middle, back = (list(stage.children()) for stage in run.stages)
+    client = ClientStages(front, back, run.model.config)
+    return client, StageBlocks(middle, run.model.config), (client.first.width_out, client.last.width_in)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=8, help="held-out blocks per prompt set")
@@ -86,6 +124,8 @@ def main() -> int:
     p.add_argument("--calibration", type=int, default=32,
                    help="training blocks sent through a link with channel means before the first prompt set")
     p.add_argument("--only", help="comma-separated settings (default: all; none is always run)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="a run with boundary bottlenecks: its settings through its stages")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -94,20 +134,26 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     ids = tokenize_corpus(str(CORPUS), "valid", tokenizer)
     train = tokenize_corpus(str(CORPUS), "train", tokenizer)[: args.calibration * args.length]
-    settings = {k: v for k, v in SETTINGS.items()
-                if args.only is None or k == "none" or k in args.only.split(",")}
+    table = BOTTLENECK_SETTINGS if args.checkpoint else SETTINGS
+    settings = {"none": SETTINGS["none"], **{k: v for k, v in table.items()
+                                             if args.only is None or k in args.only.split(",")}}
     n = args.blocks * args.length
     front, middle, back = client_server_split(causal_lm_layers(model), 1, (1, 1))
     client, stage = ClientStages(front, back, model.config), StageBlocks(middle, model.config)
+    hidden = model.config.hidden_size
+    through = {k: (client, stage, (hidden, hidden)) for k in settings}  # (client, server stage, channels each way)
+    if args.checkpoint:
+        adapted = _adapted(args.checkpoint)
+        through.update({k: adapted for k in settings if k != "none"})
     results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in settings}
     # one link per setting for all prompt sets, as a server serves one client: the channel means learn from
     # the calibration text first and then from every message (both sides alike)
-    links = {k: LocalServer(stage, act, ret, channel_mean=means, channel_scale=scaled)
+    links = {k: LocalServer(through[k][1], act, ret, channel_mean=means, channel_scale=scaled)
              for k, (act, ret, means, scaled) in settings.items()}
     for label, (_, _, means, _) in settings.items():
         for i in range(0, args.calibration if means else 0, args.blocks):
             text = train[i * args.length: (i + args.blocks) * args.length]
-            score(client, links[label], text.reshape(-1, args.length))
+            score(through[label][0], links[label], text.reshape(-1, args.length))
     for s in range(args.sets):
         blocks = ids[s * n: (s + 1) * n].reshape(args.blocks, args.length)
         prompts = blocks[:, : args.length // 2]
@@ -115,15 +161,17 @@ def main() -> int:
         for label in settings:
             meter = BandwidthMeter()  # the bits of the held-out blocks' messages
             server, links[label].meter = links[label], meter
-            logits = score(client, server, blocks)
+            user, _, widths = through[label]
+            logits = score(user, server, blocks)
             nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                                     blocks[:, 1:].reshape(-1))
             server.meter = None
-            forced = score(client, server, reference)
+            forced = score(user, server, reference)
             start = prompts.shape[1] - 1
             agree = (forced[:, start:-1].argmax(-1) == reference[:, start + 1:]).float().mean()
             rec = {r["name"]: r for r in meter.records()}
-            bits = [32 * rec[k]["wire_bytes"] / rec[k]["raw_bytes"] for k in ("client->server", "server->client")]
+            bits = [32 * rec[k]["wire_bytes"] / rec[k]["raw_bytes"] * w / hidden  # over the model's width
+                    for k, w in zip(("client->server", "server->client"), widths)]
             results[label].append((math.exp(float(nll)), float(agree), *bits))
             print(f"set {s} {label}: ppl {math.exp(float(nll)):.3f} agreement {float(agree):.4f} bits "
                   f"{bits[0]:.2f}/{bits[1]:.2f}", file=sys.stderr, flush=True)
