@@ -91,12 +91,12 @@ def _rows(bits: int) -> tuple[str, dict]:
 
 #: The settings of a run with bottlenecks (``--checkpoint``): its pairs' channels, coded.
 BOTTLENECK_SETTINGS = {
-    "pairs, float32": (("none", {}), ("none", {}), False, False),
-    "pairs, bf16": (("bf16", {}), ("bf16", {}), False, False),
-    "pairs, quant8": (_rows(8), _rows(8), False, False),
-    "pairs, quant6": (_rows(6), _rows(6), False, False),
-    "pairs, quant4": (_rows(4), _rows(4), False, False),
-    "pairs, quant2": (_rows(2), _rows(2), False, False),
+    "pairs float32": (("none", {}), ("none", {}), False, False),
+    "pairs bf16": (("bf16", {}), ("bf16", {}), False, False),
+    "pairs quant8": (_rows(8), _rows(8), False, False),
+    "pairs quant6": (_rows(6), _rows(6), False, False),
+    "pairs quant4": (_rows(4), _rows(4), False, False),
+    "pairs quant2": (_rows(2), _rows(2), False, False),
 }
 
 

@@ -55,6 +55,7 @@ def _whole(stages, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_kv_cache_path_through_the_pairs_gives_the_stages_logits(run, monkeypatch):
+    from dgpipe.comm import BandwidthMeter
     from dgpipe.generation import ClientStages, LocalServer, StageBlocks, score
     from dgpipe.train.export import load_run
 
@@ -67,7 +68,12 @@ def test_the_kv_cache_path_through_the_pairs_gives_the_stages_logits(run, monkey
     ids = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # a left-padded row
-    got = score(client, LocalServer(server), ids, mask)
+    local = LocalServer(server)
+    local.meter = BandwidthMeter()  # replaced between calls, as a benchmark does per prompt set
+    got = score(client, local, ids, mask)
+    records = {r["name"]: r for r in local.meter.records()}  # the pairs' channels, 8 out and 16 back, float32
+    assert (records["client->server"]["raw_bytes"], records["server->client"]["raw_bytes"]) == (2 * 12 * 8 * 4,
+                                                                                                2 * 12 * 16 * 4)
     want = torch.stack([_whole(loaded.stages, ids[0:1])[0], torch.cat([got[1, :3], _whole(loaded.stages,
                                                                                            ids[1:2, 3:])[0]])])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

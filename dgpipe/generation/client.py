@@ -86,7 +86,7 @@ class RemoteServer:
         self.codec = Stream(act_codec, channel_mean, alpha, channel_scale)
         self.back = Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
         self.mask_codec = get_codec("intpack")
-        self.to_server, self.from_server = Link("client->server", meter), Link("server->client", meter)
+        self.meter = meter
         self.timeout, self.peer = timeout, peer
         self.past = 0
         self.tracker: Tracker | None = None
@@ -98,21 +98,22 @@ class RemoteServer:
         else:
             self.tracker.advance()
         keys = self.tracker.keys(length, prompt_mask is not None)
-        with self.to_server.encoding("generate") as message:
+        to_server, from_server = Link("client->server", self.meter), Link("server->client", self.meter)
+        with to_server.encoding("generate") as message:
             message.add(self.codec.encode(hidden, keys), hidden.numel() * hidden.element_size())
             if prompt_mask is not None:
                 message.add(self.mask_codec.encode(prompt_mask.long()))
         kind = PREFILL if prompt_mask is not None else DECODE
-        self.to_server.send(self.send_stream, message, [kind, self.past, b, length], "client->server").wait(
+        to_server.send(self.send_stream, message, [kind, self.past, b, length], "client->server").wait(
             self.timeout)
         who = f"server (rank {self.peer})"
         shape = (b, length, hidden.shape[2] if self.answer_width is None else self.answer_width)
-        answer = self.from_server.receive(self.recv_stream, "cpu", self.timeout, self.max_bytes(shape))
+        answer = from_server.receive(self.recv_stream, "cpu", self.timeout, self.max_bytes(shape))
         if answer.meta != [HIDDEN, self.past, b, length] or len(answer.payloads) != 1:
             raise ValueError(f"{who} answered {answer.meta} with {len(answer.payloads)} payloads to a "
                              f"{['', 'prefill', 'decode'][kind]} of {b}x{length} tokens at past {self.past}")
         checked_header(answer.payloads[0], self.back.codec, shape, None, who, "hidden states")
-        with self.from_server.decoding("generate", answer):
+        with from_server.decoding("generate", answer):
             try:
                 out = self.back.decode(answer.payloads[0], keys)
             except ValueError as err:

@@ -25,9 +25,9 @@ __all__ = ["LocalServer", "serve"]
 class LocalServer:
     """The server's stage in the client's process: the same codecs both ways (encode, decode), no transport;
     for tests and single-machine use. ``act_codec``/``return_codec``/``channel_mean``/``alpha``/``channel_scale``:
-    as for
-    :func:`generate`'s servers (:class:`RemoteServer`). The meter records the payload bytes a
-    :class:`RemoteServer` sends and receives (the prompt mask included), not the transport's framing."""
+    as for :func:`generate`'s servers (:class:`RemoteServer`). The meter (attribute ``meter``: it may be replaced
+    between calls, or ``None``) records the payload bytes a :class:`RemoteServer` sends and receives (the prompt
+    mask included), not the transport's framing."""
 
     def __init__(self, blocks: StageBlocks, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
                  meter: BandwidthMeter | None = None, channel_mean: bool = False, alpha: float = ALPHA,
@@ -39,7 +39,7 @@ class LocalServer:
                     Stream(act_codec, channel_mean, alpha, channel_scale))
         self.back = (Stream(ret, channel_mean, alpha, channel_scale), Stream(ret, channel_mean, alpha, channel_scale))
         self.mask_codec = get_codec("intpack")
-        self.to_server, self.from_server = Link("client->server", meter), Link("server->client", meter)
+        self.meter = meter
         self.tracker: Tracker | None = None
 
     def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
@@ -50,9 +50,9 @@ class LocalServer:
             self.tracker.advance()
         keys = self.tracker.keys(hidden.shape[1], prompt_mask is not None)
         mask = [self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else []
-        hidden = self._hop(self.act, hidden, keys, self.to_server, mask)
+        hidden = self._hop(self.act, hidden, keys, Link("client->server", self.meter), mask)
         hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
-        return self._hop(self.back, hidden, keys, self.from_server)
+        return self._hop(self.back, hidden, keys, Link("server->client", self.meter))
 
     def _hop(self, coders: tuple["Stream", "Stream"], hidden: torch.Tensor, keys: torch.Tensor, link: Link,
              extra: Sequence[Payload] = ()) -> torch.Tensor:
