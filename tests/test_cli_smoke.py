@@ -125,6 +125,27 @@ def test_nlp_pipeline_evaluates_dev_and_heldout_with_lowbit_codecs(tmp_path):
 
 
 @needs_rte
+def test_nlp_pipeline_skip_padding_trains_alike_on_fewer_bytes(tmp_path):
+    """--skip-padding: the boundaries' row mask is the encoders' attention mask (``BoundarySpec(row_mask=
+    ATTENTION_MASK)``); uncompressed, the run's losses and validation accuracy are those of the run that sends
+    every row, and its forward messages carry fewer bytes (the padding rows stay behind)."""
+    data, logs = _tiny_rte(tmp_path / "glue", 32, 8), {}
+    for skip in (False, True):
+        logs[skip] = tmp_path / f"rte-{skip}.jsonl"
+        code = load_cli("test_nlp_dgpipe").main([
+            "--task", "rte", "--data-dir", str(data), "--model-config", "tiny-roberta", "--max-length", "128",
+            "--batch-size", "8", "--chunk", "2", "--epochs", "1", "--max-steps", "2", "--lr", "1e-4",
+            "--codec", "none", "--log", str(logs[skip]), "--no-progress", *(["--skip-padding"] if skip else [])])
+        assert code == 0
+    (plain, _), (skipped, _) = (_check_log(logs[skip], "val_acc") for skip in (False, True))
+    assert skipped["train_loss"] == pytest.approx(plain["train_loss"], rel=1e-5)
+    assert skipped["val_acc"] == plain["val_acc"]
+    forward = {run: sum(b["wire_bytes"] for b in epoch["boundaries"] if b["direction"] == "forward")
+               for run, epoch in (("plain", plain), ("skipped", skipped))}
+    assert forward["skipped"] < 0.9 * forward["plain"], forward
+
+
+@needs_rte
 def test_nlp_pipeline_delta_logs_caches_and_statistics(tmp_path, capfd):
     """--delta: caches in memory-mapped files (one per boundary, side and rank), their size
     printed, forward entries marked delta with the coded change = the activation on the
