@@ -1,6 +1,6 @@
 """The one way a payload moves: codec, framing and meter together, for every sender and receiver in dgpipe.
 
-A :class:`Link` is one named end of a link (a stage boundary ``"stage0->1"``, ``"client->server"``, the data-parallel
+A :class:`Link` is one named end of a link (a stage boundary ``"stage0->stage1"``, ``"client->server"``, the data-parallel
 exchange ``"ddp"``) and the meters it records into. Every message goes through the same four steps:
 
 - **encode** (:meth:`Link.encoding`): the caller's codecs turn tensors into payloads inside the block, which is
@@ -32,8 +32,8 @@ import torch
 
 from dgpipe.compression.base import Payload
 
-from .meter import BandwidthMeter, DeviceSpan, timer
 from .framing import pack_message, read_message
+from .meter import BandwidthMeter, DeviceSpan, timer
 from .transport import Receiver, Sender, SendWork
 
 __all__ = ["Outgoing", "Incoming", "Link"]
