@@ -1,7 +1,7 @@
 """The one way a payload moves: codec, framing and meter together, for every sender and receiver in dgpipe.
 
-A :class:`Link` is one named end of a link (a stage boundary ``"stage0->stage1"``, ``"client->server"``, the data-parallel
-exchange ``"ddp"``) and the meters it records into. Every message goes through the same four steps:
+A :class:`Link` is one named end of a link (a stage boundary ``"stage0->stage1"``, ``"client->server"``, the
+data-parallel exchange ``"ddp"``) and the meters it records into. Every message goes through the same four steps:
 
 - **encode** (:meth:`Link.encoding`): the caller's codecs turn tensors into payloads inside the block, which is
   timed on the tensors' device (:func:`~dgpipe.comm.meter.timer`: CUDA events off the CPU, no wait);
@@ -92,7 +92,7 @@ class Link:
     """One named end of a link and the meters its traffic is recorded in (module docstring).
 
     Args:
-        name: the meter's name for the link, e.g. :func:`~dgpipe.pipeline.partition.boundary_name`'s ``"stage0->1"``.
+        name: the meter's name for the link, e.g. a stage boundary's ``"stage0->stage1"``.
         meters: each :class:`~dgpipe.comm.meter.BandwidthMeter` that records every message (none: nothing is
             recorded; ``None`` entries are skipped).
         device: where the coded tensors live; encode and decode are timed there.
