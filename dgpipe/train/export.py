@@ -85,18 +85,9 @@ def _complete_step(directory: str) -> tuple[int, dict[str, Any], list[dict[str, 
 
 def _stage_states(meta: dict[str, Any], states: list[dict[str, Any]]) -> dict[str, Any]:
     """The ranks' stage weights joined into one ``Stage(*layers)`` state dict."""
-    joined: dict[str, Any] = {}
-    for state in states:
-        engine = state["engine"]
-        if meta["mode"] == "dataparallel":
-            parts = [engine["model"]]
-        elif "stages" in engine:  # dgpipe's runtime: {"stages": {index: state}, "codecs": ...}
-            parts = list(engine["stages"].values())
-        else:  # torch's schedules: {index: state}
-            parts = list(engine.values())
-        for part in parts:
-            joined.update(part)
-    return joined
+    if meta["mode"] == "dataparallel":
+        return {k: v for state in states for k, v in state["engine"]["model"].items()}
+    return {k: v for weights in _saved_stages(states).values() for k, v in weights.items()}
 
 
 def _run_parts(directory: str) -> tuple[int, dict[str, Any], list[dict[str, Any]], LMOptions, Any, Any]:
