@@ -124,4 +124,7 @@ def test_refusals(run, tmp_path, capsys, monkeypatch):
     assert "bottlenecks sit at the boundaries of a linear partition; split generation takes a run cut" in err
     anchored = _broken(run, tmp_path / "anchored", bottleneck_anchor=True)
     err = one_line_error(generate.main, ["--checkpoint", str(anchored), *base], capsys)
-    assert "anchored (--bottleneck-anchor): they need the token ids on both sides" in err
+    assert "anchored (--bottleneck-anchor or -subspace): they need the token ids on both sides" in err
+    subspace = _broken(run, tmp_path / "subspace", bottleneck_subspace=True)
+    err = one_line_error(generate.main, ["--checkpoint", str(subspace), *base], capsys)
+    assert "anchored (--bottleneck-anchor or -subspace): they need the token ids on both sides" in err

@@ -153,6 +153,11 @@ LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "abneck8ch_quant8": ["--bottleneck", "8", "--bottleneck-anchor", "--quant", "8"],  # 0.5 bit + ids
     "abneck4ch_quant8": ["--bottleneck", "4", "--bottleneck-anchor", "--quant", "8"],  # 0.25 bit + ids
     "abneck32ch_quant3": ["--bottleneck", "32", "--bottleneck-anchor", "--quant", "3"],  # 0.75 bit + ids
+    # a residual stream in one shared subspace (--bottleneck-subspace): the pairs code it exactly, the ids cross too
+    "sub64ch": ["--bottleneck", "64", "--bottleneck-subspace"],  # 16 bits + ids
+    "sub32ch": ["--bottleneck", "32", "--bottleneck-subspace"],  # 8 bits + ids
+    "sub32ch_quant3": ["--bottleneck", "32", "--bottleneck-subspace", "--quant", "3"],  # 0.75 bit + ids
+    "sub16ch_quant6": ["--bottleneck", "16", "--bottleneck-subspace", "--quant", "6"],  # 0.75 bit + ids
     # plain pairs
     "bneck16ch_quant6": ["--bottleneck", "16", "--quant", "6"],  # 0.75 bit
     "bneck32ch_quant3": ["--bottleneck", "32", "--quant", "3"],  # 0.75 bit

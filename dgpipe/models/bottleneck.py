@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 __all__ = ["BottleneckEncoder", "BottleneckDecoder", "bottleneck_pair", "insert_bottlenecks",
-           "fit_principal_components", "fit_bottlenecks", "parse_width", "parse_widths"]
+           "fit_principal_components", "fit_bottlenecks", "parse_width", "parse_widths", "describe_pairs"]
 
 INITS = ("identity", "orthonormal")
 
@@ -288,3 +288,19 @@ def insert_bottlenecks(stages: Sequence[nn.Module], widths: int | Mapping[int, i
             named.append(("bottleneck_encoder", pairs[i][0]))
         out.append(nn.Sequential(OrderedDict(named)))
     return out
+
+
+def describe_pairs(shaped: Sequence[nn.Module], stages: Sequence[nn.Module]) -> str:
+    """One line on the pairs in ``shaped`` (the ``stages`` with pairs inserted): how many, their widths, the
+    parameters they add (and whether they train) as a share of the stages', and the multiply-adds a token they cost
+    (one per weight: ``2 H d`` a pair)."""
+    pairs = [m for s in shaped for m in s.children() if isinstance(m, (BottleneckEncoder, BottleneckDecoder))]
+    added = sum(p.numel() for m in pairs for p in m.proj.parameters())
+    trains = any(p.requires_grad for m in pairs for p in m.proj.parameters())
+    model = sum(p.numel() for p in {id(p): p for s in stages for p in s.parameters()}.values())
+    encoders = [m for m in pairs if isinstance(m, BottleneckEncoder)]
+    widths = ", ".join(str(e.proj.out_features) for e in encoders)
+    hidden_size = encoders[0].proj.in_features if encoders else 0
+    return (f"bottlenecks: {len(encoders)} pairs of {widths} channels of {hidden_size}, "
+            f"{added:,} {'trained' if trains else 'frozen'} parameters ({100 * added / max(model, 1):.2f}% of the "
+            f"model's); about {added:,} multiply-adds a token")

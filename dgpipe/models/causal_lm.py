@@ -38,9 +38,13 @@ import importlib.util
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .subspace import ResidualSubspace
 
 __all__ = [
     "ROTARY_FAMILIES",
@@ -241,6 +245,7 @@ class CausalEmbeddings(nn.Module):
                  dropout: nn.Module | None = None, carry_ids: bool = False) -> None:
         super().__init__()
         self.embed_tokens, self.positions, self.dropout, self.carry_ids = embed_tokens, positions, dropout, carry_ids
+        self.subspace: ResidualSubspace | None = None  # dgpipe.models.subspace.constrain_layers
 
     def forward(self, inputs):
         input_ids, mask, _ = _split_value(inputs, False)
@@ -249,7 +254,11 @@ class CausalEmbeddings(nn.Module):
             hidden = hidden + self.positions(torch.arange(input_ids.shape[1], device=input_ids.device))
         if self.dropout is not None:
             hidden = self.dropout(hidden)
-        return _join(hidden, mask, (input_ids,) if self.carry_ids else ())
+        return _join(self._constrained(hidden, input_ids), mask, (input_ids,) if self.carry_ids else ())
+
+    def _constrained(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """With a residual subspace: ``T[ids] + P (hidden - T[ids])`` (:mod:`dgpipe.models.subspace`)."""
+        return hidden if self.subspace is None else self.subspace.constrain(hidden, self.subspace(input_ids))
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Generation: ``input_ids`` int64 ``(B, L)`` at ``positions`` int64 ``(B, L)`` (GPT-2 adds their
@@ -257,7 +266,7 @@ class CausalEmbeddings(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.positions is not None:
             hidden = hidden + self.positions(positions)
-        return self.dropout(hidden) if self.dropout is not None else hidden
+        return self._constrained(self.dropout(hidden) if self.dropout is not None else hidden, input_ids)
 
 
 def _mask_function(name: str):
@@ -291,6 +300,7 @@ class DecoderBlock(nn.Module):
                  carry_ids: bool = False) -> None:
         super().__init__()
         self.layer, self.config, self.rotary_emb, self.carry_ids = layer, config, rotary_emb, carry_ids
+        self.subspace: ResidualSubspace | None = None  # with one, the block's update is projected into it
         types = getattr(config, "layer_types", None)
         self.layer_type = types[index] if types else "full_attention"
         self._rotary_by_type = (rotary_emb is not None
@@ -315,7 +325,11 @@ class DecoderBlock(nn.Module):
                       else self.rotary_emb(hidden, positions))
             out = self.layer(hidden, attention_mask=bias, position_embeddings=rotary, position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
-        return _join(out, mask, tail)
+        return _join(self._constrained(out, hidden), mask, tail)
+
+    def _constrained(self, out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """With a residual subspace: ``hidden + P (out - hidden)`` (:mod:`dgpipe.models.subspace`)."""
+        return out if self.subspace is None else self.subspace.constrain(out, hidden)
 
     def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
         """Generation with a KV cache: ``hidden`` ``(B, L, H)`` of the new tokens at ``positions`` int64
@@ -337,7 +351,7 @@ class DecoderBlock(nn.Module):
                       else self.rotary_emb(hidden, positions))
             out = self.layer(hidden, attention_mask=bias, position_embeddings=rotary, position_ids=positions,
                              use_cache=True, **cache_kw)
-        return out[0] if isinstance(out, tuple) else out
+        return self._constrained(out[0] if isinstance(out, tuple) else out, hidden)
 
 
 class CausalLMHead(nn.Module):

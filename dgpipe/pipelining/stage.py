@@ -37,8 +37,13 @@ codecs of integers (``intpack``: a stage codes its floating-point
 tensors only), and delta coding (it needs the examples'
 ids, which torch's schedules do not pass).
 
-This module holds every use of torch's private pipelining API: two private methods are
-wrapped (``_retrieve_recv_activations``, ``_retrieve_recv_grads``) and four public ones
+torch infers a stage's output shapes by running it once on tensors it materialises, uninitialised, from the
+metadata the previous stage sent; integer tensors among them (token ids that index a table on this stage, e.g.
+anchored bottlenecks' or a residual subspace's) are materialised as zeros here instead, so that run indexes
+in range.
+
+This module holds every use of torch's private pipelining API: three private methods are
+wrapped (``_retrieve_recv_activations``, ``_retrieve_recv_grads``, ``_to_tensor``) and four public ones
 rewritten; :data:`TESTED_TORCH` names the versions the tests ran against, and another
 version gets a warning at construction (:func:`check_torch_version`).
 """
@@ -282,6 +287,13 @@ class CompressedPipelineStage(PipelineStage):
         """torch's gradient receives, into message buffers of the size the shape implies."""
         return self._coded_recvs(super().get_bwd_recv_ops(bwd_chunk_id), "backward", bwd_chunk_id,
                                  self._boundary(self.stage_index))
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        """torch's tensor of a metadata record for its shape inference, zeros where it is an integer tensor."""
+        tensor = super()._to_tensor(arg)  # type: ignore[misc]
+        if not isinstance(arg, torch.Tensor) and not tensor.is_floating_point():
+            tensor.zero_()
+        return tensor
 
     def _retrieve_recv_activations(self, fwd_chunk_id: int):
         self._decode_pending("forward", fwd_chunk_id)

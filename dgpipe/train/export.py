@@ -130,9 +130,9 @@ def run_context(directory: str) -> tuple[Any, int | None, int | None]:
     if args.get("partition") != "client-server" or meta.get("mode") != "pipeline":
         raise ValueError(f"{directory}: the run's bottlenecks sit at the boundaries of a {args.get('partition')} "
                          "partition; split generation takes a run cut client/server (--partition client-server)")
-    if opts.bottleneck_anchor:
-        raise ValueError(f"{directory}: the run's bottlenecks are anchored (--bottleneck-anchor): they need the token "
-                         "ids on both sides of a boundary, which split generation keeps on the client")
+    if opts.bottleneck_anchor or opts.bottleneck_subspace:
+        raise ValueError(f"{directory}: the run's bottlenecks are anchored (--bottleneck-anchor or -subspace): they "
+                         "need the token ids on both sides of a boundary, which split generation keeps on the client")
     return tokenizer, context, int(args["client_layers"])
 
 
@@ -154,9 +154,9 @@ def load_run(directory: str) -> Run:
         model = peft_model.get_base_model()
     layers = causal_lm_layers(model)
     if opts.bottleneck is not None:
-        if opts.bottleneck_anchor:
-            raise ValueError(f"{directory}: anchored bottlenecks (--bottleneck-anchor) are not rebuilt from a "
-                             "checkpoint: their pairs share the token embedding")
+        if opts.bottleneck_anchor or opts.bottleneck_subspace:
+            raise ValueError(f"{directory}: anchored bottlenecks (--bottleneck-anchor or -subspace) are not rebuilt "
+                             "from a checkpoint: their pairs share the token embedding")
         saved = _saved_stages(states)
         config_: Any = model.config
         stages = _bottleneck_stages(layers, int(config_.hidden_size), saved)

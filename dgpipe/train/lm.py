@@ -32,8 +32,9 @@ from torch.utils.data import DataLoader, Dataset
 from dgpipe.data.chat import IGNORE, is_chat_corpus, read_conversations, tokenize_chat
 from dgpipe.data.loading import make_dataloader
 from dgpipe.data.text import TokenBlocks, load_tokenizer, read_corpus, tokenize_corpus
-from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, fit_bottlenecks, insert_bottlenecks,
-                                      parse_widths)
+from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, describe_pairs, fit_bottlenecks,
+                                      insert_bottlenecks, parse_width, parse_widths)
+from dgpipe.models.subspace import constrain_layers, residual_subspace, subspace_pairs
 from dgpipe.pipeline.boundary import boundary_name
 from dgpipe.models.causal_lm import (FAMILIES, LM_PRESETS, CausalEmbeddings, CausalLMHead, build_causal_lm,
                                      causal_lm_layers, preset_config, resolve_lm)
@@ -69,6 +70,8 @@ class LMOptions:
             (:mod:`dgpipe.models.bottleneck`).
         bottleneck_anchor: the bottlenecks code the residual stream less the model's token embedding of the ids,
             which the decoder adds back (the ids then cross every boundary).
+        bottleneck_subspace: the residual stream of a model trained from scratch is kept in one shared subspace of
+            the ``--bottleneck`` width, so the pairs code it exactly (:mod:`dgpipe.models.subspace`).
         bottleneck_init: how the pairs start: ``"pca"`` (the principal components of what crosses each boundary
             on :data:`PCA_BLOCKS` training blocks), ``"orthonormal"`` (a random basis), or ``"auto"``: PCA for
             pretrained weights (``--model``), orthonormal for a random model.
@@ -92,6 +95,7 @@ class LMOptions:
     warmup_ratio: float
     bottleneck: str | None = None
     bottleneck_anchor: bool = False
+    bottleneck_subspace: bool = False
     bottleneck_init: str = "auto"
     lora: int = 0
     lora_alpha: int | None = None
@@ -246,7 +250,8 @@ class LMJob(Job):
             model = add_adapters(model, lora_config(opts))
         config_: Any = model.config
         self.vocab, self.hidden_size = config_.vocab_size, int(config_.hidden_size)
-        layers = causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference or opts.bottleneck_anchor)
+        layers = causal_lm_layers(model, carry_ids=self.config.pipeline.token_reference or opts.bottleneck_anchor
+                                  or opts.bottleneck_subspace)
         head = layers[-1]
         assert isinstance(head, CausalLMHead)  # causal_lm_layers' last layer
         head.defer_logits = self.config.train.activation_checkpointing and not opts.distill
@@ -254,6 +259,10 @@ class LMJob(Job):
         first = layers[0]
         assert isinstance(first, CausalEmbeddings)  # causal_lm_layers' first layer
         self.token_embedding = first.embed_tokens
+        if opts.bottleneck_subspace:  # one width at every boundary (LMJob.check)
+            width = parse_width(str(opts.bottleneck), self.hidden_size)
+            self.subspace = residual_subspace(first.embed_tokens, self.vocab, width, self.config.train.seed)
+            constrain_layers(layers, self.subspace)
         return layers
 
     def shape_stages(self, stages: list[nn.Module]) -> list[nn.Module]:
@@ -267,17 +276,14 @@ class LMJob(Job):
         self.bottlenecks = {boundary_name(i): w for i, w in widths.items()}
         init = "identity" if all(w == self.hidden_size for w in widths.values()) else "orthonormal"
         anchor = self.token_embedding if opts.bottleneck_anchor else None
-        shaped = insert_bottlenecks(stages, widths, self.hidden_size, init, seed=self.config.train.seed, anchor=anchor)
+        seed = self.config.train.seed
+        shaped = (subspace_pairs(stages, self.subspace) if opts.bottleneck_subspace else
+                  insert_bottlenecks(stages, widths, self.hidden_size, init, seed=seed, anchor=anchor))
         pca = opts.bottleneck_init == "pca" or (opts.bottleneck_init == "auto" and opts.model is not None)
         if pca:
             self._fit(shaped)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            pairs = [m for s in shaped for m in s.children() if isinstance(m, (BottleneckEncoder, BottleneckDecoder))]
-            added = sum(p.numel() for m in pairs for p in m.proj.parameters())
-            model = sum(p.numel() for p in {id(p): p for s in stages for p in s.parameters()}.values())
-            print(f"bottlenecks: {len(pairs) // 2} pairs of {', '.join(map(str, widths.values()))} channels of "
-                  f"{self.hidden_size}, {added:,} parameters ({100 * added / model:.2f}% of the model's); about "
-                  f"{2 * added:,} FLOPs a token", flush=True)
+            print(describe_pairs(shaped, stages), flush=True)
         return [*shaped]
 
     def _fit(self, stages: list[nn.Sequential]) -> None:
@@ -430,6 +436,11 @@ def _check_fit(opts: LMOptions, config: RunConfig, data_dir: str, tokenizer, mod
     if opts.bottleneck is not None:
         boundaries = len(placement(config.pipeline)) - 1 if config.pipeline.mode == "pipeline" else 0
         parse_widths(opts.bottleneck, model_config.hidden_size, boundaries)
-    elif opts.bottleneck_anchor or opts.bottleneck_init != "auto":
-        raise ValueError("--bottleneck-anchor and --bottleneck-init shape the bottlenecks of --bottleneck D: "
-                         "add it")
+    elif opts.bottleneck_anchor or opts.bottleneck_subspace or opts.bottleneck_init != "auto":
+        raise ValueError("--bottleneck-anchor, --bottleneck-subspace and --bottleneck-init shape the bottlenecks of "
+                         "--bottleneck D: add it")
+    if opts.bottleneck_subspace and (opts.model is not None or ":" in str(opts.bottleneck) or opts.bottleneck_anchor
+                                     or opts.bottleneck_init != "auto"):
+        raise ValueError("--bottleneck-subspace trains a model from scratch (--model-config) with one width at every "
+                         "boundary (--bottleneck D), anchored and started by the subspace itself (no "
+                         "--bottleneck-anchor or --bottleneck-init)")
