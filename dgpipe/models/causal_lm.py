@@ -38,13 +38,10 @@ import importlib.util
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from .subspace import ResidualSubspace
 
 __all__ = [
     "ROTARY_FAMILIES",
@@ -232,6 +229,18 @@ def _join(first: torch.Tensor, mask: torch.Tensor | None, tail: tuple):
     return parts[0] if len(parts) == 1 else parts
 
 
+class StreamConstraint(Protocol):
+    """What keeps a residual stream in a subspace (:class:`dgpipe.models.subspace.ResidualSubspace`)."""
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fixed part of the stream of token ids int64 ``(...)``: ``(..., H)``."""
+        ...
+
+    def constrain(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """The update from ``old`` to ``new`` (both ``(..., H)``) kept in the subspace."""
+        ...
+
+
 class CausalEmbeddings(nn.Module):
     """Token (and, for GPT-2, learned position) embeddings: ``input_ids`` int64 ``(B, L)`` [with the
     padding mask] -> ``hidden`` float ``(B, L, H)`` [with the mask] (and the ids last with ``carry_ids``).
@@ -245,7 +254,7 @@ class CausalEmbeddings(nn.Module):
                  dropout: nn.Module | None = None, carry_ids: bool = False) -> None:
         super().__init__()
         self.embed_tokens, self.positions, self.dropout, self.carry_ids = embed_tokens, positions, dropout, carry_ids
-        self.subspace: ResidualSubspace | None = None  # dgpipe.models.subspace.constrain_layers
+        self.subspace: StreamConstraint | None = None  # dgpipe.models.subspace.constrain_layers
 
     def forward(self, inputs):
         input_ids, mask, _ = _split_value(inputs, False)
@@ -300,7 +309,7 @@ class DecoderBlock(nn.Module):
                  carry_ids: bool = False) -> None:
         super().__init__()
         self.layer, self.config, self.rotary_emb, self.carry_ids = layer, config, rotary_emb, carry_ids
-        self.subspace: ResidualSubspace | None = None  # with one, the block's update is projected into it
+        self.subspace: StreamConstraint | None = None  # with one, the block's update is projected into it
         types = getattr(config, "layer_types", None)
         self.layer_type = types[index] if types else "full_attention"
         self._rotary_by_type = (rotary_emb is not None
