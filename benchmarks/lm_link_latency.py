@@ -21,6 +21,10 @@ used before the timeline (bytes with no overlap + 2 latencies per boundary). Res
 holds a summary is not run again.
 
     sudo python benchmarks/lm_link_latency.py [--out DIR] [--steps 60]
+    python benchmarks/lm_link_latency.py --only none,sub32ch_codebook3 --out DIR   # compute per step only
+
+``--only`` times the settings it names (of ``LM_SETTINGS`` or ``LM_BOTTLENECK_SETTINGS``) on 4 stages on loopback
+and runs nothing on a waiting link.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 
 from dgpipe.pipeline.timeline import simulate_step
 from dgpipe.experiments.ablation import has_summary
-from dgpipe.experiments.settings import LM_SETTINGS
+from dgpipe.experiments.settings import LM_BOTTLENECK_SETTINGS, LM_SETTINGS
 from dgpipe.train.compare import TCP_FRAMING, Link, project, run_profile
 from dgpipe.train.runlog import read_records
 
@@ -74,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_link_latency"))
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--only", help="comma-separated settings to time on 4 stages, nothing on a waiting link")
     args = p.parse_args(argv)
+    named = {**LM_SETTINGS, **LM_BOTTLENECK_SETTINGS}
+    timed = args.only.split(",") if args.only else TIMED
+    unknown = [k for k in timed if k not in named]
+    if unknown:
+        p.error(f"--only: unknown settings {', '.join(unknown)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--data-dir", str(CORPUS), "--model-config", "small-llama", "--batch-size", "16", "--chunk", "4",
@@ -84,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
              "timeline with the run's own tasks (error) | formula without timeline (error) |",
              "|---|---|---|---|---|---|---|"]
     for layout, flags, boundaries, links in LAYOUTS:
-        for setting in TIMED if layout == "4 stages" else DELAYED:
-            job = [sys.executable, str(ROOT / "test_lm_dgpipe.py"), *common, *flags, *LM_SETTINGS[setting]]
+        for setting in timed if layout == "4 stages" else () if args.only else DELAYED:
+            job = [sys.executable, str(ROOT / "test_lm_dgpipe.py"), *common, *flags, *named[setting]]
             name = f"{layout.replace(' ', '')}_{setting}"
             _run(job + ["--log-file", str(out / f"{name}_loopback.jsonl")], out / f"{name}_loopback.jsonl")
             free = read_records(out / f"{name}_loopback.jsonl")
             fs, profile = free[-1], run_profile(free)
             overhead = fs["train_seconds"] / fs["steps"] - simulate_step(profile)  # the step outside its tasks
-            for link in links if setting in DELAYED else ():
+            for link in links if setting in DELAYED and not args.only else ():
                 tag = link.label.replace(" ", "").replace("/", "").replace("+", "_")
                 log = out / f"{name}_{tag}.jsonl"
                 delayed = job + ["--link-delay", f"{1000 * link.latency:g}", "--log-file", str(log)]
