@@ -5,7 +5,11 @@ steps of 16 x 128 tokens, 4 linear stages on 4 processes, under every setting of
 (``OUT/lm.md``, ``OUT/frontier.png``).
 
     python benchmarks/lm_pretrain.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
-        [--settings lm|lm_bottleneck]
+        [--settings lm|lm_bottleneck] [--target-step N]
+
+``--target-step N`` takes as each seed's target the uncompressed run's validation loss at step ``N`` (an evaluated
+step: a multiple of 50) instead of its final one, so settings that do not reach the final loss still get a
+steps-to-target ratio and a time to the target on each link; the report goes to ``OUT/lm_target_N.md``.
 
 ``--settings lm_bottleneck`` runs ``dgpipe.experiments.settings.LM_BOTTLENECK_SETTINGS`` (boundary bottlenecks) instead,
 into ``benchmarks/results/lm_bottleneck`` by default, whose uncompressed logs link to this benchmark's.
@@ -42,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timing", default=str(ROOT / "benchmarks" / "results" / "lm_link_latency"),
                    help="folder of benchmarks/lm_link_latency.py, whose 4-stage loopback runs give each setting's "
                         "compute per step (measured side by side on a quiet machine)")
+    p.add_argument("--target-step", type=int, help="the uncompressed run's step whose validation loss is the target")
     args = p.parse_args(argv)
+    if args.target_step is not None and not (0 < args.target_step <= 600 and args.target_step % 50 == 0):
+        p.error(f"--target-step must be an evaluated step: a multiple of 50 in 50-600; got {args.target_step}")
     folder = {"lm": "lm_pretrain", "lm_bottleneck": "lm_bottleneck"}[args.settings]
     args.out = args.out or str(ROOT / "benchmarks" / "results" / folder)
     labels = args.only.split(",") if args.only else list(ablation.SETTINGS[args.settings])
@@ -57,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         if ablation.has_summary(log):
             s = read_summary(log)
             compute[label] = s["train_seconds"] / s["steps"]
-    rows = lm_benchmark.results(out, labels, seeds, compute_seconds=compute)
+    rows = lm_benchmark.results(out, labels, seeds, compute_seconds=compute, target_step=args.target_step)
     if rows:
         text = lm_benchmark.table(rows)
-        (out / "lm.md").write_text(text + "\n")
+        (out / ("lm.md" if args.target_step is None else f"lm_target_{args.target_step}.md")).write_text(text + "\n")
         print(text)
+    if rows and args.target_step is None:
         lm_benchmark.plot(rows, out / "frontier.png", "small Llama pretraining, wiki-excerpt, 4 stages: "
                           f"{len(seeds)} paired seeds")
     return status

@@ -160,7 +160,7 @@ LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "sub16ch_quant6": ["--bottleneck", "16", "--bottleneck-subspace", "--quant", "6"],  # 0.75 bit + ids
     "sub16ch": ["--bottleneck", "16", "--bottleneck-subspace"],  # 4 bits + ids
     "sub8ch_quant8": ["--bottleneck", "8", "--bottleneck-subspace", "--quant", "8"],  # 0.5 bit + ids
-    "sub4ch_quant8": ["--bottleneck", "4", "--bottleneck-subspace", "--quant", "8"],  # 0.25 bit + ids
+    "sub4ch_quant6": ["--bottleneck", "4", "--bottleneck-subspace", "--quant", "6"],  # 0.19 bit + ids
     # per-token scales (bfloat16: 0.5 bit a coded value at 32 channels) after a Hadamard rotation
     "sub32ch_codebook3": ["--bottleneck", "32", "--bottleneck-subspace"] + _codebook(3),  # 0.89 bit + ids
     "sub32ch_codebook2": ["--bottleneck", "32", "--bottleneck-subspace"] + _codebook(2),  # 0.64 bit + ids
