@@ -75,6 +75,16 @@ def test_every_layer_keeps_the_stream_in_the_subspace_and_the_pair_is_exact():
         torch.testing.assert_close(decoder(crossed)[0], hidden, rtol=0, atol=1e-6)
 
 
+def test_the_basis_and_table_stay_out_of_a_checkpoint():
+    """Every rank rebuilds them from the seed and the model as initialised: a stage's state holds the frozen pairs'
+    weights (the basis) but neither buffer."""
+    layers, subspace = constrained()
+    stages = subspace_pairs(split_layers(layers, [4, 2]), subspace)
+    keys = [k for stage in stages for k in stage.state_dict()]
+    assert "bottleneck_encoder.proj.weight" in keys
+    assert not [k for k in keys if k.endswith((".table", ".basis"))]
+
+
 def test_the_stream_outside_the_subspace_is_the_fixed_table():
     layers, subspace = constrained()
     x, _ = batch()
