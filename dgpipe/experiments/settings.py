@@ -163,8 +163,6 @@ LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "sub4ch_quant6": ["--bottleneck", "4", "--bottleneck-subspace", "--quant", "6"],  # 0.19 bit + ids
     # per-token scales (bfloat16: 0.5 bit a coded value at 32 channels) after a Hadamard rotation
     "sub32ch_codebook3": ["--bottleneck", "32", "--bottleneck-subspace"] + _codebook(3),  # 0.89 bit + ids
-    "sub32ch_codebook2": ["--bottleneck", "32", "--bottleneck-subspace"] + _codebook(2),  # 0.64 bit + ids
-    "sub16ch_codebook6": ["--bottleneck", "16", "--bottleneck-subspace"] + _codebook(6),  # 0.81 bit + ids
     "sub64ch_codebook3lv": ["--bottleneck", "64", "--bottleneck-subspace"] + _codebook(None, count=3),  # 0.92 + ids
     # plain pairs
     "bneck16ch_quant6": ["--bottleneck", "16", "--quant", "6"],  # 0.75 bit
