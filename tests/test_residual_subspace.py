@@ -42,16 +42,29 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def constrained(width: int = K):
-    """The tiny Llama's layers constrained to a subspace of ``width`` channels, and the subspace."""
+def constrained(width: int = K, stage_tables: bool = False):
+    """The tiny Llama's layers constrained to a subspace of ``width`` channels, and the subspace (with stage
+    tables: the embeddings unconstrained)."""
     model = tiny()
     layers = causal_lm_layers(model, carry_ids=True)
     with torch.no_grad():  # a trained-looking embedding: not the table it started from
         layers[0].embed_tokens.weight.add_(0.05 * torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(2)))
     subspace = residual_subspace(layers[0].embed_tokens, VOCAB, width, seed=5)
     subspace.table.copy_(0.02 * torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(3)))
-    constrain_layers(layers, subspace)
+    constrain_layers(layers, subspace, embeddings=not stage_tables)
     return layers, subspace
+
+
+def stage_tables(embedding: nn.Embedding, stages: int) -> list[nn.Module]:
+    """The first stage's table is the embedding; each later one a copy, moved off it (as training would)."""
+    tables = [embedding]
+    for j in range(1, stages):
+        table = nn.Embedding(VOCAB, H)
+        with torch.no_grad():
+            moved = 0.03 * torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(j))
+            table.weight.copy_(embedding.weight + moved)
+        tables.append(table)
+    return tables
 
 
 @torch.no_grad()
@@ -73,6 +86,30 @@ def test_every_layer_keeps_the_stream_in_the_subspace_and_the_pair_is_exact():
         crossed = encoder(value)
         assert crossed[0].shape == (BATCH, LENGTH, K)
         torch.testing.assert_close(decoder(crossed)[0], hidden, rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_with_stage_tables_each_stage_keeps_its_own_table_outside_the_subspace():
+    """Stage tables: inside stage j the stream less stage j's table is in the subspace, and each pair's round trip
+    (the encoder with its stage's table, the decoder with the next one's) hands the next stage its own table plus
+    the same coordinates."""
+    layers, subspace = constrained(stage_tables=True)
+    tables = stage_tables(layers[0].embed_tokens, 3)
+    stages = subspace_pairs(split_layers(layers, [2, 2, 2]), subspace, tables)
+    x, _ = batch()
+    value = x
+    for j, stage in enumerate(stages[:-1]):
+        inner = value
+        for layer in list(stage.children())[:-1]:  # up to the encoder
+            inner = layer(inner)
+        hidden, ids = inner[0], inner[-1]
+        residual = hidden - tables[j](ids)
+        assert float((residual - subspace.project(residual)).abs().max()) < 1e-6 * float(residual.abs().max())
+        value = stage[-1](inner)
+        decoded = stages[j + 1][0](value)[0]
+        torch.testing.assert_close(decoded, tables[j + 1](ids) + subspace.project(residual), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="2 token tables for 3 stages"):
+        subspace_pairs(split_layers(layers, [2, 2, 2]), subspace, tables[:2])
 
 
 def test_the_basis_and_table_stay_out_of_a_checkpoint():
@@ -120,14 +157,14 @@ def test_bad_input():
 # -- split equals unsplit, across processes ---------------------------------------------------------------------
 
 
-def _stages(kind: str):
-    layers, subspace = constrained()
+def _stages(kind: str, tables: bool = False):
+    layers, subspace = constrained(stage_tables=tables)
     cut = client_server_split(layers, 1, (1, 1)) if kind == "client-server" else split_layers(layers, [3, 3])
-    return subspace_pairs(cut, subspace)
+    return subspace_pairs(cut, subspace, stage_tables(layers[0].embed_tokens, len(cut)) if tables else None)
 
 
-def _reference(kind: str, x, y, chunks: int):
-    model = nn.Sequential(*_stages(kind))
+def _reference(kind: str, x, y, chunks: int, tables: bool = False):
+    model = nn.Sequential(*_stages(kind, tables))
     loss = 0.0
     for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
         part = lm_loss(model(xm), ym) / chunks
@@ -149,13 +186,13 @@ def _check_grads(stages, reference: nn.Module, mine) -> None:
     assert checked > 0
 
 
-def check_dgpipe_client_server(rank: int) -> None:
-    stages = _stages("client-server")
+def check_dgpipe_client_server(rank: int, tables: bool = False) -> None:
+    stages = _stages("client-server", tables)
     codec = get_codec("none")
     pipe = Pipeline(stages, [0, 1, 0], chunks=CHUNKS, loss_fn=lm_loss, act_codec=codec)
     x, y = batch()
     loss = pipe.train_step(x, y)
-    want_loss, reference = _reference("client-server", x, y, CHUNKS)
+    want_loss, reference = _reference("client-server", x, y, CHUNKS, tables)
     assert abs(loss - want_loss) < 1e-5 * abs(want_loss)
     _check_grads(stages, reference, [s for s, r in zip(stages, [0, 1, 0]) if r == rank])
     payload = codec.encode(torch.randn(BATCH // CHUNKS, LENGTH, K)).nbytes  # k channels each way
@@ -185,7 +222,12 @@ def check_torch_1f1b(rank: int) -> None:
     _check_grads(stages, reference, [stages[rank]])
 
 
-CHECKS = {c.__name__: c for c in (check_dgpipe_client_server, check_torch_1f1b)}
+def check_dgpipe_client_server_stage_tables(rank: int) -> None:
+    check_dgpipe_client_server(rank, tables=True)
+
+
+CHECKS = {c.__name__: c for c in (check_dgpipe_client_server, check_dgpipe_client_server_stage_tables,
+                                  check_torch_1f1b)}
 
 
 @pytest.fixture(scope="module")

@@ -70,11 +70,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--bottleneck-anchor", action="store_true",
                    help="with --bottleneck: code the residual stream less the token embedding of the ids, which the "
                         "decoder adds back (the ids cross every boundary, losslessly)")
-    g.add_argument("--bottleneck-subspace", action="store_true",
+    g.add_argument("--bottleneck-subspace", nargs="?", const="fixed", choices=["fixed", "stage"],
                    help="with --bottleneck D and --model-config: keep the residual stream of the model trained from "
-                        "scratch in one shared subspace of D channels (every block's update projected into it, the "
-                        "token embedding as initialised rebuilt from the ids), so the pairs code it exactly "
-                        "(Subspace Networks, arXiv 2506.01260)")
+                        "scratch in one shared subspace of D channels (every block's update projected into it) beside "
+                        "a token table rebuilt from the ids -- the embedding as initialised (fixed, the default) or "
+                        "each stage's own trained one (stage) -- so the pairs code it exactly (Subspace Networks, "
+                        "arXiv 2506.01260)")
     g.add_argument("--distill", action="store_true",
                    help="train the bottlenecks (and LoRA adapters) to the model's own next-token distributions on the "
                         "training text (KL from a frozen copy), the model's weights frozen: adapt a pretrained model "

@@ -159,6 +159,8 @@ LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "sub32ch_quant3": ["--bottleneck", "32", "--bottleneck-subspace", "--quant", "3"],  # 0.75 bit + ids
     "sub16ch_quant6": ["--bottleneck", "16", "--bottleneck-subspace", "--quant", "6"],  # 0.75 bit + ids
     "sub16ch": ["--bottleneck", "16", "--bottleneck-subspace"],  # 4 bits + ids
+    # each stage's own trained token table (--bottleneck-subspace stage)
+    "subt16ch_quant6": ["--bottleneck", "16", "--bottleneck-subspace", "stage", "--quant", "6"],  # 0.75 bit + ids
     "sub8ch_quant8": ["--bottleneck", "8", "--bottleneck-subspace", "--quant", "8"],  # 0.5 bit + ids
     "sub4ch_quant6": ["--bottleneck", "4", "--bottleneck-subspace", "--quant", "6"],  # 0.19 bit + ids
     # per-token scales (bfloat16: 0.5 bit a coded value at 32 channels) after a Hadamard rotation

@@ -292,15 +292,20 @@ def insert_bottlenecks(stages: Sequence[nn.Module], widths: int | Mapping[int, i
 
 def describe_pairs(shaped: Sequence[nn.Module], stages: Sequence[nn.Module]) -> str:
     """One line on the pairs in ``shaped`` (the ``stages`` with pairs inserted): how many, their widths, the
-    parameters they add (and whether they train) as a share of the stages', and the multiply-adds a token they cost
-    (one per weight: ``2 H d`` a pair)."""
+    parameters they add (and whether they train) as a share of the stages', the multiply-adds a token they cost
+    (one per weight: ``2 H d`` a pair), and the parameters of anchors that are not the model's own (token tables:
+    lookups, no multiply-adds)."""
     pairs = [m for s in shaped for m in s.children() if isinstance(m, (BottleneckEncoder, BottleneckDecoder))]
     added = sum(p.numel() for m in pairs for p in m.proj.parameters())
     trains = any(p.requires_grad for m in pairs for p in m.proj.parameters())
-    model = sum(p.numel() for p in {id(p): p for s in stages for p in s.parameters()}.values())
+    own = {id(p): p for s in stages for p in s.parameters()}
+    model = sum(p.numel() for p in own.values())
+    tables = {id(p): p for m in pairs if m.anchor is not None for p in m.anchor.parameters() if id(p) not in own}
+    extra = sum(p.numel() for p in tables.values())
     encoders = [m for m in pairs if isinstance(m, BottleneckEncoder)]
     widths = ", ".join(str(e.proj.out_features) for e in encoders)
     hidden_size = encoders[0].proj.in_features if encoders else 0
     return (f"bottlenecks: {len(encoders)} pairs of {widths} channels of {hidden_size}, "
             f"{added:,} {'trained' if trains else 'frozen'} parameters ({100 * added / max(model, 1):.2f}% of the "
-            f"model's); about {added:,} multiply-adds a token")
+            f"model's); about {added:,} multiply-adds a token"
+            + (f"; token tables: {extra:,} trained parameters (lookups)" if extra else ""))

@@ -20,6 +20,13 @@ Here (:func:`constrain_layers`):
 
 ``U`` is a random orthonormal basis drawn from a seed and fixed (the paper's Grassmann updates of ``U`` are not
 done). The constraint is for training from scratch: a pretrained model's blocks write outside any such subspace.
+
+With *stage tables* instead (``anchors`` of :func:`subspace_pairs`, ``constrain_layers(..., embeddings=False)``),
+the table need not be one: each stage adds and subtracts its own trained token table ``T_j`` -- the first stage the
+model's embedding ``E`` itself, unconstrained (``x_0 = E[ids]``), every later one a table started as a copy of
+``E`` -- so the stream inside stage ``j`` is ``T_j[ids] + U c`` and its pair's round trip is still exact, while
+every stage's blocks read a token embedding that trains (MAPL's per-stage anchor embeddings, arXiv 2606.05484,
+with the subspace constraint); the tables add ``(S - 1) V H`` parameters and no multiply-adds (lookups).
 """
 
 from __future__ import annotations
@@ -97,9 +104,10 @@ def residual_subspace(embed_tokens: nn.Module, vocab_size: int, width: int, seed
     return ResidualSubspace(basis.to(device), table)
 
 
-def constrain_layers(layers: Sequence[nn.Module], subspace: ResidualSubspace) -> None:
+def constrain_layers(layers: Sequence[nn.Module], subspace: ResidualSubspace, embeddings: bool = True) -> None:
     """Constrain a decoder LM's layers (:func:`~dgpipe.models.causal_lm.causal_lm_layers`, built with
-    ``carry_ids=True``) to ``subspace``, in place: the embeddings and every block (module docstring).
+    ``carry_ids=True``) to ``subspace``, in place: the embeddings (unless ``embeddings`` is false: with stage
+    tables) and every block (module docstring).
 
     Raises:
         ValueError: layers that do not carry the token ids, or no embeddings layer.
@@ -107,25 +115,33 @@ def constrain_layers(layers: Sequence[nn.Module], subspace: ResidualSubspace) ->
     if not any(isinstance(layer, CausalEmbeddings) for layer in layers):
         raise ValueError("a residual subspace constrains a decoder LM's layers: no embeddings layer among them")
     for layer in layers:
-        if isinstance(layer, (CausalEmbeddings, DecoderBlock)):
+        if isinstance(layer, DecoderBlock) or embeddings and isinstance(layer, CausalEmbeddings):
             if not layer.carry_ids:
                 raise ValueError("a residual subspace needs the token ids beside the hidden states on every stage: "
                                  "build the layers with carry_ids=True")
             layer.subspace = subspace
 
 
-def subspace_pairs(stages: Sequence[nn.Module], subspace: ResidualSubspace) -> list[nn.Sequential]:
+def subspace_pairs(stages: Sequence[nn.Module], subspace: ResidualSubspace,
+                   anchors: Sequence[nn.Module] | None = None) -> list[nn.Sequential]:
     """The stages with a frozen pair of ``subspace.width`` channels at every boundary: ``U^T (x - T[ids])`` out of
     each stage but the last, ``U c + T[ids]`` into each but the first (:func:`~.bottleneck.insert_bottlenecks`).
 
+    Args:
+        anchors: one token table ``ids -> (..., H)`` per stage, the stage's pairs' ``T`` (stage tables, module
+            docstring); None: ``subspace``'s fixed table everywhere.
+
     Raises:
-        ValueError: fewer than two stages.
+        ValueError: fewer than two stages, or not one anchor per stage.
     """
+    if anchors is not None and len(anchors) != len(stages):
+        raise ValueError(f"{len(anchors)} token tables for {len(stages)} stages: give one per stage")
     shaped = insert_bottlenecks(stages, subspace.width, subspace.basis.shape[0], "orthonormal", anchor=subspace)
     with torch.no_grad():
-        for stage in shaped:
+        for j, stage in enumerate(shaped):
             for layer in stage.children():
                 if isinstance(layer, (BottleneckEncoder, BottleneckDecoder)):
+                    layer.anchor = subspace if anchors is None else anchors[j]
                     weight = subspace.basis.T if isinstance(layer, BottleneckEncoder) else subspace.basis
                     layer.proj.weight.copy_(weight)
                     layer.proj.bias.zero_()

@@ -71,7 +71,8 @@ class LMOptions:
         bottleneck_anchor: the bottlenecks code the residual stream less the model's token embedding of the ids,
             which the decoder adds back (the ids then cross every boundary).
         bottleneck_subspace: the residual stream of a model trained from scratch is kept in one shared subspace of
-            the ``--bottleneck`` width, so the pairs code it exactly (:mod:`dgpipe.models.subspace`).
+            the ``--bottleneck`` width, so the pairs code it exactly (:mod:`dgpipe.models.subspace`): beside one fixed
+            token table (``"fixed"``) or each stage's own trained one (``"stage"``); None: no subspace.
         bottleneck_init: how the pairs start: ``"pca"`` (the principal components of what crosses each boundary
             on :data:`PCA_BLOCKS` training blocks), ``"orthonormal"`` (a random basis), or ``"auto"``: PCA for
             pretrained weights (``--model``), orthonormal for a random model.
@@ -95,7 +96,7 @@ class LMOptions:
     warmup_ratio: float
     bottleneck: str | None = None
     bottleneck_anchor: bool = False
-    bottleneck_subspace: bool = False
+    bottleneck_subspace: str | None = None
     bottleneck_init: str = "auto"
     lora: int = 0
     lora_alpha: int | None = None
@@ -262,7 +263,7 @@ class LMJob(Job):
         if opts.bottleneck_subspace:  # one width at every boundary (LMJob.check)
             width = parse_width(str(opts.bottleneck), self.hidden_size)
             self.subspace = residual_subspace(first.embed_tokens, self.vocab, width, self.config.train.seed)
-            constrain_layers(layers, self.subspace)
+            constrain_layers(layers, self.subspace, embeddings=opts.bottleneck_subspace == "fixed")
         return layers
 
     def shape_stages(self, stages: list[nn.Module]) -> list[nn.Module]:
@@ -277,7 +278,9 @@ class LMJob(Job):
         init = "identity" if all(w == self.hidden_size for w in widths.values()) else "orthonormal"
         anchor = self.token_embedding if opts.bottleneck_anchor else None
         seed = self.config.train.seed
-        shaped = (subspace_pairs(stages, self.subspace) if opts.bottleneck_subspace else
+        tables = ([self.token_embedding] + [copy.deepcopy(self.token_embedding) for _ in stages[1:]]
+                  if opts.bottleneck_subspace == "stage" else None)  # the model as built: E as initialised
+        shaped = (subspace_pairs(stages, self.subspace, tables) if opts.bottleneck_subspace else
                   insert_bottlenecks(stages, widths, self.hidden_size, init, seed=seed, anchor=anchor))
         pca = opts.bottleneck_init == "pca" or (opts.bottleneck_init == "auto" and opts.model is not None)
         if pca:
