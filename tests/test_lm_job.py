@@ -288,3 +288,23 @@ def test_a_residual_subspace_under_torchs_schedule_sends_its_channels_and_the_id
     payload = get_codec("quant", bits=8).encode(torch.randn(4, 32, 16)).nbytes
     backward = [b for b in epoch["boundaries"] if b["direction"] == "backward"]
     assert backward and all(b["wire_bytes"] == 3 * 2 * payload for b in backward)
+
+
+def test_stage_tables_are_each_stages_own_trained_weights(corpus, tmp_path):
+    """``--bottleneck-subspace stage``: the first stage's table is its embedding, every later stage saves its own
+    (vocabulary x width) with its pair, trained apart from it; the fixed table of ``--bottleneck-subspace`` is saved
+    nowhere."""
+    from dgpipe.train.export import _complete_step, _saved_stages
+
+    for kind in ("stage", "fixed"):
+        _step_losses(corpus, tmp_path, kind, "--bottleneck", "16", "--bottleneck-subspace", kind, "--save",
+                     str(tmp_path / kind))
+        saved = _saved_stages(_complete_step(str(tmp_path / kind))[2])
+        tables = {i: w for i, s in saved.items() for k, w in s.items() if k.endswith("anchor.weight")}
+        if kind == "fixed":
+            assert tables == {}
+            continue
+        embedding = next(w for k, w in saved[0].items() if k.endswith("embed_tokens.weight"))
+        assert sorted(tables) == [0, 1, 2] and all(t.shape == embedding.shape for t in tables.values())
+        assert torch.equal(tables[0], embedding)
+        assert not torch.equal(tables[1], embedding) and not torch.equal(tables[1], tables[2])
