@@ -5,11 +5,13 @@ steps of 16 x 128 tokens, 4 linear stages on 4 processes, under every setting of
 (``OUT/lm.md``, ``OUT/frontier.png``).
 
     python benchmarks/lm_pretrain.py [--out DIR] [--seeds 0,1,2] [--only none,codebook4] [--no-run]
-        [--settings lm|lm_bottleneck] [--target-step N]
+        [--settings lm|lm_bottleneck] [--target-step N] [--baseline LABEL]
 
 ``--target-step N`` takes as each seed's target the uncompressed run's validation loss at step ``N`` (an evaluated
 step: a multiple of 50) instead of its final one, so settings that do not reach the final loss still get a
 steps-to-target ratio and a time to the target on each link; the report goes to ``OUT/lm_target_N.md``.
+``--baseline LABEL`` pairs every setting with ``LABEL``'s run of the same seed instead of the uncompressed one
+(its loss the target; the report in ``OUT/lm_vs_LABEL.md``): e.g. the model with stage tables at its full width.
 
 ``--settings lm_bottleneck`` runs ``dgpipe.experiments.settings.LM_BOTTLENECK_SETTINGS`` (boundary bottlenecks) instead,
 into ``benchmarks/results/lm_bottleneck`` by default, whose uncompressed logs link to this benchmark's.
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder of benchmarks/lm_link_latency.py, whose 4-stage loopback runs give each setting's "
                         "compute per step (measured side by side on a quiet machine)")
     p.add_argument("--target-step", type=int, help="the uncompressed run's step whose validation loss is the target")
+    p.add_argument("--baseline", default="none", help="the setting every other is paired with (default: none)")
     args = p.parse_args(argv)
     if args.target_step is not None and not (0 < args.target_step <= 600 and args.target_step % 50 == 0):
         p.error(f"--target-step must be an evaluated step: a multiple of 50 in 50-600; got {args.target_step}")
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = args.only.split(",") if args.only else list(ablation.SETTINGS[args.settings])
     run = ["--job", "lm", "--settings", args.settings, "--seeds", args.seeds, "--out", args.out,
            "--only", ",".join(labels), "--title", "small Llama pretraining, wiki-excerpt, 4 stages"]
-    status = ablation.main(run + (["--no-run"] if args.no_run else []) + ["--", *COMMON])
+    status = ablation.main(run + ["--baseline", args.baseline] + (["--no-run"] if args.no_run else [])
+                           + ["--", *COMMON])
     out, seeds = Path(args.out), [int(k) for k in args.seeds.split(",")]
     timing = Path(args.timing)
     compute = {}
@@ -64,12 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         if ablation.has_summary(log):
             s = read_summary(log)
             compute[label] = s["train_seconds"] / s["steps"]
-    rows = lm_benchmark.results(out, labels, seeds, compute_seconds=compute, target_step=args.target_step)
+    rows = lm_benchmark.results(out, labels, seeds, args.baseline, compute_seconds=compute,
+                                target_step=args.target_step)
+    name = "lm.md" if args.target_step is None else f"lm_target_{args.target_step}.md"
+    name = name if args.baseline == "none" else f"lm_vs_{args.baseline}.md"
     if rows:
-        text = lm_benchmark.table(rows)
-        (out / ("lm.md" if args.target_step is None else f"lm_target_{args.target_step}.md")).write_text(text + "\n")
+        text = lm_benchmark.table(rows, args.baseline)
+        (out / name).write_text(text + "\n")
         print(text)
-    if rows and args.target_step is None:
+    if rows and name == "lm.md":
         lm_benchmark.plot(rows, out / "frontier.png", "small Llama pretraining, wiki-excerpt, 4 stages: "
                           f"{len(seeds)} paired seeds")
     return status

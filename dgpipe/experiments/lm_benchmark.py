@@ -151,7 +151,7 @@ def table(rows: list[dict[str, Any]], baseline: str = "none") -> str:
     1.62x), then the references."""
     links = list(rows[0]["T"]) if rows else []
     head = ("| setting | seeds | fwd bits | bwd bits | avg bits | final val_loss | Δ nats [95% CI] | Δ % [95% CI] | "
-            "steps to target (x none) | compute s/step | "
+            f"steps to target (x {baseline}) | compute s/step | "
             + " | ".join(f"T at {k} (s) | speedup" for k in links) + " |")
     lines = [head, "|" + "---|" * (10 + 2 * len(links))]
     base = next((r for r in rows if r["label"] == baseline), None)
