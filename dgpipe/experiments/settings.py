@@ -163,7 +163,7 @@ LM_BOTTLENECK_SETTINGS: dict[str, list[str]] = {
     "subt128ch": ["--bottleneck", "128", "--bottleneck-subspace", "stage"],  # the model with stage tables, 32 bits
     "subt16ch_quant6": ["--bottleneck", "16", "--bottleneck-subspace", "stage", "--quant", "6"],  # 0.75 bit + ids
     "subt8ch_quant8": ["--bottleneck", "8", "--bottleneck-subspace", "stage", "--quant", "8"],  # 0.5 bit + ids
-    "subt4ch_quant6": ["--bottleneck", "4", "--bottleneck-subspace", "stage", "--quant", "6"],  # 0.19 bit + ids
+    "subt4ch_quant5": ["--bottleneck", "4", "--bottleneck-subspace", "stage", "--quant", "5"],  # 0.16 bit + ids
     "sub8ch_quant8": ["--bottleneck", "8", "--bottleneck-subspace", "--quant", "8"],  # 0.5 bit + ids
     "sub4ch_quant6": ["--bottleneck", "4", "--bottleneck-subspace", "--quant", "6"],  # 0.19 bit + ids
     # per-token scales (bfloat16: 0.5 bit a coded value at 32 channels) after a Hadamard rotation
