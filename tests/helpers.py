@@ -11,6 +11,8 @@
 - :func:`default_sigint`: a child's ``preexec_fn`` that gives it the default Ctrl-C handling.
 - :func:`one_line_error`: a CLI's refusal -- exit status 2, the error and the pointer to ``--help``.
 - :func:`corpus_slice`: a text corpus folder holding the first characters of each split of another.
+- :func:`tiny_llama` / :func:`token_batch` / :func:`lm_loss` / :func:`unsplit_reference` / :func:`assert_grads_match`:
+  split-equals-unsplit checks of a tiny Llama's stages (its boundary bottlenecks or subspace).
 """
 
 from __future__ import annotations
@@ -173,3 +175,46 @@ def corpus_slice(source: Path, folder: Path, chars: Mapping[str, int]) -> Path:
                                              encoding="utf-8")
     return folder
 
+
+
+def tiny_llama(vocab: int, length: int):
+    """The ``tiny-llama`` preset (64 wide), seeded, in training mode."""
+    from dgpipe.models.causal_lm import build_causal_lm, preset_config
+
+    torch.manual_seed(0)
+    return build_causal_lm(preset_config("tiny-llama", vocab, length)).train()
+
+
+def token_batch(vocab: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, next-token targets)``, int64 ``(batch, length)`` each, from a fixed seed."""
+    ids = torch.randint(0, vocab, (batch, length + 1), generator=torch.Generator().manual_seed(1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def unsplit_reference(stages, x, y, chunks: int) -> tuple[float, torch.nn.Module]:
+    """The loss (mean over ``chunks`` micro-batches) of ``stages`` run whole as one ``nn.Sequential``, and that
+    model with the gradients of its backward."""
+    model = torch.nn.Sequential(*stages)
+    loss = 0.0
+    for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
+        part = lm_loss(model(xm), ym) / chunks
+        part.backward()
+        loss += float(part.detach())
+    return loss, model
+
+
+def assert_grads_match(stages, reference: torch.nn.Module, mine) -> None:
+    """Every trained parameter of this rank's stages ``mine`` has the reference's gradient (parameters matched by
+    their place in the whole model: ``stages`` in order, each parameter once); at least one is checked."""
+    whole = list(dict.fromkeys(p for s in stages for p in s.parameters()))
+    want = list(dict.fromkeys(reference.parameters()))
+    assert len(whole) == len(want)
+    index = {id(p): i for i, p in enumerate(whole)}
+    trained = [p for p in dict.fromkeys(q for s in mine for q in s.parameters()) if p.requires_grad]
+    assert trained
+    for p in trained:
+        torch.testing.assert_close(p.grad, want[index[id(p)]].grad, rtol=1e-4, atol=1e-6)

@@ -16,33 +16,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.compression import get_codec
 from dgpipe.models import client_server_split
 from dgpipe.models.bottleneck import (BottleneckDecoder, BottleneckEncoder, bottleneck_pair, fit_bottlenecks,
                                       fit_principal_components, insert_bottlenecks, parse_width, parse_widths)
-from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
+from dgpipe.models.causal_lm import causal_lm_layers
 from dgpipe.pipeline import Pipeline, split_layers
 from dgpipe.pipeline.tied import TiedParameters
-from helpers import assert_ranks_ok, spawn_checks
+from helpers import (assert_grads_match, assert_ranks_ok, lm_loss, spawn_checks, tiny_llama, token_batch,
+                     unsplit_reference)
 
 VOCAB, LENGTH, BATCH, CHUNKS, H, D = 97, 16, 4, 2, 64, 16
 
 
 def tiny():
-    torch.manual_seed(0)
-    return build_causal_lm(preset_config("tiny-llama", VOCAB, LENGTH)).train()
+    return tiny_llama(VOCAB, LENGTH)
 
 
 def batch():
-    ids = torch.randint(0, VOCAB, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(1))
-    return ids[:, :-1], ids[:, 1:]
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return token_batch(VOCAB, BATCH, LENGTH)
 
 
 def test_widths_and_their_errors():
@@ -151,24 +145,7 @@ def _stages(width: int, kind: str, anchored: bool = False):
 
 def _reference(width: int, kind: str, x, y, chunks: int, anchored: bool = False):
     """Loss and gradients (by position in the bottleneck model's parameters) of the same model unsplit."""
-    model = nn.Sequential(*_stages(width, kind, anchored))
-    loss = 0.0
-    for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
-        part = lm_loss(model(xm), ym) / chunks
-        part.backward()
-        loss += float(part)
-    return loss, model
-
-
-def _check_grads(stages, reference: nn.Module, mine) -> None:
-    """Every parameter of this rank's stages has the reference's gradient (parameters matched by their place in
-    the whole model: the stages in order, each parameter once)."""
-    whole = list(dict.fromkeys(p for s in stages for p in s.parameters()))
-    want = list(dict.fromkeys(reference.parameters()))
-    assert len(whole) == len(want)
-    index = {id(p): i for i, p in enumerate(whole)}
-    for p in dict.fromkeys(q for s in mine for q in s.parameters()):
-        torch.testing.assert_close(p.grad, want[index[id(p)]].grad, rtol=1e-4, atol=1e-6)
+    return unsplit_reference(_stages(width, kind, anchored), x, y, chunks)
 
 
 def _dgpipe_check(width: int, anchored: bool = False):
@@ -180,7 +157,7 @@ def _dgpipe_check(width: int, anchored: bool = False):
         loss = pipe.train_step(x, y)
         want_loss, reference = _reference(width, "client-server", x, y, CHUNKS, anchored)
         assert abs(loss - want_loss) < 1e-5 * abs(want_loss)
-        _check_grads(stages, reference, [s for s, r in zip(stages, [0, 1, 0]) if r == rank])
+        assert_grads_match(stages, reference, [s for s, r in zip(stages, [0, 1, 0]) if r == rank])
         payload = codec.encode(torch.randn(BATCH // CHUNKS, LENGTH, width)).nbytes  # d channels each way
         ids = get_codec("intpack").encode(x[: BATCH // CHUNKS]).nbytes if anchored else 0  # forward: the ids too
         for r in pipe.meter.records():
@@ -215,7 +192,7 @@ def check_torch_1f1b(rank: int) -> None:
     want_loss, reference = _reference(D, "linear", x, y, BATCH)
     if rank == 1:
         assert abs(float(torch.stack(losses).mean()) - want_loss) < 1e-5 * abs(want_loss)
-    _check_grads(stages, reference, [stages[rank]])
+    assert_grads_match(stages, reference, [stages[rank]])
 
 
 CHECKS = {c.__name__: c for c in (_dgpipe_check(D), _dgpipe_check(H), _dgpipe_check(D, True), check_torch_1f1b)}

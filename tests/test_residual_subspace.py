@@ -14,32 +14,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dgpipe.compression import get_codec
 from dgpipe.models import client_server_split
-from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
+from dgpipe.models.causal_lm import causal_lm_layers
 from dgpipe.models.subspace import ResidualSubspace, constrain_layers, residual_subspace, subspace_pairs
 from dgpipe.pipeline import Pipeline, split_layers
 from dgpipe.pipeline.tied import TiedParameters
-from helpers import assert_ranks_ok, spawn_checks
+from helpers import (assert_grads_match, assert_ranks_ok, lm_loss, spawn_checks, tiny_llama, token_batch,
+                     unsplit_reference)
 
 VOCAB, LENGTH, BATCH, CHUNKS, H, K = 97, 16, 4, 2, 64, 16
 
 
 def tiny():
-    torch.manual_seed(0)
-    return build_causal_lm(preset_config("tiny-llama", VOCAB, LENGTH)).train()
+    return tiny_llama(VOCAB, LENGTH)
 
 
 def batch():
-    ids = torch.randint(0, VOCAB, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(1))
-    return ids[:, :-1], ids[:, 1:]
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return token_batch(VOCAB, BATCH, LENGTH)
 
 
 def constrained(width: int = K, stage_tables: bool = False):
@@ -164,26 +158,7 @@ def _stages(kind: str, tables: bool = False):
 
 
 def _reference(kind: str, x, y, chunks: int, tables: bool = False):
-    model = nn.Sequential(*_stages(kind, tables))
-    loss = 0.0
-    for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
-        part = lm_loss(model(xm), ym) / chunks
-        part.backward()
-        loss += float(part.detach())
-    return loss, model
-
-
-def _check_grads(stages, reference: nn.Module, mine) -> None:
-    whole = list(dict.fromkeys(p for s in stages for p in s.parameters()))
-    want = list(dict.fromkeys(reference.parameters()))
-    assert len(whole) == len(want)
-    index = {id(p): i for i, p in enumerate(whole)}
-    checked = 0
-    for p in dict.fromkeys(q for s in mine for q in s.parameters()):
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, want[index[id(p)]].grad, rtol=1e-4, atol=1e-6)
-            checked += 1
-    assert checked > 0
+    return unsplit_reference(_stages(kind, tables), x, y, chunks)
 
 
 def check_dgpipe_client_server(rank: int, tables: bool = False) -> None:
@@ -194,7 +169,7 @@ def check_dgpipe_client_server(rank: int, tables: bool = False) -> None:
     loss = pipe.train_step(x, y)
     want_loss, reference = _reference("client-server", x, y, CHUNKS, tables)
     assert abs(loss - want_loss) < 1e-5 * abs(want_loss)
-    _check_grads(stages, reference, [s for s, r in zip(stages, [0, 1, 0]) if r == rank])
+    assert_grads_match(stages, reference, [s for s, r in zip(stages, [0, 1, 0]) if r == rank])
     payload = codec.encode(torch.randn(BATCH // CHUNKS, LENGTH, K)).nbytes  # k channels each way
     ids = get_codec("intpack").encode(x[: BATCH // CHUNKS]).nbytes  # forward: the ids too
     for r in pipe.meter.records():
@@ -219,7 +194,7 @@ def check_torch_1f1b(rank: int) -> None:
     want_loss, reference = _reference("linear", x, y, BATCH)
     if rank == 1:
         assert abs(float(torch.stack(losses).mean()) - want_loss) < 1e-5 * abs(want_loss)
-    _check_grads(stages, reference, [stages[rank]])
+    assert_grads_match(stages, reference, [stages[rank]])
 
 
 def check_dgpipe_client_server_stage_tables(rank: int) -> None:
