@@ -11,7 +11,8 @@ steps of 16 x 128 tokens, 4 linear stages on 4 processes, under every setting of
 step: a multiple of 50) instead of its final one, so settings that do not reach the final loss still get a
 steps-to-target ratio and a time to the target on each link; the report goes to ``OUT/lm_target_N.md``.
 ``--baseline LABEL`` pairs every setting with ``LABEL``'s run of the same seed instead of the uncompressed one
-(its loss the target; the report in ``OUT/lm_vs_LABEL.md``): e.g. the model with stage tables at its full width.
+(its loss the target; the report in ``OUT/lm_vs_LABEL.md``, with ``--target-step``
+``OUT/lm_vs_LABEL_target_N.md``): e.g. the model with stage tables at its full width.
 
 ``--settings lm_bottleneck`` runs ``dgpipe.experiments.settings.LM_BOTTLENECK_SETTINGS`` (boundary bottlenecks) instead,
 into ``benchmarks/results/lm_bottleneck`` by default, whose uncompressed logs link to this benchmark's.
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             compute[label] = s["train_seconds"] / s["steps"]
     rows = lm_benchmark.results(out, labels, seeds, args.baseline, compute_seconds=compute,
                                 target_step=args.target_step)
-    name = "lm.md" if args.target_step is None else f"lm_target_{args.target_step}.md"
-    name = name if args.baseline == "none" else f"lm_vs_{args.baseline}.md"
+    name = ("lm" if args.baseline == "none" else f"lm_vs_{args.baseline}") + (
+        "" if args.target_step is None else f"_target_{args.target_step}") + ".md"
     if rows:
         text = lm_benchmark.table(rows, args.baseline)
         (out / name).write_text(text + "\n")

@@ -50,17 +50,18 @@ class ResidualSubspace(nn.Module):
 
     Attributes:
         basis: float32 ``(H, k)``, orthonormal columns ``U``.
-        table: ``(V, H)`` in the embedding's dtype: ``T``, the token embedding as initialised.
+        table: ``(V, H)`` in the embedding's dtype: ``T``, the token embedding as initialised; None with stage
+            tables (then nothing calls this module with ids).
     """
 
     basis: torch.Tensor
-    table: torch.Tensor
+    table: torch.Tensor | None
 
-    def __init__(self, basis: torch.Tensor, table: torch.Tensor) -> None:
+    def __init__(self, basis: torch.Tensor, table: torch.Tensor | None) -> None:
         super().__init__()
-        if basis.dim() != 2 or table.dim() != 2 or basis.shape[0] != table.shape[1]:
+        if basis.dim() != 2 or table is not None and (table.dim() != 2 or basis.shape[0] != table.shape[1]):
             raise ValueError(f"a basis (H, k) and a token table (V, H), got {tuple(basis.shape)} and "
-                             f"{tuple(table.shape)}")
+                             f"{None if table is None else tuple(table.shape)}")
         self.register_buffer("basis", basis.float(), persistent=False)
         self.register_buffer("table", table, persistent=False)
 
@@ -70,7 +71,13 @@ class ResidualSubspace(nn.Module):
         return int(self.basis.shape[1])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``T[ids]``: int64 ``(...)`` -> ``(..., H)`` (the pairs' anchor)."""
+        """``T[ids]``: int64 ``(...)`` -> ``(..., H)`` (the pairs' anchor).
+
+        Raises:
+            ValueError: a subspace built without its table (stage tables).
+        """
+        if self.table is None:
+            raise ValueError("this residual subspace has no fixed token table (built for stage tables)")
         return nn.functional.embedding(ids, self.table)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,24 +91,27 @@ class ResidualSubspace(nn.Module):
 
 
 @torch.no_grad()
-def residual_subspace(embed_tokens: nn.Module, vocab_size: int, width: int, seed: int) -> ResidualSubspace:
+def residual_subspace(embed_tokens: nn.Module, vocab_size: int, width: int, seed: int,
+                      table: bool = True) -> ResidualSubspace:
     """The subspace of ``width`` channels of a model whose token embedding is ``embed_tokens`` (as initialised).
 
     Args:
         embed_tokens: ``ids -> (..., H)``; its outputs for all ``vocab_size`` ids become the fixed table ``T``.
         width: ``k`` in ``[1, H]``.
         seed: the basis is the Q of a QR decomposition of a standard normal ``(H, k)`` matrix drawn from it.
+        table: build ``T``; False with stage tables, which never read it.
 
     Raises:
         ValueError: ``width`` outside ``[1, H]``.
     """
     device = next(iter(embed_tokens.parameters())).device
-    table = embed_tokens(torch.arange(vocab_size, device=device)).detach().clone()
-    hidden_size = table.shape[1]
+    ids = torch.arange(vocab_size if table else 1, device=device)
+    fixed = embed_tokens(ids).detach().clone()
+    hidden_size = fixed.shape[1]
     if not 1 <= width <= hidden_size:
         raise ValueError(f"a residual subspace of {width} channels: must be in [1, {hidden_size}]")
     basis, _ = torch.linalg.qr(torch.randn(hidden_size, width, generator=torch.Generator().manual_seed(seed)))
-    return ResidualSubspace(basis.to(device), table)
+    return ResidualSubspace(basis.to(device), fixed if table else None)
 
 
 def constrain_layers(layers: Sequence[nn.Module], subspace: ResidualSubspace, embeddings: bool = True) -> None:

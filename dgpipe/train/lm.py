@@ -262,8 +262,9 @@ class LMJob(Job):
         self.token_embedding = first.embed_tokens
         if opts.bottleneck_subspace:  # one width at every boundary (LMJob.check)
             width = parse_width(str(opts.bottleneck), self.hidden_size)
-            self.subspace = residual_subspace(first.embed_tokens, self.vocab, width, self.config.train.seed)
-            constrain_layers(layers, self.subspace, embeddings=opts.bottleneck_subspace == "fixed")
+            fixed = opts.bottleneck_subspace == "fixed"
+            self.subspace = residual_subspace(first.embed_tokens, self.vocab, width, self.config.train.seed, fixed)
+            constrain_layers(layers, self.subspace, embeddings=fixed)
         return layers
 
     def shape_stages(self, stages: list[nn.Module]) -> list[nn.Module]:
