@@ -5,7 +5,13 @@ A tiny Llama trained 2 steps client/server with pairs of different widths at its
 the client, 16 back from the server) and ``--save``: the KV-cache path of split generation (prefill, through the
 pairs) gives the logits of the run's stages run whole on the sequence; the CLI between two processes, uncompressed,
 prints the greedy tokens of those stages run whole, and the meter counts the pairs' channels; bad input -- a
-``--client-layers`` elsewhere than the pairs sit, an export, a linear or anchored run -- is one line each.
+``--client-layers`` elsewhere than the pairs sit, an export, a linear run -- is one line each.
+
+Anchored runs -- pairs on the model's token embedding (``--bottleneck-anchor``), a residual subspace with its fixed
+table or with stage tables (``--bottleneck-subspace fixed|stage``) -- trained 2 steps uncompressed and saved: the
+stages :func:`load_run` rebuilds score the run's own last validation loss (so the subspace's fixed table, rebuilt
+from the seed, and every stage's table are the run's); the KV-cache path through them, the token ids beside the
+pairs' channels, gives their logits and meters the ids; the CLI between two processes prints their greedy tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from dgpipe.cli import export as export_cli
 from dgpipe.cli import generate
+from dgpipe.compression import get_codec
 from helpers import ROOT, corpus_slice, load_cli, one_line_error
 
 WIKI = ROOT.parent / "shared" / "data" / "text" / "wiki-excerpt"
@@ -122,9 +129,97 @@ def test_refusals(run, tmp_path, capsys, monkeypatch):
     linear = _broken(run, tmp_path / "linear", partition="linear")
     err = one_line_error(generate.main, ["--checkpoint", str(linear), *base], capsys)
     assert "bottlenecks sit at the boundaries of a linear partition; split generation takes a run cut" in err
-    anchored = _broken(run, tmp_path / "anchored", bottleneck_anchor=True)
-    err = one_line_error(generate.main, ["--checkpoint", str(anchored), *base], capsys)
-    assert "anchored (--bottleneck-anchor or -subspace): they need the token ids on both sides" in err
-    subspace = _broken(run, tmp_path / "subspace", bottleneck_subspace=True)
-    err = one_line_error(generate.main, ["--checkpoint", str(subspace), *base], capsys)
-    assert "anchored (--bottleneck-anchor or -subspace): they need the token ids on both sides" in err
+
+
+ANCHORED = {"anchor": ["--bottleneck-anchor"], "fixed": ["--bottleneck-subspace", "fixed"],
+            "stage": ["--bottleneck-subspace", "stage"]}
+WIDTH, BLOCK, EVAL = 16, 32, 4
+NONE, INTS = get_codec("none"), get_codec("intpack")
+
+
+@pytest.fixture(scope="module")
+def anchored_runs(tmp_path_factory):
+    """``{kind: (checkpoint folder, log)}`` of the anchored runs, and their cache folder."""
+    folder = tmp_path_factory.mktemp("anchored-runs")
+    corpus = corpus_slice(WIKI, folder / "wiki", {"train": 20_000, "valid": 6_000, "test": 6_000})
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DGPIPE_CACHE", str(folder / "cache"))
+        for kind, flags in ANCHORED.items():
+            code = LM.main(["--data-dir", str(corpus), "--model-config", "tiny-llama", "--tokenizer", "bpe:400",
+                            "--block-length", str(BLOCK), "--batch-size", "4", "--chunk", "2", "--max-steps", "2",
+                            "--eval-subset", str(EVAL), "--lr", "1e-2", "--num-workers", "0", "--no-progress",
+                            "--seed", "3", "--bottleneck", str(WIDTH), *flags, "--save", str(folder / kind),
+                            "--log", str(folder / f"{kind}.jsonl")])
+            assert code == 0
+            out[kind] = (folder / kind, folder / f"{kind}.jsonl")
+    return out, folder / "cache"
+
+
+@pytest.mark.parametrize("kind", list(ANCHORED))
+def test_anchored_stages_score_the_runs_validation_loss(anchored_runs, kind, monkeypatch):
+    from dgpipe.train.export import load_run
+    from dgpipe.train.lm import token_blocks
+    from dgpipe.train.runlog import read_summary
+
+    done, cache = anchored_runs
+    monkeypatch.setenv("DGPIPE_CACHE", str(cache))
+    loaded = load_run(str(done[kind][0]))
+    args = loaded.args
+    blocks = token_blocks(args["data_dir"], args["eval_split"], loaded.tokenizer, BLOCK, EVAL)
+    x = torch.stack([blocks[i][0] for i in range(len(blocks))])
+    y = torch.stack([blocks[i][1] for i in range(len(blocks))])
+    loss = float(torch.nn.functional.cross_entropy(_whole(loaded.stages, x).flatten(0, 1), y.flatten()))
+    assert loss == pytest.approx(read_summary(done[kind][1])["value"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(ANCHORED))
+def test_the_kv_cache_path_through_anchored_pairs_gives_the_stages_logits(anchored_runs, kind, monkeypatch):
+    from dgpipe.comm import BandwidthMeter
+    from dgpipe.generation import ClientStages, LocalServer, StageBlocks, score
+    from dgpipe.train.export import load_run
+
+    monkeypatch.setenv("DGPIPE_CACHE", str(anchored_runs[1]))
+    loaded = load_run(str(anchored_runs[0][kind][0]))
+    front, middle, back = (list(stage.children()) for stage in loaded.stages)
+    client, server = ClientStages(front, back, loaded.model.config), StageBlocks(middle, loaded.model.config)
+    assert client.sends_ids and server.needs_ids
+    ids = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    local = LocalServer(server, meter=BandwidthMeter())
+    got = score(client, local, ids, mask)
+    want = torch.stack([_whole(loaded.stages, ids[0:1])[0], torch.cat([got[1, :3], _whole(loaded.stages,
+                                                                                           ids[1:2, 3:])[0]])])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    sent = {r["name"]: r for r in local.meter.records()}["client->server"]  # the pair's channels, the mask, the ids
+    assert sent["wire_bytes"] == _channels(ids) + INTS.encode(mask).nbytes + INTS.encode(ids).nbytes
+    with pytest.raises(ValueError, match="anchored: call it with the new tokens' ids"):
+        server(torch.zeros(1, 1, WIDTH), None, torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_generate_an_anchored_run_between_two_processes(anchored_runs, monkeypatch, capfd, tmp_path):
+    from dgpipe.train.export import load_run
+
+    ckpt = anchored_runs[0]["stage"][0]
+    monkeypatch.setenv("DGPIPE_CACHE", str(anchored_runs[1]))
+    loaded = load_run(str(ckpt))
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    prompt = ids
+    for _ in range(6):
+        ids = torch.cat([ids, _whole(loaded.stages, ids)[:, -1:].argmax(-1)], 1)
+    text = loaded.tokenizer.decode(ids[0, -6:], skip_special_tokens=True)
+    log = tmp_path / "generate.json"
+    assert generate.main(["--checkpoint", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "6",
+                          "--timeout", "120", "--log-file", str(log)]) == 0
+    assert f"--- {PROMPT!r}\n{text}\n" in capfd.readouterr().out
+    # forward: the pair's 16 float32 channels, the prompt mask once and every step's ids (intpack)
+    sent = {r["name"]: r for r in json.loads(log.read_text())["meter"]}["client->server"]
+    steps = [prompt] + [ids[:, i: i + 1] for i in range(prompt.shape[1], ids.shape[1] - 1)]
+    assert sent["count"] == 6 and sent["wire_bytes"] == sum(_channels(s) + INTS.encode(s).nbytes for s in steps) \
+        + INTS.encode(torch.ones_like(prompt)).nbytes
+
+
+def _channels(ids: torch.Tensor) -> int:
+    """Payload bytes of the pair's float32 channels for the tokens ``ids`` ``(B, L)`` (codec ``none``)."""
+    return NONE.encode(torch.zeros(*ids.shape, WIDTH)).nbytes

@@ -2,7 +2,8 @@
 gloo), and a hostile server against the client: crafted meta and payloads, truncated messages and requests past
 the server's limits are each refused with one line naming the peer and the field, before the blocks run, and
 without allocating past a bound (the server's peak RSS, measured in its process, grows by less than
-:data:`RSS_BOUND`; the attacks below asked for 0.5 GiB to 8 TiB before the server checked them).
+:data:`RSS_BOUND`; the attacks below asked for 0.5 GiB to 8 TiB before the server checked them). A server whose
+pairs are anchored also refuses a message without the token ids, ids of another shape and ids outside its vocabulary.
 
 Every case runs the server on a process group of its own, so that a message the server refused before reading it
 whole cannot reach the next case.
@@ -24,6 +25,7 @@ from dgpipe.generation import (
     DECODE, HIDDEN, PREFILL, TAG, ClientStages, RemoteServer, ServerLimits, StageBlocks, generate, serve,
 )
 from dgpipe.models import client_server_split
+from dgpipe.models.bottleneck import insert_bottlenecks
 from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, preset_config
 from helpers import assert_ranks_ok, spawn_checks
 
@@ -43,6 +45,10 @@ def _model():
 MODEL = _model()
 FRONT, MIDDLE, BACK = client_server_split(causal_lm_layers(MODEL), 1, (1, 1))
 H = MODEL.config.hidden_size
+_PAIRED = insert_bottlenecks(client_server_split(causal_lm_layers(_model(), carry_ids=True), 1, (1, 1)), 8, H,
+                             "orthonormal", anchor=causal_lm_layers(MODEL)[0].embed_tokens)
+ANCHORED = list(_PAIRED[1].children())[:1]
+"""A server stage of anchored pairs (8 channels; the token ids cross beside them): its decoder alone."""
 
 
 def _peak_rss() -> int:
@@ -70,16 +76,16 @@ class _Unreachable(StageBlocks):
         raise AssertionError("a refused message reached the blocks")
 
 
-def _case(send, error: str):
-    """A check: rank 0 sends with ``send(group)``; rank 1 serves, and must refuse with ``error`` (a regex) within
-    the RSS bound. The refusal must come from the checks, not from the blocks."""
+def _case(send, error: str, middle: list = MIDDLE):
+    """A check: rank 0 sends with ``send(group)``; rank 1 serves ``middle``, and must refuse with ``error`` (a regex)
+    within the RSS bound. The refusal must come from the checks, not from the blocks."""
 
     def check(rank: int) -> None:
         group = dist.new_group([0, 1])
         if rank == 0:
             send(group)
         else:
-            blocks = _Unreachable(MIDDLE, MODEL.config)
+            blocks = _Unreachable(middle, MODEL.config)
             before = _peak_rss()
             with pytest.raises(ValueError, match=error) as info:
                 serve(blocks, 0, timeout=20, group=group, limits=LIMITS)
@@ -150,6 +156,24 @@ CASES = {
     "size_word": (lambda g: _send_raw(_lying_size(), g),
                   r"corrupt message from rank 0: its size word says 8589934592 bytes, outside \[\d+, \d+\]"),
 }
+#: To a server whose pairs are anchored: every message carries the token ids last, checked against the vocabulary.
+ANCHORED_CASES = {
+    "ids_missing": (lambda g: Sender(1, g, TAG).send([NONE.encode(torch.randn(2, 4, 8)),
+                                                      INTPACK.encode(torch.ones(2, 4, dtype=torch.long))],
+                                                     [PREFILL, 0, 2, 4]).wait(20),
+                    r"client \(rank 0\) sent 2 payloads with meta \[1, 0, 2, 4\]; a prefill has 3 \(hidden states, "
+                    r"the prompt mask at prefill, token ids\)"),
+    "ids_shape": (lambda g: Sender(1, g, TAG).send([NONE.encode(torch.randn(2, 4, 8)),
+                                                    INTPACK.encode(torch.ones(2, 4, dtype=torch.long)),
+                                                    INTPACK.encode(torch.ones(2, 5, dtype=torch.long))],
+                                                   [PREFILL, 0, 2, 4]).wait(20),
+                  r"client \(rank 0\) sent token ids of shape \(2, 5\), want \(2, 4\)"),
+    "ids_outside_the_vocabulary": (lambda g: Sender(1, g, TAG).send([NONE.encode(torch.randn(1, 2, 8)),
+                                                                     INTPACK.encode(torch.ones(1, 2, dtype=torch.long)),
+                                                                     INTPACK.encode(torch.tensor([[5, 97]]))],
+                                                                    [PREFILL, 0, 1, 2]).wait(20),
+                                   r"client \(rank 0\) sent token ids outside the vocabulary \[0, 97\)"),
+}
 
 
 def _send_parts(payloads, meta, short: int, group=None) -> None:
@@ -198,6 +222,7 @@ def check_lying_server_is_refused(rank: int) -> None:
 
 
 CHECKS = {f"check_{name}": _case(*case) for name, case in CASES.items()}
+CHECKS |= {f"check_{name}": _case(*case, middle=ANCHORED) for name, case in ANCHORED_CASES.items()}
 CHECKS |= {c.__name__: c for c in (check_honest_client_within_the_limits, check_lying_server_is_refused)}
 
 

@@ -223,7 +223,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
                          channel_scale=args.channel_scale) \
         if world_size == 1 else RemoteServer(1, act, back, meter, args.timeout, delay=delay,
                                              channel_mean=args.channel_mean, channel_scale=args.channel_scale,
-                                             answer_width=client.last.width_in)
+                                             answer_width=client.last.width_in, send_ids=client.sends_ids)
     generator = torch.Generator().manual_seed(args.seed)
     steps: list[float] = []
     try:

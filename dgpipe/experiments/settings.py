@@ -197,6 +197,13 @@ LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
                                                                             "--token-reference-backoff"],
     **{f"{label}_eval32": LM_SETTINGS[label] + ["--no-compress-eval"]
        for label in ("codebook4", "codebook5lv_gcb5lv", "refscaledbackoff_codebook5lv_gcb5lv")},
+    # under 1 bit a value averaged over both directions, the weights evaluated uncompressed: the forward direction
+    # against the per-token reference (weighed, backing off) at 3 levels (1.6 bits) or 2 (1 bit), the gradients'
+    # dominant directions alone backward (bfloat16 factors: 0.09 bit a direction on 4 x 64 x 576 messages)
+    **{f"refscaledbackoff_codebook{fwd}lv_gsub{rank}_eval32": _codebook(None, count=fwd)
+       + _subspace(rank, 0, "--grad-codec")
+       + ["--token-reference", "--token-reference-scale", "--token-reference-backoff", "--no-compress-eval"]
+       for fwd, rank in ((3, 3), (3, 2), (2, 8))},
 }
 
 #: Fine-tuning SmolLM2 (576 wide) with boundary bottlenecks started from the boundary states' principal components

@@ -15,8 +15,10 @@ stage's ``transformers.DynamicCache``.
 A model trained with boundary bottlenecks (:mod:`dgpipe.models.bottleneck`) is split where it was trained: the
 client's front ends with the encoder of the first pair, the server starts with its decoder and ends with the
 encoder of the second, and the client's back starts with that decoder, so each direction carries its pair's
-channels (:class:`StageBlocks`: ``width_in``/``width_out``); anchored pairs, which need the token ids on both
-sides, are refused.
+channels (:class:`StageBlocks`: ``width_in``/``width_out``). Anchored pairs (``--bottleneck-anchor``, a residual
+subspace) rebuild a token table's rows on both sides of a boundary, so every client message then also carries the
+new tokens' ids (``intpack``; :attr:`ClientStages.sends_ids`, ``RemoteServer(send_ids=True)``), which the server
+checks against its vocabulary: the prompt's text leaves the client.
 
 What the unsplit ``model.generate`` computes, step for step: positions ``cumsum(mask) - 1`` (0 at pads)
 and one more per step; no mask at all when the prompts have no padding; greedy decoding or sampling with
@@ -27,7 +29,7 @@ the unsplit model's, and sampling with the same seed draws the same tokens (test
 
 With ``channel_mean``, each direction is coded as its residual against running per-channel means that both
 sides keep alike (:func:`~dgpipe.compression.wrappers.reference.position_keys`: a sequence's first position,
-later positions, padding), updated from every message's decoded rows; no token id crosses the link. A decoder's
+later positions, padding), updated from every message's decoded rows; no token id crosses the link for them. A decoder's
 hidden states carry a large mean per channel and a far larger first position (SmolLM2-135M: the 4-bit
 codebook's perplexity cost falls from +8.8% to +1.7%, ``benchmarks/lm_generate_quality.py``). With
 ``channel_scale`` the residual's channels are also weighed by their running variance ** -1/4 (4 bits: +1.2%;

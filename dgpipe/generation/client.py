@@ -74,24 +74,35 @@ class RemoteServer:
     power -1/4 (:class:`~dgpipe.compression.wrappers.reference.ScaledReferenceCoder`). :func:`serve` must be
     given the same; a ``channel_scale`` without ``channel_mean`` is a ``ValueError``. ``answer_width``: the
     channels of the server's answers (its last bottleneck's width, :attr:`StageBlocks.width_out`; ``None``: as
-    many as the client sends).
+    many as the client sends). ``send_ids``: every message also carries the new tokens' ids (``intpack``), which a
+    server whose pairs are anchored needs (:attr:`ClientStages.sends_ids`); the prompt's text then leaves the client.
     """
 
     def __init__(self, peer: int = 1, act_codec: CodecArg = "none", return_codec: CodecArg | None = None,
                  meter: BandwidthMeter | None = None, timeout: float = 300.0, group=None,
                  delay: DelayLine | None = None, channel_mean: bool = False, alpha: float = ALPHA,
-                 channel_scale: bool = False, answer_width: int | None = None) -> None:
+                 channel_scale: bool = False, answer_width: int | None = None, send_ids: bool = False) -> None:
         self.send_stream, self.recv_stream = Sender(peer, group, TAG, delay), Receiver(peer, group, TAG + 1)
-        self.answer_width = answer_width
+        self.answer_width, self.send_ids = answer_width, send_ids
         self.codec = Stream(act_codec, channel_mean, alpha, channel_scale)
         self.back = Stream(act_codec if return_codec is None else return_codec, channel_mean, alpha, channel_scale)
-        self.mask_codec = get_codec("intpack")
+        self.int_codec = get_codec("intpack")
         self.meter = meter
         self.timeout, self.peer = timeout, peer
         self.past = 0
         self.tracker: Tracker | None = None
 
-    def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The server's hidden states of one step: ``hidden`` ``(B, L, H)`` the front's, ``prompt_mask`` int
+        ``(B, L)`` at prefill (None after), ``ids`` int64 ``(B, L)`` the new tokens (sent with ``send_ids``).
+
+        Raises:
+            ValueError: ``send_ids`` without ``ids``; an answer whose meta, header or payload does not fit.
+            TransportError: the server died or did not answer within the timeout.
+        """
+        if self.send_ids and ids is None:
+            raise ValueError("send_ids: give the new tokens' ids with every step")
         b, length = hidden.shape[:2]
         if prompt_mask is not None:
             self.past, self.tracker = 0, Tracker(prompt_mask)
@@ -102,7 +113,9 @@ class RemoteServer:
         with to_server.encoding("generate") as message:
             message.add(self.codec.encode(hidden, keys), hidden.numel() * hidden.element_size())
             if prompt_mask is not None:
-                message.add(self.mask_codec.encode(prompt_mask.long()))
+                message.add(self.int_codec.encode(prompt_mask.long()))
+            if self.send_ids:
+                message.add(self.int_codec.encode(ids))
         kind = PREFILL if prompt_mask is not None else DECODE
         to_server.send(self.send_stream, message, [kind, self.past, b, length], "client->server").wait(
             self.timeout)
@@ -136,14 +149,14 @@ class RemoteServer:
 
 def _through(client: ClientStages, server: Callable, ids: torch.Tensor, tracker: Tracker,
              prompt_mask: torch.Tensor | None) -> torch.Tensor:
-    """The client's front, the server (``prompt_mask`` at prefill, None after) and the client's back blocks on
-    the new tokens ``ids`` ``(B, L)``: the last block's hidden states ``(B, L, H)``."""
-    hidden = client.first(client.embeddings.step(ids, tracker.positions), tracker.mask, tracker.positions)
-    return client.last(server(hidden, prompt_mask), tracker.mask, tracker.positions)
+    """The client's front, the server (``prompt_mask`` at prefill, None after; the ids) and the client's back blocks
+    on the new tokens ``ids`` ``(B, L)``: the last block's hidden states ``(B, L, H)``."""
+    hidden = client.first(client.embeddings.step(ids, tracker.positions), tracker.mask, tracker.positions, ids)
+    return client.last(server(hidden, prompt_mask, ids), tracker.mask, tracker.positions, ids)
 
 
 @torch.no_grad()
-def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+def generate(client: ClientStages, server: Callable[..., torch.Tensor],
              input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              sampling: Sampling = Sampling(), eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None,
@@ -154,8 +167,8 @@ def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor 
 
     Args:
         client: the client's layers.
-        server: :class:`LocalServer` or :class:`RemoteServer` (called with the front's hidden states and,
-            at prefill, the prompt mask; returns the server's hidden states).
+        server: :class:`LocalServer` or :class:`RemoteServer` (called with the front's hidden states, the prompt
+            mask at prefill or None, and the new tokens' ids; returns the server's hidden states).
         input_ids: int64 ``(B, L)`` prompts, left-padded.
         attention_mask: int ``(B, L)``, 1 = token (default: all ones).
         sampling: greedy or sampling (:class:`Sampling`); ``generator``: its random numbers (default: torch's
@@ -195,7 +208,7 @@ def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor 
     for _ in range(max_new_tokens):
         start = time.perf_counter()
         hidden = _through(client, server, ids, tracker, prompt_mask)
-        token = sampling.pick(client.head(hidden[:, -1:])[:, -1], generator)
+        token = sampling.pick(client.head.step(hidden[:, -1:])[:, -1], generator)
         if stops is not None:
             token = torch.where(done, torch.full_like(token, pad), token)
             done |= torch.isin(token, stops)
@@ -210,7 +223,7 @@ def generate(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor 
 
 
 @torch.no_grad()
-def score(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+def score(client: ClientStages, server: Callable[..., torch.Tensor],
           input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The logits of every position of ``input_ids`` int64 ``(B, L)`` computed through the link as a
     prefill (the KV-cache path of :func:`generate`): float ``(B, L, vocab)``. Held-out perplexity and
@@ -219,4 +232,4 @@ def score(client: ClientStages, server: Callable[[torch.Tensor, torch.Tensor | N
     tracker = Tracker(mask)
     client.first.reset()
     client.last.reset()
-    return client.head(_through(client, server, input_ids, tracker, mask))
+    return client.head.step(_through(client, server, input_ids, tracker, mask))

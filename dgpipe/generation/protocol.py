@@ -64,10 +64,11 @@ class ServerLimits:
             raise ValueError("server limits: the model config has no max_position_embeddings; give max_length")
         return min(v for v in (self.max_length, model) if v is not None)
 
-    def message_bytes(self, hidden_size: int, itemsize: int) -> int:
+    def message_bytes(self, hidden_size: int, itemsize: int, ints: int = 1) -> int:
         """Most bytes of one client message: ``max_tokens`` hidden states of ``hidden_size`` values of
-        ``itemsize`` bytes uncoded, an int64 mask value per token and 64 KiB of headers and framing."""
-        return self.max_tokens * (hidden_size * itemsize + 8) + (1 << 16)
+        ``itemsize`` bytes uncoded, ``ints`` int64 values per token (the mask; the ids too, to anchored pairs) and
+        64 KiB of headers and framing."""
+        return self.max_tokens * (hidden_size * itemsize + 8 * ints) + (1 << 16)
 
 
 def checked_header(payload: Payload, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype | None,

@@ -38,26 +38,34 @@ class LocalServer:
         self.act = (Stream(act_codec, channel_mean, alpha, channel_scale),
                     Stream(act_codec, channel_mean, alpha, channel_scale))
         self.back = (Stream(ret, channel_mean, alpha, channel_scale), Stream(ret, channel_mean, alpha, channel_scale))
-        self.mask_codec = get_codec("intpack")
+        self.int_codec = get_codec("intpack")
         self.meter = meter
         self.tracker: Tracker | None = None
 
-    def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, prompt_mask: torch.Tensor | None,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`RemoteServer.__call__`; the ids are used (and metered) where the stage's pairs are anchored.
+
+        Raises:
+            ValueError: an anchored stage called without ``ids``.
+        """
         if prompt_mask is not None:
             self.stage.reset()
             self.tracker = Tracker(prompt_mask)
         else:
             self.tracker.advance()
         keys = self.tracker.keys(hidden.shape[1], prompt_mask is not None)
-        mask = [self.mask_codec.encode(prompt_mask.long())] if prompt_mask is not None else []
-        hidden = self._hop(self.act, hidden, keys, Link("client->server", self.meter), mask)
-        hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions)
+        extra = [self.int_codec.encode(prompt_mask.long())] if prompt_mask is not None else []
+        if self.stage.needs_ids and ids is not None:
+            extra.append(self.int_codec.encode(ids))
+        hidden = self._hop(self.act, hidden, keys, Link("client->server", self.meter), extra)
+        hidden = self.stage(hidden, self.tracker.mask, self.tracker.positions, ids if self.stage.needs_ids else None)
         return self._hop(self.back, hidden, keys, Link("server->client", self.meter))
 
     def _hop(self, coders: tuple["Stream", "Stream"], hidden: torch.Tensor, keys: torch.Tensor, link: Link,
              extra: Sequence[Payload] = ()) -> torch.Tensor:
         """``hidden`` through a direction's coders (encode, meter with the ``extra`` payloads a message to a
-        server process carries beside it -- the prompt mask at prefill --, decode)."""
+        server process carries beside it -- the prompt mask at prefill, the ids to anchored pairs --, decode)."""
         with link.encoding("generate") as message:
             payload = message.add(coders[0].encode(hidden, keys), hidden.numel() * hidden.element_size())
         for p in extra:
@@ -76,9 +84,11 @@ class _Gate:
     def __init__(self, blocks: StageBlocks, peer: int, limits: ServerLimits, act: Stream) -> None:
         self.who, self.act = f"client (rank {peer})", act
         self.hidden_size, self.dtype = blocks.width_in, blocks.dtype
+        self.vocab = int(blocks.config.vocab_size) if blocks.needs_ids else 0
+        """The ids' bound (``[0, vocab)``) where the stage takes them (anchored pairs), else 0: none are admitted."""
         self.context, self.max_tokens = limits.context(blocks.config), limits.max_tokens
-        self.max_bytes = limits.message_bytes(self.hidden_size, max(self.dtype.itemsize, 4))
-        self.mask_codec = get_codec("intpack")
+        self.max_bytes = limits.message_bytes(self.hidden_size, max(self.dtype.itemsize, 4), 1 + blocks.needs_ids)
+        self.int_codec = get_codec("intpack")
         self.past, self.batch = 0, 0
 
     def admit(self, meta: list[int], payloads: list[Payload]) -> tuple[int, int, int]:
@@ -93,10 +103,11 @@ class _Gate:
         kind, their_past, b, length = meta
         if kind == END:
             return kind, 0, 0
-        want = 2 if kind == PREFILL else 1
+        want = (2 if kind == PREFILL else 1) + (self.vocab > 0)
         if len(payloads) != want:
             raise ValueError(f"{who} sent {len(payloads)} payloads with meta {meta}; a "
-                             f"{'prefill' if kind == PREFILL else 'decode step'} has {want}")
+                             f"{'prefill' if kind == PREFILL else 'decode step'} has {want}"
+                             + (" (hidden states, the prompt mask at prefill, token ids)" if self.vocab else ""))
         if b < 1 or length < 1:
             raise ValueError(f"{who} sent a batch of {b} sequences of {length} tokens: both must be >= 1")
         past = 0 if kind == PREFILL else self.past
@@ -113,7 +124,9 @@ class _Gate:
                              f"more than the {self.max_tokens} served (max_tokens)")
         checked_header(payloads[0], self.act.codec, (b, length, self.hidden_size), self.dtype, who, "hidden states")
         if kind == PREFILL:
-            checked_header(payloads[1], self.mask_codec, (b, length), None, who, "a prompt mask")
+            checked_header(payloads[1], self.int_codec, (b, length), None, who, "a prompt mask")
+        if self.vocab:
+            checked_header(payloads[-1], self.int_codec, (b, length), None, who, "token ids")
         return kind, b, length
 
     def mask(self, payload: Payload) -> torch.Tensor:
@@ -123,7 +136,7 @@ class _Gate:
             ValueError: ``client (rank N) sent a prompt mask ...`` that does not decode or fit.
         """
         try:
-            mask = self.mask_codec.decode(payload)
+            mask = self.int_codec.decode(payload)
         except ValueError as err:
             raise ValueError(f"{self.who} sent a prompt mask that does not decode: {err}") from None
         if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
@@ -131,6 +144,20 @@ class _Gate:
         if not bool(mask.any(1).all()):
             raise ValueError(f"{self.who} sent a prompt mask with an empty row (a prompt of no token)")
         return mask.long()
+
+    def ids(self, payload: Payload) -> torch.Tensor:
+        """The token ids of an admitted message to anchored pairs: int64 ``(B, L)`` in ``[0, vocab)``.
+
+        Raises:
+            ValueError: ``client (rank N) sent token ids ...`` that do not decode or fall outside the vocabulary.
+        """
+        try:
+            ids = self.int_codec.decode(payload)
+        except ValueError as err:
+            raise ValueError(f"{self.who} sent token ids that do not decode: {err}") from None
+        if ids.is_floating_point() or bool(((ids < 0) | (ids >= self.vocab)).any()):
+            raise ValueError(f"{self.who} sent token ids outside the vocabulary [0, {self.vocab})")
+        return ids.long()
 
     def hidden(self, payload: Payload, keys: torch.Tensor) -> torch.Tensor:
         """The hidden states of an admitted message, decoded.
@@ -186,7 +213,8 @@ def serve(blocks: StageBlocks, peer: int = 0, act_codec: CodecArg = "none", retu
         keys = tracker.keys(length, kind == PREFILL)
         with from_client.decoding("generate", incoming):
             hidden = gate.hidden(incoming.payloads[0], keys)
-        out = blocks(hidden, tracker.mask, tracker.positions)
+            ids = gate.ids(incoming.payloads[-1]) if blocks.needs_ids else None
+        out = blocks(hidden, tracker.mask, tracker.positions, ids)
         with to_client.encoding("generate") as message:
             message.add(back.encode(out, keys), out.numel() * out.element_size())
         pending = to_client.send(send_stream, message, [HIDDEN, gate.past if kind == DECODE else 0, b, length],

@@ -27,9 +27,12 @@ class StageBlocks:
             :class:`~dgpipe.models.bottleneck.BottleneckEncoder`.
         config: the model config (sizes the cache).
 
+    An anchored pair (``--bottleneck-anchor`` or ``--bottleneck-subspace``: :mod:`dgpipe.models.bottleneck`) adds
+    or subtracts a token table's rows of the new tokens' ids, so such a stage is called with them
+    (:attr:`needs_ids`; between processes they cross beside the hidden states).
+
     Raises:
-        ValueError: other layers, or an anchored bottleneck (it needs the token ids, which split generation keeps
-            on the client).
+        ValueError: other layers.
     """
 
     def __init__(self, layers: Iterable[nn.Module], config) -> None:
@@ -41,9 +44,9 @@ class StageBlocks:
         if not all(isinstance(b, DecoderBlock) for b in layers):
             raise ValueError("a stage of split generation holds DecoderBlock layers only (with a bottleneck's "
                              "decoder first and an encoder last)")
-        if any(pair is not None and pair.anchor is not None for pair in (self.decoder, self.encoder)):
-            raise ValueError("an anchored bottleneck (--bottleneck-anchor) needs the token ids on both sides of its "
-                             "boundary; split generation keeps them on the client")
+        self.needs_ids: bool = any(pair is not None and pair.anchor is not None
+                                   for pair in (self.decoder, self.encoder))
+        """The stage's pairs are anchored: it takes the new tokens' ids."""
         self.blocks, self.config = layers, config
         self.cache = None
         self._blocks_dtype: torch.dtype = next((p.dtype for b in layers for p in b.parameters()
@@ -63,14 +66,29 @@ class StageBlocks:
         self.cache = DynamicCache(config=self.config)
 
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One step: ``hidden`` ``(B, L, width_in)`` of the new tokens at ``positions`` int64 ``(B, L)`` (``mask``:
+        :meth:`DecoderBlock.step`'s; ``ids``: their token ids, int64 ``(B, L)``, for anchored pairs) ->
+        ``(B, L, width_out)``.
+
+        Raises:
+            ValueError: anchored pairs called without ``ids``.
+        """
+        if self.needs_ids and ids is None:
+            raise ValueError("this stage's bottlenecks are anchored: call it with the new tokens' ids")
         if self.decoder is not None:
-            hidden = self.decoder(hidden.to(self.dtype)).to(self._blocks_dtype)
+            hidden = _pair(self.decoder, hidden.to(self.dtype), ids).to(self._blocks_dtype)
         for block in self.blocks:
             hidden = block.step(hidden, mask, positions, self.cache)
         if self.encoder is not None:
-            hidden = self.encoder(hidden.to(self.encoder.proj.weight.dtype))
+            hidden = _pair(self.encoder, hidden.to(self.encoder.proj.weight.dtype), ids)
         return hidden
+
+
+def _pair(layer: BottleneckDecoder | BottleneckEncoder, hidden: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """A pair's half on ``hidden``, with the token ids its anchor reads where it has one."""
+    return layer(hidden) if layer.anchor is None else layer((hidden, ids))[0]
 
 
 class ClientStages:
@@ -92,3 +110,5 @@ class ClientStages:
                              "k, (1, 1)): the embeddings first, the head last")
         self.embeddings, self.head = front[0], back[-1]
         self.first, self.last = StageBlocks(front[1:], config), StageBlocks(back[:-1], config)
+        self.sends_ids: bool = self.first.needs_ids or self.last.needs_ids
+        """The client's pairs are anchored, so are the server's: the token ids go to the server too."""

@@ -385,6 +385,11 @@ class CausalLMHead(nn.Module):
         normed = self.norm(hidden)
         return normed if self.defer_logits else self.logits(normed)
 
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Generation: the last block's hidden states ``(B, L, H)`` alone (no mask or ids) -> logits
+        ``(B, L, vocab)``."""
+        return self.logits(self.norm(hidden))
+
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head (and soft-capping) of final-normed states ``(..., H)`` -> logits ``(..., vocab)``."""
         logits = self.lm_head(normed)

@@ -13,7 +13,8 @@ The weights are written in float32 (weights a ``--precision bf16`` run stored in
 A run with boundary bottlenecks (``--bottleneck``) has layers that no transformers architecture holds: the export
 refuses it, and :func:`load_run` gives its stages as the run cut them, each bottleneck pair at its boundary
 (:attr:`Run.stages`), which split generation runs (``dgpipe-lm generate --checkpoint``) where the run was cut
-client/server. A token reference or codec state is link state, not model, and is left out.
+client/server; anchored pairs and a residual subspace (``--bottleneck-anchor``, ``--bottleneck-subspace``) are
+rebuilt with their token tables. A token reference or codec state is link state, not model, and is left out.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch import nn
 
 from dgpipe.models import Stage
 from dgpipe.models.bottleneck import insert_bottlenecks
-from dgpipe.models.causal_lm import build_causal_lm, causal_lm_layers, resolve_lm
+from dgpipe.models.causal_lm import CausalEmbeddings, build_causal_lm, causal_lm_layers, resolve_lm
+from dgpipe.models.subspace import constrain_layers, residual_subspace, subspace_pairs
 
 from . import checkpoint
 from .lm import LMOptions, lm_tokenizer, random_config
@@ -120,8 +122,7 @@ def run_context(directory: str) -> tuple[Any, int | None, int | None]:
 
     Raises:
         ValueError: see :func:`load_run`; a run with bottlenecks that was not cut client/server (split generation
-            runs a client and a server), or with anchored ones (``--bottleneck-anchor``: their pairs need the token
-            ids on both sides, which split generation keeps on the client)."""
+            runs a client and a server)."""
     _, meta, _, opts, tokenizer, config = _run_parts(directory)
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if opts.bottleneck is None:
@@ -130,9 +131,6 @@ def run_context(directory: str) -> tuple[Any, int | None, int | None]:
     if args.get("partition") != "client-server" or meta.get("mode") != "pipeline":
         raise ValueError(f"{directory}: the run's bottlenecks sit at the boundaries of a {args.get('partition')} "
                          "partition; split generation takes a run cut client/server (--partition client-server)")
-    if opts.bottleneck_anchor or opts.bottleneck_subspace:
-        raise ValueError(f"{directory}: the run's bottlenecks are anchored (--bottleneck-anchor or -subspace): they "
-                         "need the token ids on both sides of a boundary, which split generation keeps on the client")
     return tokenizer, context, int(args["client_layers"])
 
 
@@ -140,11 +138,12 @@ def load_run(directory: str) -> Run:
     """The model of the newest complete checkpoint under ``directory`` (see the module docstring).
 
     Raises:
-        ValueError: no complete checkpoint; not a language-model run; anchored bottlenecks; weights that do not fit
-            the rebuilt model (names the first keys).
+        ValueError: no complete checkpoint; not a language-model run; weights that do not fit the rebuilt model
+            (names the first keys).
     """
     step, meta, states, opts, tokenizer, config = _run_parts(directory)
     args = meta["args"]
+    torch.manual_seed(int(args["seed"]))  # the model as the run initialised it: a subspace's fixed table is that
     model = build_causal_lm(resolve_lm(str(opts.model)) if opts.model_config is None else config)
     peft_model = None
     if opts.lora:
@@ -152,14 +151,11 @@ def load_run(directory: str) -> Run:
 
         peft_model = get_peft_model(model, lora_config(opts))
         model = peft_model.get_base_model()
-    layers = causal_lm_layers(model)
+    anchored = opts.bottleneck_anchor or opts.bottleneck_subspace is not None
+    layers = causal_lm_layers(model, carry_ids=anchored)
     if opts.bottleneck is not None:
-        if opts.bottleneck_anchor or opts.bottleneck_subspace:
-            raise ValueError(f"{directory}: anchored bottlenecks (--bottleneck-anchor or -subspace) are not rebuilt "
-                             "from a checkpoint: their pairs share the token embedding")
         saved = _saved_stages(states)
-        config_: Any = model.config
-        stages = _bottleneck_stages(layers, int(config_.hidden_size), saved)
+        stages = _bottleneck_stages(layers, opts, int(args["seed"]), saved)
         parts = [(stage, saved[i]) for i, stage in zip(sorted(saved), stages)]
     else:
         stages, parts = None, [(Stage(*layers), _stage_states(meta, states))]
@@ -185,18 +181,32 @@ def _saved_stages(states: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _bottleneck_stages(layers: list[nn.Module], hidden_size: int, saved: dict[int, dict[str, Any]]
+def _bottleneck_stages(layers: list[nn.Module], opts: LMOptions, seed: int, saved: dict[int, dict[str, Any]]
                        ) -> list[nn.Sequential]:
     """The run's stages rebuilt from what each saved stage holds: the model's layers by their index, and a pair of
-    the saved width at each boundary whose stage saved an encoder (:func:`~dgpipe.models.bottleneck.insert_bottlenecks`;
-    the weights are loaded afterwards)."""
+    the saved width at each boundary whose stage saved an encoder
+    (:func:`~dgpipe.models.bottleneck.insert_bottlenecks`),
+    anchored on the model's token embedding (``--bottleneck-anchor``) or, with ``--bottleneck-subspace``, the run's
+    residual subspace rebuilt from its seed and the layers constrained to it (:mod:`dgpipe.models.subspace`: its
+    fixed table from the embedding as initialised, or one table per stage); the weights are loaded afterwards."""
     stages, widths = [], {}
     for i in sorted(saved):
         indices = sorted({int(k.split(".")[0]) for k in saved[i] if k.split(".")[0].isdigit()})
         stages.append(nn.Sequential(OrderedDict((str(j), layers[j]) for j in indices)))
         if "bottleneck_encoder.proj.weight" in saved[i]:
             widths[i] = int(saved[i]["bottleneck_encoder.proj.weight"].shape[0])
-    return insert_bottlenecks(stages, widths, hidden_size, init="orthonormal")
+    first = layers[0]
+    assert isinstance(first, CausalEmbeddings)  # causal_lm_layers' first layer
+    hidden_size = int(first.embed_tokens.weight.shape[1])
+    if opts.bottleneck_subspace is None:
+        anchor = first.embed_tokens if opts.bottleneck_anchor else None
+        return insert_bottlenecks(stages, widths, hidden_size, init="orthonormal", anchor=anchor)
+    fixed = opts.bottleneck_subspace == "fixed"
+    vocab = int(first.embed_tokens.weight.shape[0])
+    subspace = residual_subspace(first.embed_tokens, vocab, next(iter(widths.values())), seed, fixed)
+    constrain_layers(layers, subspace, embeddings=fixed)
+    tables = None if fixed else [first.embed_tokens] + [copy.deepcopy(first.embed_tokens) for _ in stages[1:]]
+    return subspace_pairs(stages, subspace, tables)
 
 
 def _plain(model: Any) -> Any:
