@@ -204,6 +204,10 @@ LM_FINETUNE_SETTINGS: dict[str, list[str]] = {
        + _subspace(rank, 0, "--grad-codec")
        + ["--token-reference", "--token-reference-scale", "--token-reference-backoff", "--no-compress-eval"]
        for fwd, rank in ((3, 3), (3, 2), (2, 8))},
+    # one direction at a time, the other uncompressed: which of the two costs those settings their loss
+    "refscaledbackoff_codebook3lv_only_eval32": _codebook(None, count=3) + ["--grad-codec", "none"]
+    + ["--token-reference", "--token-reference-scale", "--token-reference-backoff", "--no-compress-eval"],
+    "gsub3_only_eval32": ["--codec", "none"] + _subspace(3, 0, "--grad-codec") + ["--no-compress-eval"],
 }
 
 #: Fine-tuning SmolLM2 (576 wide) with boundary bottlenecks started from the boundary states' principal components
