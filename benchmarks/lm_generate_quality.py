@@ -17,14 +17,14 @@ Settings ``+ means`` code each direction against the running per-channel means b
 (``channel_scale``); their link first carries ``--calibration`` training blocks and then learns on from every
 message, as a server that has served before; one link per setting serves all the prompt sets in turn.
 
-With ``--checkpoint DIR`` -- a ``dgpipe-lm`` run of this model trained client/server with boundary bottlenecks,
-e.g. adapted by ``--distill`` -- the settings of :data:`BOTTLENECK_SETTINGS` run through the run's stages (its
-pairs' channels cross, coded), while the reference (perplexity and greedy tokens) stays the unsplit original
-model; bits a value count each direction's bytes over the model's width (576 channels). A run trained from scratch
-(``--model-config``, e.g. with its residual stream in a subspace: ``--bottleneck-subspace``) is its own reference:
-its stages uncoded (the pairs' channels in float32), on its own corpus with its own tokenizer; the token ids its
-anchored pairs need cross beside the channels and count in the bits; such a run without bottlenecks runs the codec
-settings of :data:`SETTINGS`.
+With ``--checkpoint DIR`` -- a ``dgpipe-lm`` run of this model trained client/server, e.g. adapted by ``--distill``
+-- the settings run through the run's stages while the reference (perplexity and greedy tokens) stays the unsplit
+original model: with boundary bottlenecks the settings of :data:`BOTTLENECK_SETTINGS` (the pairs' channels cross,
+coded), without them those of :data:`SETTINGS`; bits a value count each direction's bytes over the model's width
+(576 channels). A run trained from scratch (``--model-config``, e.g. with its residual stream in a subspace:
+``--bottleneck-subspace``) is its own reference: its stages uncoded (the pairs' channels in float32), on its own
+corpus with its own tokenizer; the token ids its anchored pairs need cross beside the channels and count in the
+bits.
 
 Prints a markdown table (mean over the prompt sets and the 95% t-interval of the perplexity change).
 
@@ -107,15 +107,13 @@ BOTTLENECK_SETTINGS = {
 
 def _adapted(directory: str):
     """``((client, server stage, widths), run)`` of a run: its client/server stages (LoRA adapters merged; with
-    bottlenecks, the run's stages), the channels each direction carries, and the run
+    bottlenecks, the run's stages, else cut as the run was), the channels each direction carries, and the run
     (:class:`dgpipe.train.export.Run`)."""
     from dgpipe.train.export import load_run
 
     run = load_run(directory)
     if run.peft_model is not None:
         run.peft_model.merge_and_unload()  # in place: the stages hold the same layers
-    if run.stages is None and not run.args.get("model_config"):
-        raise SystemExit(f"--checkpoint {directory}: the run has no boundary bottlenecks")
     stages = run.stages or client_server_split(causal_lm_layers(run.model), int(run.args["client_layers"]), (1, 1))
     front, middle, back = (list(stage.children()) for stage in stages)
     client = ClientStages(front, back, run.model.config)
@@ -140,7 +138,7 @@ def _models(checkpoint: str | None):
     front, middle, back = client_server_split(causal_lm_layers(model), 1, (1, 1))
     hidden = model.config.hidden_size
     reference = (ClientStages(front, back, model.config), StageBlocks(middle, model.config), (hidden, hidden))
-    return reference, adapted, tokenizer, CORPUS, "SmolLM2-135M-Instruct", adapted is not None
+    return reference, adapted, tokenizer, CORPUS, "SmolLM2-135M-Instruct", run is not None and run.stages is not None
 
 
 def main() -> int:
