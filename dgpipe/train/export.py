@@ -143,8 +143,9 @@ def load_run(directory: str) -> Run:
     """
     step, meta, states, opts, tokenizer, config = _run_parts(directory)
     args = meta["args"]
-    torch.manual_seed(int(args["seed"]))  # the model as the run initialised it: a subspace's fixed table is that
-    model = build_causal_lm(resolve_lm(str(opts.model)) if opts.model_config is None else config)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+        torch.manual_seed(int(args["seed"]))  # the model as the run initialised it: a subspace's fixed table is that
+        model = build_causal_lm(resolve_lm(str(opts.model)) if opts.model_config is None else config)
     peft_model = None
     if opts.lora:
         from peft import get_peft_model
